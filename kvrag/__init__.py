@@ -1,0 +1,47 @@
+"""kvrag: retrieval-augmented generation that never prefills the same chunk twice.
+
+Build an index whose chunks carry their precomputed KV caches, then answer questions by fusing the
+retrieved chunks' caches with a selective recompute::
+
+    from kvrag import KVRag
+    rag = KVRag.build(["Paris is the capital of France."], "./idx", model="smollm2")
+    print(rag.answer("What is the capital of France?", k=1, mode="cacheblend").text)
+
+Heavy dependencies (torch, transformers, faiss) load on first use of `KVRag`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvrag.config import CodecConfig, FuseConfig, GenerateConfig, SplitConfig, StoreConfig
+from kvrag.errors import (
+    CorruptChunkError,
+    IndexMismatchError,
+    IndexNotFoundError,
+    InputError,
+    KVRagError,
+    UnsupportedModelError,
+)
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from kvrag.rag import Answer, KVRag, RetrievedChunk
+
+_LAZY = {"KVRag": "kvrag.rag", "Answer": "kvrag.rag", "RetrievedChunk": "kvrag.rag"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvrag' has no attribute {name!r}")
+
+
+__all__ = [
+    "Answer", "CodecConfig", "CorruptChunkError", "FuseConfig", "GenerateConfig", "IndexMismatchError",
+    "IndexNotFoundError", "InputError", "KVRag", "KVRagError", "RetrievedChunk", "SplitConfig",
+    "StoreConfig", "UnsupportedModelError", "__version__",
+]

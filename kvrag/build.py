@@ -1,0 +1,154 @@
+"""Index build: split documents, precompute each new chunk's cache after the prompt prefix, store
+it through the codec, embed the chunk and commit it to the index — in groups, so a build killed at
+any point resumes on re-run recomputing only what is missing.
+
+Chunks already in the index are skipped; chunks whose cache file is already stored (a build killed
+after writing caches but before committing the group) skip the prefill. Encoding and writing run on
+a worker thread, overlapped with the next batch's prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvrag.codec.base import Codec
+from kvrag.config import SplitConfig
+from kvrag.documents import Loaded
+from kvrag.embed import Embedder
+from kvrag.index import ChunkIndex, ChunkRecord
+from kvrag.kvgen import PrefixCache, chunk_caches, chunk_key
+from kvrag.model import LoadedModel
+from kvrag.prompt import PromptLayout, chunk_token_ids
+from kvrag.split import KVSplitter
+from kvrag.store import KVStore
+
+log = logging.getLogger(__name__)
+GROUP_CHUNKS = 256
+FIT_CHUNKS = 64
+
+
+@dataclass
+class BuildStats:
+    """What a build (or an append) did."""
+
+    documents: int = 0
+    chunks: int = 0
+    new_chunks: int = 0
+    prefilled_chunks: int = 0
+    prefilled_tokens: int = 0
+    stored_bytes: int = 0
+    kv_s: float = 0.0
+    embed_s: float = 0.0
+    total_s: float = 0.0
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefilled_tokens / self.kv_s if self.kv_s else 0.0
+
+
+@dataclass
+class Candidate:
+    record: ChunkRecord
+    ids: list[int]
+
+
+def split_documents(
+    loaded: Loaded, lm: LoadedModel, layout: PromptLayout, config: SplitConfig,
+    embed: Callable[[list[str]], Any] | None,
+) -> list[Candidate]:
+    """Chunk every document and key each chunk by content; duplicates keep their first occurrence."""
+    splitter = KVSplitter(lm.tokenizer, config, embed if config.mode != "fixed" else None)
+    pieces = splitter.split_many([text for _, text, _ in loaded.docs])
+    seen: set[str] = set()
+    out: list[Candidate] = []
+    for (doc_id, _, source), chunks in zip(loaded.docs, pieces):
+        for seq, chunk in enumerate(chunks):
+            ids = chunk_token_ids(lm.tokenizer, chunk.text)
+            key = chunk_key(lm.fingerprint, layout.prefix_ids, ids)
+            if key not in seen and ids:
+                seen.add(key)
+                out.append(Candidate(ChunkRecord(key, doc_id, seq, chunk.text, len(ids), source), ids))
+    return out
+
+
+def _fit_codec(codec: Codec, caches: list[tuple[torch.Tensor, torch.Tensor]], state_dir: Path) -> None:
+    log.info("fitting codec %s on %d chunk caches", codec.name, len(caches))
+    codec.fit(caches, caches[0][0].shape[0])
+    state_dir.mkdir(parents=True, exist_ok=True)
+    codec.save_state(state_dir)
+
+
+class Builder:
+    """Runs the build loop for one opened index."""
+
+    def __init__(
+        self, lm: LoadedModel, index: ChunkIndex, kvstore: KVStore, embedder: Embedder,
+        prefix: PrefixCache, codec_state_dir: Path, batch_tokens: int = 4096,
+    ) -> None:
+        self.lm, self.index, self.kvstore, self.embedder = lm, index, kvstore, embedder
+        self.prefix, self.codec_state_dir, self.batch_tokens = prefix, codec_state_dir, batch_tokens
+
+    @property
+    def codec_ready(self) -> bool:
+        codec = self.kvstore.codec
+        return not codec.needs_fit or (self.codec_state_dir / "fitted").is_file()
+
+    def run(self, candidates: Sequence[Candidate], stats: BuildStats, show_progress: bool) -> None:
+        from tqdm.auto import tqdm
+
+        new = [c for c in candidates if c.record.key not in self.index]
+        stats.chunks, stats.new_chunks = len(candidates), len(new)
+        bar = tqdm(total=len(new), unit="chunk", desc="kvrag build", disable=not show_progress)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrag-writer") as writer:
+            for start in range(0, len(new), GROUP_CHUNKS):
+                group = list(new[start : start + GROUP_CHUNKS])
+                self._store_caches(group, stats, writer, bar)
+                t0 = time.perf_counter()
+                vectors = self.embedder.encode([c.record.text for c in group])
+                stats.embed_s += time.perf_counter() - t0
+                self.index.add([c.record for c in group], vectors)
+                if not show_progress:
+                    continue
+                bar.set_postfix(tok_s=f"{stats.prefill_tokens_per_s:.0f}")
+        bar.close()
+
+    def _store_caches(self, group: list[Candidate], stats: BuildStats, writer: ThreadPoolExecutor,
+                      bar: Any) -> None:
+        todo = [c for c in group if not self.kvstore.contains(c.record.key)]
+        bar.update(len(group) - len(todo))
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        pending: list[Future[int]] = []
+        held: list[tuple[int, tuple[torch.Tensor, torch.Tensor]]] = []
+        for i, kv in chunk_caches(self.lm, self.prefix, [c.ids for c in todo], self.batch_tokens):
+            stats.prefilled_chunks += 1
+            stats.prefilled_tokens += len(todo[i].ids)
+            if not self.codec_ready:
+                held.append((i, kv))
+                if len(held) < min(FIT_CHUNKS, len(todo)):
+                    continue
+                _fit_codec(self.kvstore.codec, [h[1] for h in held], self.codec_state_dir)
+                (self.codec_state_dir / "fitted").touch()
+                pending += [self._submit(writer, todo[j], h) for j, h in held]
+                bar.update(len(held))
+                held = []
+                continue
+            pending.append(self._submit(writer, todo[i], kv))
+            bar.update(1)
+        stats.stored_bytes += sum(f.result() for f in pending)
+        stats.kv_s += time.perf_counter() - t0
+
+    def _submit(self, writer: ThreadPoolExecutor, cand: Candidate,
+                kv: tuple[torch.Tensor, torch.Tensor]) -> Future[int]:
+        keys, values = kv[0].cpu(), kv[1].cpu()
+        return writer.submit(self.kvstore.put, cand.record.key, keys, values)

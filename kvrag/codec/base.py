@@ -1,0 +1,109 @@
+"""The codec interface and its factory.
+
+Tensor layout for one layer: ``[kv_heads, seq, head_dim]``. Keys are pre-RoPE.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import torch
+
+_REGISTRY: dict[str, type[Codec]] = {}
+# Codecs that live in their own modules register on import; the factory imports them lazily.
+_LAZY_MODULES: dict[str, str] = {
+    "int8": "kvrag.codec.int8",
+    "cachegen": "kvrag.codec.cachegen",
+}
+
+C = TypeVar("C", bound="type[Codec]")
+
+
+class Codec(ABC):
+    """Encodes one layer of one chunk's KV to bytes and back.
+
+    Subclasses set ``name`` and may need fitting on sample chunks (``needs_fit``) before encoding;
+    fitted state is saved in the index directory by `save_state` and restored by `load_state`.
+    """
+
+    name: str = ""
+    needs_fit: bool = False
+
+    def __init__(self, level: int | None = None) -> None:
+        self.level = self.default_level() if level is None else level
+
+    @classmethod
+    def default_level(cls) -> int:
+        return 0
+
+    @classmethod
+    def levels(cls) -> tuple[int, ...]:
+        """The quality levels this codec offers (higher is better quality)."""
+        return (0,)
+
+    def params(self) -> dict[str, Any]:
+        """JSON-serialisable parameters recorded in the manifest and chunk headers."""
+        return {"name": self.name, "level": self.level}
+
+    @abstractmethod
+    def encode_layer(self, keys: torch.Tensor, values: torch.Tensor, layer: int) -> bytes:
+        """Encode one layer; ``keys``/``values``: ``[kv_heads, seq, head_dim]``."""
+
+    @abstractmethod
+    def decode_layer(
+        self, blob: bytes, layer: int, shape: tuple[int, int, int], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode one layer back to ``(keys, values)`` of ``shape`` and ``dtype``.
+
+        Raises:
+            ValueError: the blob does not decode to the stated shape (the caller turns this into
+                `CorruptChunkError`).
+        """
+
+    def fit(self, samples: list[tuple[torch.Tensor, torch.Tensor]], n_layers: int) -> None:
+        """Fit shared statistics on sample chunks; ``samples`` are ``[L, H, S, D]`` pairs."""
+
+    def save_state(self, directory: Path) -> None:
+        """Persist fitted state (no pickle)."""
+
+    def load_state(self, directory: Path) -> None:
+        """Restore state written by `save_state`."""
+
+
+def register_codec(name: str) -> Callable[[C], C]:
+    """Class decorator that makes a codec available to `make_codec` under ``name``."""
+
+    def wrap(cls: C) -> C:
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def _lookup(name: str) -> type[Codec]:
+    if name not in _REGISTRY and name in _LAZY_MODULES:
+        importlib.import_module(_LAZY_MODULES[name])
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown codec {name!r}; available: {available_codecs()}")
+    return _REGISTRY[name]
+
+
+def available_codecs() -> list[str]:
+    """Names accepted by `make_codec`."""
+    names = set(_REGISTRY)
+    for name, module in _LAZY_MODULES.items():
+        if importlib.util.find_spec(module) is not None:
+            names.add(name)
+    return sorted(names)
+
+
+def make_codec(name: str, level: int | None = None) -> Codec:
+    """Build the codec registered as ``name`` at quality ``level`` (its default when None)."""
+    cls = _lookup(name)
+    if level is not None and level not in cls.levels():
+        raise ValueError(f"codec {name!r} has levels {cls.levels()}, got level={level}")
+    return cls(level=level)

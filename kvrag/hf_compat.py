@@ -1,0 +1,139 @@
+"""Every call into version-sensitive transformers internals lives here.
+
+Layout: ``[batch, kv_heads, seq, head_dim]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The config's RoPE parameters as a plain dict (transformers 5 ``rope_parameters``, or 4.x)."""
+    params = getattr(config, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if "rope_type" not in params and "type" in params:
+        params["rope_type"] = params["type"]
+    params.setdefault("rope_type", "default")
+    partial = getattr(config, "partial_rotary_factor", None)
+    if partial is not None:
+        params.setdefault("partial_rotary_factor", partial)
+    return dict(params)
+
+
+def base_model(model: Any) -> Any:
+    return model.model
+
+
+def rotary(model: Any) -> Any:
+    """The model's rotary module: ``rotary(x, position_ids) -> (cos, sin)``, each ``[B, S, R]``."""
+    return base_model(model).rotary_emb
+
+
+def decoder_layers(model: Any) -> Any:
+    return base_model(model).layers
+
+
+def embed_tokens(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    return base_model(model).embed_tokens(ids)
+
+
+def final_logits(model: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """Final norm and LM head on hidden states ``[B, S, hidden]`` -> ``[B, S, vocab]`` (float32)."""
+    return model.lm_head(base_model(model).norm(hidden)).float()
+
+
+def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(keys, values)`` per layer of a transformers cache, each ``[B, H, S, D]``."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache))
+
+
+def dynamic_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A `DynamicCache` holding the given per-layer ``(keys, values)`` (``[B, H, S, D]``)."""
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(kv):
+        cache.update(k, v, i)
+    return cache
+
+
+def first_layer_keys(model: Any, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotated layer-0 keys ``[1, H, S, D]`` of ``ids`` placed at ``positions``."""
+    with torch.no_grad():
+        out = base_model(model)(input_ids=ids, position_ids=positions, use_cache=True)
+    return cache_layers(out.past_key_values)[0][0]
+
+
+class ScatterLayer(DynamicLayer):
+    """A cache layer over the full K/V of a sequence that writes fresh rows for selected positions.
+
+    Before the decoder layer runs, `rows` is set to the sequence positions of the selected tokens;
+    `update` writes the fresh keys/values there and returns the full tensors, so the selected
+    tokens attend to the whole (partly stored, partly fresh) sequence. The previous rows are kept
+    in `old_keys`/`old_values` so a selector can measure the deviation.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.keys, self.values = keys, values  # [1, H, N, D]
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self.rows: torch.Tensor | None = None
+        self.keep_old = False
+        self.old_keys: torch.Tensor | None = None
+        self.old_values: torch.Tensor | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.rows is not None and key_states.shape[-2] == self.rows.numel()
+        if self.keep_old:
+            self.old_keys = self.keys[:, :, self.rows]
+            self.old_values = self.values[:, :, self.rows]
+        self.keys[:, :, self.rows] = key_states.to(self.dtype)
+        self.values[:, :, self.rows] = value_states.to(self.dtype)
+        return self.keys, self.values
+
+
+class ScatterCache(Cache):
+    """A `Cache` of `ScatterLayer`s: the full K/V of ``[prefix][chunks…][suffix]``, updated in place."""
+
+    def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        super().__init__(layers=[ScatterLayer(k, v) for k, v in kv])
+
+    def layer(self, idx: int) -> ScatterLayer:
+        layer = self.layers[idx]
+        assert isinstance(layer, ScatterLayer)
+        return layer
+
+    def to_dynamic(self) -> DynamicCache:
+        return dynamic_cache([(layer.keys, layer.values) for layer in self.layers])
+
+
+def run_decoder_layer(
+    model: Any,
+    idx: int,
+    hidden: torch.Tensor,
+    mask: torch.Tensor,
+    positions: torch.Tensor,
+    cache: ScatterCache,
+) -> torch.Tensor:
+    """Run decoder layer ``idx`` on the selected tokens' hidden states ``[1, n_sel, hidden]``."""
+    pos = positions[None]
+    layer = decoder_layers(model)[idx]
+    out = layer(
+        hidden,
+        attention_mask=mask,
+        position_ids=pos,
+        past_key_values=cache,
+        use_cache=True,
+        position_embeddings=rotary(model)(hidden, pos),
+    )
+    return out[0] if isinstance(out, tuple) else out

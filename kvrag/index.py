@@ -1,0 +1,391 @@
+"""A retrieval index in one directory: FAISS vectors, chunk metadata and a manifest.
+
+Files: ``manifest.json`` (caller fields plus a reserved ``"vectors"`` section; it makes a directory
+an index), ``chunks.sqlite`` (WAL; table ``chunks``, rows 0..n-1 without gaps), ``vectors.faiss``
+(FAISS's format, never pickle; FAISS id ``i`` is ``row i``), ``index.lock`` (writers' ``flock``).
+
+Commit protocol: an append atomically replaces ``vectors.faiss`` with the new vectors added, then
+inserts the rows in one SQLite transaction, the commit point. Readers read the row count first and
+drop vectors past it, so a writer killed between the two steps leaves only unreferenced trailing
+vectors. Fewer vectors than rows cannot come from a crash and is reported as corruption.
+
+Vectors are L2-normalised on the way in, so scores are cosine similarities, for both ``"flat"``
+(exact ``IndexFlatIP``) and ``"hnsw"`` (``IndexHNSWFlat``, inner product, M=32). An append rewrites
+the vectors file, O(index size), which is fine at the sizes kvrag builds.
+
+Concurrency: many readers (threads or processes), one appender at a time. ``len``, ``in``,
+``keys``, ``get`` and ``records`` answer from the snapshot of the last refresh; `ChunkIndex.search`
+refreshes first (one indexed SQLite query and one ``stat`` when nothing changed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import logging
+import os
+import sqlite3
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+
+from kvrag import atomic
+from kvrag.embed import unit_rows
+from kvrag.errors import IndexNotFoundError, KVRagError
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+KINDS = ("flat", "hnsw")
+HNSW_M = 32
+HNSW_EF_SEARCH = 64
+_DB, _VECTORS, _LOCK = "chunks.sqlite", "vectors.faiss", "index.lock"
+_RESERVED = "vectors"
+_COLUMNS = "row, key, doc_id, seq, text, n_tokens, source"
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkRecord:
+    """One chunk's metadata, stored beside its vector."""
+
+    key: str  # content hash (hex), unique in an index
+    doc_id: str
+    seq: int  # position of the chunk within its document, from 0
+    text: str  # the chunk's exact text
+    n_tokens: int  # length in the LLM tokenizer's tokens
+    source: str = ""  # file path or caller-provided id
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, str) or not self.key:
+            raise ValueError(f"ChunkRecord.key must be a non-empty str, got {self.key!r}")
+
+
+def _new_faiss(dim: int, kind: str) -> faiss.Index:
+    if kind == "flat":
+        return faiss.IndexFlatIP(dim)
+    return faiss.IndexHNSWFlat(dim, HNSW_M, faiss.METRIC_INNER_PRODUCT)
+
+
+def _connect(db: Path, create: bool = False) -> sqlite3.Connection:
+    conn = sqlite3.connect(str(db), timeout=30.0, check_same_thread=False)
+    conn.execute("PRAGMA synchronous=FULL")
+    if create:
+        conn.execute("PRAGMA journal_mode=WAL")  # persistent: readers inherit it
+        with conn:
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS chunks (row INTEGER PRIMARY KEY, key TEXT UNIQUE "
+                "NOT NULL, doc_id TEXT NOT NULL, seq INTEGER NOT NULL, text TEXT NOT NULL, "
+                "n_tokens INTEGER NOT NULL, source TEXT NOT NULL)"
+            )
+    return conn
+
+
+def _row_count(conn: sqlite3.Connection) -> int:
+    # Rows are contiguous from 0, so MAX+1 is the count, found in O(log n).
+    return int(conn.execute("SELECT COALESCE(MAX(row) + 1, 0) FROM chunks").fetchone()[0])
+
+
+def _vectors_section(manifest: dict[str, Any], path: Path) -> dict[str, Any]:
+    section = manifest.get(_RESERVED)
+    if not isinstance(section, dict) or "dim" not in section or section.get("kind") not in KINDS:
+        raise KVRagError(f"manifest of {path} lacks a valid {_RESERVED!r} section: {section!r}")
+    if int(section.get("format_version", 0)) > FORMAT_VERSION:
+        raise KVRagError(f"index at {path} is newer than this kvrag reads; upgrade kvrag")
+    return section
+
+
+class ChunkIndex:
+    """FAISS vectors + SQLite chunk metadata + ``manifest.json`` in one directory.
+
+    The module docstring gives the layout, the commit protocol and the concurrency rules.
+
+    Example::
+
+        idx = ChunkIndex.create("idx", {"embedder": "m"}, dim=384)
+        idx.add([ChunkRecord("ab12", "doc", 0, "text", 3)], vecs)  # vecs: [1, 384] -> 1
+        idx.search(query_vec, k=5)  # [(ChunkRecord, cosine), ...] best first
+    """
+
+    MANIFEST = "manifest.json"
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        """Opens an existing index; prefer `ChunkIndex.open`, which checks that it exists."""
+        self.path = Path(path)
+        self._lock = threading.RLock()
+        self._manifest: dict[str, Any] = {}
+        self._manifest_sig: tuple[int, int, int] | None = None
+        self._load_manifest()
+        section = _vectors_section(self._manifest, self.path)
+        self.dim, self.kind = int(section["dim"]), str(section["kind"])
+        self._conn: sqlite3.Connection | None = _connect(self.path / _DB)
+        self._n = 0
+        self._keys: dict[str, int] = {}  # key -> row, for rows < self._n
+        self._vectors = _new_faiss(self.dim, self.kind)
+        self._sync(full=True)
+
+    @classmethod
+    def create(
+        cls, path: str | os.PathLike[str], manifest: dict[str, Any], dim: int, kind: str = "flat"
+    ) -> ChunkIndex:
+        """Creates an empty index in ``path`` (made if missing) and opens it.
+
+        Args:
+            path: the index directory.
+            manifest: JSON-serialisable caller fields (model fingerprint, embedder, ...); the key
+                ``"vectors"`` is reserved for the index's own section.
+            dim: vector width.
+            kind: ``"flat"`` (exact search) or ``"hnsw"`` (approximate, faster when large).
+
+        Raises:
+            KVRagError: an index (or chunk rows without a manifest) already exists at ``path``.
+        """
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim must be a positive int, got {dim!r}")
+        if _RESERVED in manifest:
+            raise ValueError(f"manifest key {_RESERVED!r} is reserved for the index itself")
+        path = Path(path)
+        section = {"dim": dim, "kind": kind, "metric": "inner_product", "hnsw_m": HNSW_M,
+                   "format_version": FORMAT_VERSION}
+        path.mkdir(parents=True, exist_ok=True)
+        with atomic.exclusive_lock(path / _LOCK):
+            # The manifest goes last: until it exists the directory is no index, so a create
+            # killed half-way is simply redone.
+            if cls.exists(path):
+                raise KVRagError(f"an index already exists at {path}; refusing to overwrite it")
+            with contextlib.closing(_connect(path / _DB, create=True)) as conn:
+                rows = _row_count(conn)
+            if rows:
+                raise KVRagError(f"{path / _DB} holds chunks but no manifest; not overwriting")
+            vectors = faiss.serialize_index(_new_faiss(dim, kind)).tobytes()
+            atomic.atomic_write_bytes(path / _VECTORS, vectors)
+            atomic.atomic_write_json(path / cls.MANIFEST, {**manifest, _RESERVED: section})
+        logger.info("created %s index at %s (dim=%d)", kind, path, dim)
+        return cls(path)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> ChunkIndex:
+        """Opens the index in ``path``; IndexNotFoundError without a manifest, KVRagError if bad."""
+        if not cls.exists(path):
+            raise IndexNotFoundError(f"no kvrag index at {path} (missing {cls.MANIFEST})")
+        return cls(path)
+
+    @staticmethod
+    def exists(path: str | os.PathLike[str]) -> bool:
+        """Whether ``path`` holds an index (i.e. its manifest)."""
+        return (Path(path) / ChunkIndex.MANIFEST).is_file()
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        """A copy of the manifest as stored, including the ``"vectors"`` section."""
+        with self._lock:
+            return copy.deepcopy(self._manifest)
+
+    def update_manifest(self, **fields: Any) -> None:
+        """Sets top-level manifest fields and rewrites the file atomically, under the writer lock.
+
+        Fields written meanwhile by other processes are kept; ``"vectors"`` cannot be changed.
+        """
+        if _RESERVED in fields:
+            raise ValueError(f"manifest key {_RESERVED!r} is reserved for the index itself")
+        with self._lock, atomic.exclusive_lock(self.path / _LOCK):
+            current = atomic.read_json(self.path / self.MANIFEST)
+            atomic.atomic_write_json(self.path / self.MANIFEST, {**current, **fields})
+            self._load_manifest()
+
+    def _load_manifest(self) -> None:
+        st = (self.path / self.MANIFEST).stat()
+        sig = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if sig != self._manifest_sig:
+            self._manifest = atomic.read_json(self.path / self.MANIFEST)
+            self._manifest_sig = sig
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and key in self._keys
+
+    def keys(self) -> set[str]:
+        """The keys of every chunk in the current snapshot."""
+        with self._lock:
+            return set(self._keys)
+
+    def get(self, key: str) -> ChunkRecord:
+        """Returns the chunk stored under ``key``; raises KeyError naming the key if absent."""
+        row = self._keys.get(key)
+        if row is None:
+            raise KeyError(f"no chunk with key {key!r} in index {self.path}")
+        return self._fetch_rows([row])[row]
+
+    def records(self) -> list[ChunkRecord]:
+        """Every chunk of the current snapshot, in insertion order."""
+        with self._lock:
+            sql = f"SELECT {_COLUMNS} FROM chunks WHERE row < ? ORDER BY row"
+            return [ChunkRecord(*r[1:]) for r in self._db.execute(sql, (self._n,))]
+
+    def _fetch_rows(self, rows: Sequence[int]) -> dict[int, ChunkRecord]:
+        # json_each keeps this one query with one parameter, whatever the number of rows.
+        sql = f"SELECT {_COLUMNS} FROM chunks WHERE row IN (SELECT value FROM json_each(?))"
+        with self._lock:
+            cur = self._db.execute(sql, (json.dumps(list(rows)),))
+            out = {r[0]: ChunkRecord(*r[1:]) for r in cur}
+        if len(out) != len(set(rows)):
+            missing = sorted(set(rows) - out.keys())[:5]
+            raise KVRagError(f"index at {self.path}: vector rows {missing} have no metadata")
+        return out
+
+    def search(self, query: np.ndarray, k: int) -> list[tuple[ChunkRecord, float]]:
+        """Finds the chunks nearest to ``query``, refreshing first to see other processes' appends.
+
+        Args:
+            query: ``[dim]`` or ``[1, dim]``; normalised here, so any non-zero vector works.
+            k: how many results; a ``k`` larger than the index returns every chunk.
+
+        Returns:
+            Up to ``k`` ``(record, cosine similarity)`` pairs, best first; ``[]`` when empty.
+
+        Raises:
+            ValueError: ``k < 1``; ``query`` of the wrong shape, non-finite or zero.
+        """
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"k must be a positive int, got {k!r}")
+        q = unit_rows(query, self.dim, "query")  # [1, dim]
+        if q.shape[0] != 1:
+            raise ValueError(f"query must be one vector [{self.dim}], got {list(np.shape(query))}")
+        with self._lock:
+            self.refresh()
+            if self._n == 0:
+                return []
+            k_eff = min(int(k), self._n)
+            if self.kind == "hnsw":  # efSearch bounds how many results HNSW can return
+                self._vectors.hnsw.efSearch = max(HNSW_EF_SEARCH, k_eff)  # type: ignore[attr-defined]
+            scores, ids = self._vectors.search(q, k_eff)  # [1, k_eff] each
+            hits = [(int(i), float(s)) for i, s in zip(ids[0], scores[0], strict=True) if i >= 0]
+            records = self._fetch_rows([i for i, _ in hits])
+        return [(records[i], s) for i, s in hits]
+
+    def refresh(self) -> None:
+        """Picks up appends and manifest updates made by other instances or processes."""
+        with self._lock:
+            self._load_manifest()
+            self._sync(full=False)
+
+    def _sync(self, full: bool) -> None:
+        """Loads rows past the snapshot (all rows if ``full``: at open, after a failed append)."""
+        n, start = _row_count(self._db), 0 if full else self._n
+        if n == self._n and not full:
+            return
+        if n < start:
+            raise KVRagError(f"index at {self.path} shrank from {self._n} to {n} chunks")
+        vectors = self._load_vectors(n)  # read after the row count: see the commit protocol
+        sql = "SELECT key, row FROM chunks WHERE row >= ? AND row < ?"
+        keys = {key: int(row) for key, row in self._db.execute(sql, (start, n))}
+        if len(keys) != n - start:
+            raise KVRagError(f"index at {self.path}: chunk rows below {n} have gaps")
+        if full:
+            self._keys = {}
+        self._keys.update(keys)
+        self._vectors, self._n = vectors, n
+
+    def _load_vectors(self, n: int) -> faiss.Index:
+        """Loads ``vectors.faiss`` keeping its first ``n`` vectors (the committed ones)."""
+        file = self.path / _VECTORS
+        try:
+            index = faiss.read_index(str(file))
+        except RuntimeError as e:
+            raise KVRagError(f"cannot read vectors file {file}: {e}") from e
+        if index.d != self.dim:
+            raise KVRagError(f"{file} holds {index.d}-dim vectors, the manifest says {self.dim}")
+        if index.ntotal < n:
+            raise KVRagError(f"{file} holds {index.ntotal} vectors for {n} chunks; it is corrupt")
+        if index.ntotal > n:
+            logger.debug("%s: ignoring %d vector(s) past the %d committed chunks (an append "
+                         "in progress or interrupted)", file, index.ntotal - n, n)
+            kept = _new_faiss(self.dim, self.kind)  # an HNSW graph cannot drop nodes: rebuild
+            if n:
+                kept.add(index.reconstruct_n(0, n))  # [n, dim]
+            index = kept
+        return index
+
+    def add(self, records: Sequence[ChunkRecord], embeddings: np.ndarray) -> int:
+        """Appends chunks and their vectors; keys already present (or repeated) are skipped.
+
+        Atomic: rows and vectors become visible together; a killed append changes nothing.
+
+        Args:
+            records: the chunks, one per embedding row.
+            embeddings: ``[len(records), dim]``, finite non-zero rows (normalised here).
+
+        Returns:
+            How many chunks were added.
+        """
+        records = list(records)
+        for i, rec in enumerate(records):
+            if not isinstance(rec, ChunkRecord):
+                raise TypeError(f"records[{i}] must be a ChunkRecord, got {type(rec).__name__}")
+        if not records and np.size(embeddings) == 0:
+            return 0
+        vecs = unit_rows(embeddings, self.dim, "embeddings")  # [n, dim]
+        if vecs.shape[0] != len(records):
+            raise ValueError(f"got {len(records)} records but {vecs.shape[0]} embedding rows")
+        with self._lock, atomic.exclusive_lock(self.path / _LOCK):
+            self.refresh()
+            fresh = self._new_positions(records)
+            if fresh:
+                self._append([records[i] for i in fresh], vecs[fresh])
+        return len(fresh)
+
+    def _new_positions(self, records: Sequence[ChunkRecord]) -> list[int]:
+        first: dict[str, int] = {}
+        for i, rec in enumerate(records):
+            first.setdefault(rec.key, i)
+        fresh = [i for key, i in first.items() if key not in self._keys]
+        return fresh
+
+    def _append(self, records: list[ChunkRecord], vecs: np.ndarray) -> None:
+        """Writes the vectors, then commits the rows; the caller holds both locks."""
+        start = self._n
+        atomic.remove_stale_temps(self.path / _VECTORS)
+        try:
+            self._vectors.add(vecs)
+            data = faiss.serialize_index(self._vectors).tobytes()
+            atomic.atomic_write_bytes(self.path / _VECTORS, data)
+            self._commit_rows(records, start)
+        except BaseException:
+            self._sync(full=True)  # the in-memory index may hold uncommitted vectors
+            raise
+        self._keys.update((rec.key, start + i) for i, rec in enumerate(records))
+        self._n = start + len(records)
+
+    def _commit_rows(self, records: Sequence[ChunkRecord], start: int) -> None:
+        """Inserts the metadata rows in one transaction: the commit point."""
+        rows = [(start + i, *dataclasses.astuple(r)) for i, r in enumerate(records)]
+        with self._db:
+            self._db.executemany(f"INSERT INTO chunks ({_COLUMNS}) VALUES (?,?,?,?,?,?,?)", rows)
+
+    @property
+    def _db(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise KVRagError(f"index at {self.path} is closed")
+        return self._conn
+
+    def close(self) -> None:
+        """Closes the SQLite connection; the instance is unusable afterwards."""
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def __enter__(self) -> ChunkIndex:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

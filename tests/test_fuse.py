@@ -1,0 +1,158 @@
+"""Exactness and behaviour of the fusion layer loop on tiny random models of every family."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import ARCHS, tiny_model
+
+from kvrag import hf_compat
+from kvrag.config import FuseConfig
+from kvrag.fuse import FusionInput, fuse
+from kvrag.kvgen import chunk_caches, prefix_cache
+from kvrag.model import apply_rope, rope_at, unapply_rope, wrap_model
+
+CHUNK_LENS = (23, 17, 31, 12)
+
+
+def _setup(arch: str, seed: int = 0, lens=CHUNK_LENS):
+    lm = wrap_model(tiny_model(arch), None, arch)
+    gen = torch.Generator().manual_seed(seed)
+    vocab = lm.spec.vocab_size
+    prefix = prefix_cache(lm, torch.randint(3, vocab, (6,), generator=gen).tolist())
+    chunks = [torch.randint(3, vocab, (n,), generator=gen) for n in lens]
+    kv = dict(chunk_caches(lm, prefix, [c.tolist() for c in chunks], batch_tokens=64))
+    suffix = torch.randint(3, vocab, (7,), generator=gen)
+    return lm, prefix, chunks, [kv[i] for i in range(len(chunks))], suffix
+
+
+def _reference_logits(lm, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return lm.model(ids[None]).logits[0, -1].float()
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def setup(request):
+    return _setup(request.param)
+
+
+def test_full_equals_plain_forward(setup):
+    lm, prefix, chunks, kv, suffix = setup
+    ids = torch.cat([prefix.ids, *chunks, suffix])
+    result = fuse(lm, FusionInput(prefix, chunks, [None] * len(chunks), suffix), FuseConfig(mode="full"))
+    assert (result.logits - _reference_logits(lm, ids)).abs().max().item() <= 1e-4
+    assert result.n_selected == [ids.numel()] * lm.spec.n_layers
+
+
+@pytest.mark.parametrize("mode", ["cacheblend", "full"])
+def test_recomputing_every_token_over_stored_caches_equals_full_prefill(setup, mode):
+    lm, prefix, chunks, kv, suffix = setup
+    ids = torch.cat([prefix.ids, *chunks, suffix])
+    config = FuseConfig(mode=mode, ratio=1.0)
+    result = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
+    assert (result.logits - _reference_logits(lm, ids)).abs().max().item() <= 1e-4
+    # the fused cache equals the cache of a plain forward pass, layer by layer
+    with torch.no_grad():
+        ref_cache = hf_compat.cache_layers(lm.model(ids[None], use_cache=True).past_key_values)
+    for (k, v), (rk, rv) in zip(hf_compat.cache_layers(result.cache), ref_cache):
+        assert (k - rk).abs().max().item() <= 1e-4
+        assert (v - rv).abs().max().item() <= 1e-4
+
+
+def test_rerotated_stored_keys_equal_keys_computed_at_new_position(setup):
+    lm, prefix, chunks, kv, suffix = setup
+    # chunk 2 placed right after the prefix: its keys must equal a prefill of [prefix][chunk 2]
+    ids = torch.cat([prefix.ids, chunks[2]])
+    with torch.no_grad():
+        ref = hf_compat.cache_layers(lm.model(ids[None], use_cache=True).past_key_values)
+    p, n = prefix.length, chunks[2].numel()
+    stored_k = kv[2][0]  # [L, H, n, D] pre-RoPE
+    cos, sin = rope_at(lm.model, torch.arange(p, p + n), stored_k)
+    moved = apply_rope(stored_k, cos, sin)
+    for layer, (rk, _) in enumerate(ref):
+        assert (moved[layer] - rk[0, :, p:]).abs().max().item() <= 1e-4
+
+
+def test_rope_round_trip_any_offset(setup):
+    lm = setup[0]
+    k = torch.randn(2, lm.spec.n_kv_heads, 9, lm.spec.head_dim)
+    for offset in (0, 100, 3000):
+        cos, sin = rope_at(lm.model, torch.arange(offset, offset + 9), k)
+        assert (unapply_rope(apply_rope(k, cos, sin), cos, sin) - k).abs().max().item() <= 1e-4
+
+
+def test_reuse_of_a_single_chunk_at_offset_zero_equals_full(setup):
+    lm, prefix, chunks, kv, suffix = setup
+    ids = torch.cat([prefix.ids, chunks[0], suffix])
+    result = fuse(lm, FusionInput(prefix, chunks[:1], kv[:1], suffix), FuseConfig(mode="reuse"))
+    assert (result.logits - _reference_logits(lm, ids)).abs().max().item() <= 1e-4
+    assert result.n_selected == [suffix.numel()] * lm.spec.n_layers
+
+
+@pytest.mark.parametrize("ratio", [0.05, 0.15, 0.5])
+def test_cacheblend_keeps_ratio_of_chunk_tokens_plus_suffix(setup, ratio):
+    lm, prefix, chunks, kv, suffix = setup
+    config = FuseConfig(mode="cacheblend", ratio=ratio, check_layers=(1, 2))
+    result = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
+    chunk_tokens = sum(c.numel() for c in chunks)
+    after_first = chunk_tokens - chunks[0].numel()
+    assert result.n_selected[0] == after_first + suffix.numel()  # every candidate up to check 1
+    assert result.n_selected[-1] == math.ceil(ratio * chunk_tokens) + suffix.numel()
+    assert result.n_selected == sorted(result.n_selected, reverse=True)  # gradual filtering
+
+
+def test_attnlink_and_prefix_selection_counts(setup):
+    lm, prefix, chunks, kv, suffix = setup
+    inp = FusionInput(prefix, chunks, kv, suffix)
+    link = fuse(lm, inp, FuseConfig(mode="attnlink", link_tokens=5))
+    assert link.n_selected[0] == 5 * (len(chunks) - 1) + suffix.numel()
+    pre = fuse(lm, inp, FuseConfig(mode="prefix"))
+    assert pre.n_selected[0] == sum(c.numel() for c in chunks[1:]) + suffix.numel()
+
+
+def test_missing_chunk_cache_is_recomputed_exactly(setup):
+    lm, prefix, chunks, kv, suffix = setup
+    ids = torch.cat([prefix.ids, chunks[0], chunks[1], suffix])
+    # chunk 0 exact from its cache, chunk 1 has no cache -> recomputed: reuse is then exact
+    result = fuse(lm, FusionInput(prefix, chunks[:2], [kv[0], None], suffix), FuseConfig(mode="reuse"))
+    assert (result.logits - _reference_logits(lm, ids)).abs().max().item() <= 1e-4
+
+
+def _deviation(lm, inp, config, ref_cache) -> float:
+    result = fuse(lm, inp, config)
+    err = 0.0
+    for (k, v), (rk, rv) in zip(hf_compat.cache_layers(result.cache), ref_cache):
+        err += float((k - rk).pow(2).sum() + (v - rv).pow(2).sum())
+    return err
+
+
+def test_kv_deviation_from_full_shrinks_as_ratio_grows():
+    ratios = (0.1, 0.3, 0.6, 1.0)
+    totals = [0.0] * len(ratios)
+    for seed in range(3):
+        lm, prefix, chunks, kv, suffix = _setup("llama", seed=seed)
+        ids = torch.cat([prefix.ids, *chunks, suffix])
+        with torch.no_grad():
+            ref = hf_compat.cache_layers(lm.model(ids[None], use_cache=True).past_key_values)
+        inp = FusionInput(prefix, chunks, kv, suffix)
+        for i, r in enumerate(ratios):
+            totals[i] += _deviation(lm, inp, FuseConfig(mode="cacheblend", ratio=r), ref)
+    assert all(a >= b for a, b in zip(totals, totals[1:])), totals
+    assert totals[-1] <= 1e-6 < totals[0]
+
+
+def test_generation_from_fused_cache_matches_hf_generate(setup):
+    from kvrag.config import GenerateConfig
+    from kvrag.generate import decode_tokens
+
+    lm, prefix, chunks, kv, suffix = setup
+    ids = torch.cat([prefix.ids, *chunks, suffix])
+    result = fuse(lm, FusionInput(prefix, chunks, kv, suffix), FuseConfig(mode="full"))
+    ours = list(decode_tokens(lm.model, result.cache, result.logits, result.n_tokens,
+                              GenerateConfig(max_new_tokens=6), set()))
+    with torch.no_grad():
+        ref = lm.model.generate(ids[None], max_new_tokens=6, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)
+    assert ours == ref[0, ids.numel():].tolist()

@@ -13,6 +13,7 @@ import fcntl
 import json
 import logging
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,7 +30,7 @@ def _temp_prefix(path: Path) -> str:
 
 
 def fsync_dir(directory: str | os.PathLike[str]) -> None:
-    """Fsyncs a directory so that renames inside it are durable (a no-op where unsupported)."""
+    """Fsync a directory so that renames inside it are durable (a no-op where unsupported)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # e.g. platforms that cannot open directories
@@ -42,8 +43,15 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def _mode_for(path: Path) -> int:
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        return 0o644
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, fsync: bool = True) -> None:
-    """Writes ``data`` to ``path`` atomically.
+    """Write ``data`` to ``path`` atomically.
 
     Args:
         path: destination file; its directory must exist.
@@ -57,6 +65,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, fsync: bool = 
     fd, tmp_name = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=_TEMP_SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), _mode_for(path))  # mkstemp creates 0600
             f.write(data)
             f.flush()
             if fsync:
@@ -70,19 +79,19 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, fsync: bool = 
 
 
 def atomic_write_json(path: str | os.PathLike[str], obj: Any, fsync: bool = True) -> None:
-    """Writes ``obj`` as JSON (sorted keys, indent 2, trailing newline) to ``path`` atomically."""
+    """Write ``obj`` as JSON (sorted keys, indent 2, trailing newline) to ``path`` atomically."""
     text = json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
     atomic_write_bytes(path, text.encode("utf-8"), fsync=fsync)
 
 
 def read_json(path: str | os.PathLike[str]) -> Any:
-    """Reads a JSON file written by `atomic_write_json`."""
+    """Read a JSON file written by `atomic_write_json`."""
     with open(path, encoding="utf-8") as f:
         return json.load(f)
 
 
 def remove_stale_temps(path: str | os.PathLike[str]) -> int:
-    """Deletes temporary files left beside ``path`` by killed writers; returns how many.
+    """Delete temporary files left beside ``path`` by killed writers; return how many.
 
     Call it only while holding the lock that serialises writers of ``path``: otherwise it may
     delete a live writer's temporary file.
@@ -99,7 +108,7 @@ def remove_stale_temps(path: str | os.PathLike[str]) -> int:
 
 @contextmanager
 def exclusive_lock(lock_path: str | os.PathLike[str]) -> Iterator[None]:
-    """Holds ``flock(LOCK_EX)`` on ``lock_path`` (created if missing) for the ``with`` block.
+    """Hold ``flock(LOCK_EX)`` on ``lock_path`` (created if missing) for the ``with`` block.
 
     The lock belongs to the open file, so two holders in one process exclude each other too; it
     is released when the block exits or the process dies.

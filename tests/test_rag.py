@@ -1,0 +1,190 @@
+"""End to end on a tiny random model: build, open, answer, append, resume, mismatches, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvrag import FuseConfig, KVRag, SplitConfig
+from kvrag.errors import CorruptChunkError, IndexMismatchError, IndexNotFoundError, InputError
+
+DOCS = [
+    ("alpha", "The alpha reactor was designed by Mira Okafor in 1987.\n\nIt runs on molten salt."),
+    ("beta", "Beta station orbits the moon. Its commander is Jonas Reyes."),
+    ("gamma", "Gamma rays are photons of very high energy. They come from nuclear decay."),
+    ("delta", "The delta of a river is where it meets the sea. Sediment builds up there."),
+]
+SPLIT = SplitConfig(mode="semantic", max_tokens=48, min_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def built(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp("rag") / "idx"
+    rag = KVRag.build(DOCS, path, model=str(tiny_model_dir), split=SPLIT, show_progress=False)
+    return rag, path
+
+
+def test_build_open_answer_round_trip(built, tiny_lm):
+    rag, path = built
+    assert len(rag.index) >= len(DOCS)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["model"]["fingerprint"] == rag.lm.fingerprint
+    assert manifest["codec"]["name"] == "raw"
+    reopened = KVRag.open(path, model=tiny_lm)
+    answer = reopened.answer("Who designed the alpha reactor?", k=3, mode="cacheblend", max_new_tokens=5)
+    assert len(answer.chunks) == 3 and all(c.key in rag.index for c in answer.chunks)
+    assert answer.ttft_s > 0 and set(answer.timings) >= {"retrieve_s", "load_s", "fuse_s"}
+    assert 0 < answer.recompute_fraction < 1
+    assert len(answer.token_ids) <= 5
+
+
+def test_every_mode_answers_and_recompute_everything_matches_full(built):
+    rag, _ = built
+    q = "Who commands beta station?"
+    full = rag.answer(q, k=4, mode="full", max_new_tokens=6)
+    blend_all = rag.answer(q, k=4, mode="cacheblend", ratio=1.0, max_new_tokens=6)
+    assert blend_all.token_ids == full.token_ids
+    for mode in ("prefix", "reuse", "attnlink"):
+        assert rag.answer(q, k=4, mode=mode, max_new_tokens=3).mode == mode
+    assert full.recompute_fraction == 1.0
+
+
+def test_stream_yields_the_answer_text(built):
+    rag, _ = built
+    pieces = list(rag.stream("What are gamma rays?", k=2, mode="attnlink", max_new_tokens=6))
+    assert rag.last_answer is not None
+    assert "".join(pieces).strip() == rag.last_answer.text
+
+
+def test_direct_chunk_ids_and_nll(built):
+    rag, _ = built
+    keys = [r.key for r in rag.index.records()[:2]]
+    answer = rag.answer("Where is sediment?", chunks=keys, mode="reuse", max_new_tokens=4)
+    assert [c.key for c in answer.chunks] == keys
+    assert rag.prompt_text("Where is sediment?", keys).count("\n\n") >= 2
+    full_nll = rag.nll("Where is sediment?", [5, 6, 7], keys, mode="full")
+    same = rag.nll("Where is sediment?", [5, 6, 7], keys, fuse_config=FuseConfig(mode="cacheblend", ratio=1.0))
+    assert abs(full_nll - same) < 1e-4
+    with pytest.raises(KeyError, match="nope"):
+        rag.answer("q?", chunks=["nope"])
+
+
+def test_rebuild_with_one_more_document_computes_only_its_chunks(built, tiny_model_dir):
+    rag, path = built
+    before = len(rag.index)
+    extra = ("epsilon", "Epsilon is a small positive number in analysis.")
+    again = KVRag.build(DOCS + [extra], path, model=str(tiny_model_dir), show_progress=False)
+    stats = again.add(DOCS + [extra], show_progress=False)  # a second add changes nothing
+    assert len(again.index) == before + 1
+    assert stats.new_chunks == 0 and stats.prefilled_chunks == 0
+
+
+def test_killed_build_resumes_without_recomputing_stored_caches(tiny_model_dir, tmp_path, monkeypatch):
+    from kvrag.index import ChunkIndex
+
+    path = tmp_path / "idx"
+    calls = {"n": 0}
+    original = ChunkIndex.add
+
+    def dying_add(self, records, vectors):  # the process "dies" after caches were written
+        calls["n"] += 1
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ChunkIndex, "add", dying_add)
+    with pytest.raises(KeyboardInterrupt):
+        KVRag.build(DOCS, path, model=str(tiny_model_dir), split=SPLIT, show_progress=False)
+    monkeypatch.setattr(ChunkIndex, "add", original)
+    rag = KVRag.open(path)
+    assert len(rag.index) == 0
+    stats = rag.add(DOCS, show_progress=False)
+    assert stats.new_chunks > 0 and stats.prefilled_chunks == 0  # caches on disk were reused
+    assert len(rag.index) == stats.new_chunks
+
+
+def test_opening_with_a_different_model_names_both_fingerprints(built, other_model_dir):
+    rag, path = built
+    with pytest.raises(IndexMismatchError) as err:
+        KVRag.open(path, model=str(other_model_dir))
+    assert rag.lm.fingerprint in str(err.value)
+    assert str(other_model_dir) in str(err.value)
+
+
+def test_corrupt_or_missing_chunk_file_is_recomputed(built):
+    rag, _ = built
+    q = "Who designed the alpha reactor?"
+    chunks = rag.retrieve(q, k=2)
+    reference = rag.answer(q, chunks=[c.key for c in chunks], mode="reuse", max_new_tokens=4)
+    target = rag.kvstore.store._path(chunks[0].key)
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+    with pytest.raises(CorruptChunkError, match=chunks[0].key):
+        rag.kvstore.load(chunks[0].key)
+    repaired = rag.answer(q, chunks=[c.key for c in chunks], mode="reuse", max_new_tokens=4)
+    assert repaired.token_ids == reference.token_ids
+    assert rag.kvstore.is_valid(chunks[0].key)  # re-stored
+    target.unlink()
+    assert rag.answer(q, chunks=[c.key for c in chunks], mode="reuse", max_new_tokens=4).token_ids == \
+        reference.token_ids
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"question": ""}, InputError, "question is empty"),
+    ({"question": "   "}, InputError, "question is empty"),
+    ({"question": "q?", "k": 0}, ValueError, "k must be"),
+    ({"question": "q?", "mode": "magic"}, ValueError, "unknown fusion mode 'magic'"),
+    ({"question": "q?", "ratio": 0.0}, ValueError, r"ratio must be in \(0, 1\]"),
+    ({"question": "q?", "ratio": 1.5}, ValueError, r"ratio must be in \(0, 1\]"),
+])
+def test_bad_queries_raise_clear_errors(built, kwargs, error, match):
+    rag, _ = built
+    with pytest.raises(error, match=match):
+        rag.answer(**kwargs)
+
+
+def test_k_larger_than_index_uses_every_chunk(built):
+    rag, _ = built
+    assert len(rag.retrieve("anything?", k=10_000)) == len(rag.index)
+
+
+def test_question_longer_than_the_context_window(built):
+    rag, _ = built
+    with pytest.raises(InputError, match="context window"):
+        rag.answer("why " * 5000, k=1, max_new_tokens=2)
+
+
+def test_bad_documents(tiny_model_dir, tmp_path):
+    with pytest.raises(InputError, match="no documents"):
+        KVRag.build([], tmp_path / "a", model=str(tiny_model_dir), show_progress=False)
+    with pytest.raises(InputError, match="no documents"):
+        KVRag.build(["", "  \n\t "], tmp_path / "b", model=str(tiny_model_dir), show_progress=False)
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "bad.txt").write_bytes(b"caf\xe9 \xff\xfe broken")
+    (folder / "bin.txt").write_bytes(b"\x00\x01\x02 binary")
+    (folder / "good.txt").write_text("A good document about rivers and seas.")
+    rag = KVRag.build([folder], tmp_path / "c", model=str(tiny_model_dir), show_progress=False)
+    assert {r.source for r in rag.index.records()} == {str(folder / "good.txt")}
+    with pytest.raises(TypeError, match="documents must be"):
+        KVRag.build([42], tmp_path / "d", model=str(tiny_model_dir), show_progress=False)
+
+
+def test_a_document_ten_times_the_context_window_is_chunked(tiny_model_dir, tmp_path, tiny_lm):
+    sentence = "The river carries sediment to the delta every spring. "
+    n_ctx = tiny_lm.spec.max_position
+    per = len(tiny_lm.tokenizer(sentence)["input_ids"])
+    long_doc = sentence * (10 * n_ctx // per + 1)
+    rag = KVRag.build([("long", long_doc)], tmp_path / "idx", model=tiny_lm,
+                      split=SplitConfig(max_tokens=256, min_tokens=32), show_progress=False)
+    records = rag.index.records()  # repeated chunks are stored once, so few distinct records
+    sep = len(tiny_lm.tokenizer("\n\n", add_special_tokens=False)["input_ids"])
+    assert records and all(r.text in long_doc for r in records)
+    assert all(r.n_tokens <= 256 + sep for r in records)
+    assert rag.answer("Where does the sediment go?", k=2, max_new_tokens=3).chunks
+
+
+def test_open_missing_index(tmp_path):
+    with pytest.raises(IndexNotFoundError):
+        KVRag.open(tmp_path / "nothing")

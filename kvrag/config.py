@@ -77,6 +77,9 @@ class FuseConfig:
         first_ratio_scale: at the first check layer ``cacheblend`` keeps
             ``min(1, ratio * first_ratio_scale)``; later checks interpolate geometrically to ``ratio``.
         link_tokens: ``attnlink``'s number of leading tokens recomputed in every chunk after the first.
+        score: how ``cacheblend`` ranks tokens at a check layer: ``"kv"`` (HKVD: KV deviation of
+            fresh vs stored), ``"attention"`` (attention mass the question puts on the token) or
+            ``"kv_attention"`` (their product: deviations that the question will read).
     """
 
     mode: str = "cacheblend"
@@ -84,8 +87,11 @@ class FuseConfig:
     check_layers: tuple[int, ...] = (1, 2, 3)
     first_ratio_scale: float = 2.0
     link_tokens: int = 16
+    score: str = "kv"
 
     def __post_init__(self) -> None:
+        if self.score not in ("kv", "attention", "kv_attention"):
+            raise ValueError(f"score must be 'kv', 'attention' or 'kv_attention', got {self.score!r}")
         if self.mode not in FUSE_MODES:
             raise ValueError(f"unknown fusion mode {self.mode!r}; expected one of {FUSE_MODES}")
         if not (isinstance(self.ratio, (int, float)) and 0.0 < float(self.ratio) <= 1.0):

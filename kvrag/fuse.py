@@ -223,6 +223,19 @@ def _attention_mask(sel: torch.Tensor, total: int, dtype: torch.dtype, window: i
     return mask[None, None]
 
 
+def _token_scores(
+    lm: LoadedModel, score: str, layer_idx: int, hidden_in: torch.Tensor, sel: torch.Tensor,
+    layer: hf_compat.ScatterLayer, seg: Segments,
+) -> torch.Tensor:
+    """The ranking score of each selected token at a check layer (higher is kept)."""
+    if score == "kv":
+        return kv_deviation(layer, sel)
+    attention = suffix_attention(lm, layer_idx, hidden_in, sel, layer, seg)
+    if score == "attention":
+        return attention
+    return kv_deviation(layer, sel) * attention
+
+
 def kv_deviation(layer: hf_compat.ScatterLayer, rows: torch.Tensor) -> torch.Tensor:
     """Per selected token: squared K and V change vs the stored rows, each relative to its scale."""
     assert layer.old_keys is not None and layer.old_values is not None
@@ -232,6 +245,26 @@ def kv_deviation(layer: hf_compat.ScatterLayer, rows: torch.Tensor) -> torch.Ten
     scale_k = new_k.pow(2).sum(dim=(0, 1, 3)).mean().clamp_min(1e-12)
     scale_v = new_v.pow(2).sum(dim=(0, 1, 3)).mean().clamp_min(1e-12)
     return dk / scale_k + dv / scale_v
+
+
+def suffix_attention(
+    lm: LoadedModel, layer_idx: int, hidden_in: torch.Tensor, sel: torch.Tensor,
+    layer: hf_compat.ScatterLayer, seg: Segments,
+) -> torch.Tensor:
+    """Attention mass the question suffix puts on each selected token at ``layer_idx``: ``[n_sel]``.
+
+    ``hidden_in`` is the layer's input for the selected tokens ``[1, n_sel, hidden]``; the suffix
+    is the tail of the selection.
+    """
+    n_suffix = seg.total - seg.suffix_start
+    q = hf_compat.layer_queries(lm.model, layer_idx, hidden_in[:, -n_suffix:], sel[-n_suffix:])
+    keys = layer.keys[:, :, sel]  # [1, H_kv, n_sel, D]
+    groups = q.shape[1] // keys.shape[1]
+    q = q.reshape(1, keys.shape[1], groups * n_suffix, -1)  # heads of one KV group side by side
+    scores = (q.float() @ keys.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    causal = sel[None, :] > sel[-n_suffix:, None]  # [n_suffix, n_sel]
+    scores = scores.view(1, keys.shape[1], groups, n_suffix, -1).masked_fill(causal, float("-inf"))
+    return scores.softmax(-1).sum(dim=(0, 1, 2, 3))
 
 
 def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig) -> FusionResult:
@@ -253,10 +286,11 @@ def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig) -> FusionResult:
             scatter = cache.layer(layer_idx)
             scatter.rows, scatter.keep_old = sel, selector.checks(layer_idx)
             n_selected.append(int(sel.numel()))
+            hidden_in = hidden
             hidden = hf_compat.run_decoder_layer(lm.model, layer_idx, hidden, mask, sel, cache)
             if not scatter.keep_old:
                 continue
-            dev = kv_deviation(scatter, sel)
+            dev = _token_scores(lm, config.score, layer_idx, hidden_in, sel, scatter, seg)
             keep = selector.narrow(layer_idx, sel.cpu(), dev.cpu(), seg)
             scatter.old_keys = scatter.old_values = None
             if keep is not None and keep.numel() < sel.numel():

@@ -117,6 +117,26 @@ class ScatterCache(Cache):
         return dynamic_cache([(layer.keys, layer.values) for layer in self.layers])
 
 
+def layer_queries(model: Any, idx: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotated queries ``[1, n_heads, n, D]`` that decoder layer ``idx`` computes for ``hidden``
+    (its input, ``[1, n, hidden]``) at ``positions`` ``[n]`` (q-norm applied where the model has one)."""
+    layer = decoder_layers(model)[idx]
+    attn = layer.self_attn
+    h = layer.input_layernorm(hidden)
+    head_dim = attn.head_dim
+    q = attn.q_proj(h).view(1, h.shape[1], -1, head_dim)  # [1, n, heads, D]
+    if hasattr(attn, "q_norm"):
+        q = attn.q_norm(q)
+    q = q.transpose(1, 2)
+    cos, sin = rotary(model)(h, positions[None])
+    cos, sin = cos[:, None], sin[:, None]
+    rot = cos.shape[-1]
+    half = rot // 2
+    q_rot = q[..., :rot]
+    rotated = q_rot * cos + torch.cat((-q_rot[..., half:], q_rot[..., :half]), dim=-1) * sin
+    return torch.cat((rotated, q[..., rot:]), dim=-1) if rot < q.shape[-1] else rotated
+
+
 def run_decoder_layer(
     model: Any,
     idx: int,

@@ -156,3 +156,24 @@ def test_generation_from_fused_cache_matches_hf_generate(setup):
         ref = lm.model.generate(ids[None], max_new_tokens=6, do_sample=False, eos_token_id=None,
                                 pad_token_id=0)
     assert ours == ref[0, ids.numel():].tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_suffix_attention_matches_the_models_attention_weights(arch):
+    from kvrag.fuse import segments, suffix_attention
+
+    lm, prefix, chunks, kv, suffix = _setup(arch)
+    lm.model.config._attn_implementation = "eager"
+    ids = torch.cat([prefix.ids, *chunks, suffix])
+    with torch.no_grad():
+        out = lm.model(ids[None], use_cache=True, output_attentions=True, output_hidden_states=True)
+    lm.model.config._attn_implementation = "sdpa"
+    seg = segments(FusionInput(prefix, chunks, kv, suffix))
+    layers = hf_compat.cache_layers(out.past_key_values)
+    sel = torch.arange(ids.numel())
+    for idx in (0, 2):
+        scatter = hf_compat.ScatterLayer(*layers[idx])
+        with torch.no_grad():
+            ours = suffix_attention(lm, idx, out.hidden_states[idx], sel, scatter, seg)
+        ref = out.attentions[idx][0, :, -suffix.numel():].sum(dim=(0, 1))
+        assert (ours - ref).abs().max().item() <= 1e-4

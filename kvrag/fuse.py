@@ -239,7 +239,8 @@ def _token_scores(
 def kv_deviation(layer: hf_compat.ScatterLayer, rows: torch.Tensor) -> torch.Tensor:
     """Per selected token: squared K and V change vs the stored rows, each relative to its scale."""
     assert layer.old_keys is not None and layer.old_values is not None
-    new_k, new_v = layer.keys[:, :, rows].float(), layer.values[:, :, rows].float()
+    keys, values, _ = layer.full()
+    new_k, new_v = keys[:, :, rows].float(), values[:, :, rows].float()
     dk = (new_k - layer.old_keys.float()).pow(2).sum(dim=(0, 1, 3))
     dv = (new_v - layer.old_values.float()).pow(2).sum(dim=(0, 1, 3))
     scale_k = new_k.pow(2).sum(dim=(0, 1, 3)).mean().clamp_min(1e-12)
@@ -258,7 +259,7 @@ def suffix_attention(
     """
     n_suffix = seg.total - seg.suffix_start
     q = hf_compat.layer_queries(lm.model, layer_idx, hidden_in[:, -n_suffix:], sel[-n_suffix:])
-    keys = layer.keys[:, :, sel]  # [1, H_kv, n_sel, D]
+    keys = layer.full()[0][:, :, sel]  # [1, H_kv, n_sel, D]
     groups = q.shape[1] // keys.shape[1]
     q = q.reshape(1, keys.shape[1], groups * n_suffix, -1)  # heads of one KV group side by side
     scores = (q.float() @ keys.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])

@@ -93,13 +93,18 @@ class ScatterLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self.rows is not None and key_states.shape[-2] == self.rows.numel()
+        keys, values, rows = self.full()
+        assert rows is not None and key_states.shape[-2] == rows.numel()
         if self.keep_old:
-            self.old_keys = self.keys[:, :, self.rows]
-            self.old_values = self.values[:, :, self.rows]
-        self.keys[:, :, self.rows] = key_states.to(self.dtype)
-        self.values[:, :, self.rows] = value_states.to(self.dtype)
-        return self.keys, self.values
+            self.old_keys, self.old_values = keys[:, :, rows], values[:, :, rows]
+        keys[:, :, rows] = key_states.to(self.dtype)
+        values[:, :, rows] = value_states.to(self.dtype)
+        return keys, values
+
+    def full(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The full keys and values ``[1, H, N, D]`` and the selected rows."""
+        assert self.keys is not None and self.values is not None
+        return self.keys, self.values, self.rows
 
 
 class ScatterCache(Cache):
@@ -114,12 +119,13 @@ class ScatterCache(Cache):
         return layer
 
     def to_dynamic(self) -> DynamicCache:
-        return dynamic_cache([(layer.keys, layer.values) for layer in self.layers])
+        return dynamic_cache([self.layer(i).full()[:2] for i in range(len(self.layers))])
 
 
 def layer_queries(model: Any, idx: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Rotated queries ``[1, n_heads, n, D]`` that decoder layer ``idx`` computes for ``hidden``
-    (its input, ``[1, n, hidden]``) at ``positions`` ``[n]`` (q-norm applied where the model has one)."""
+    (its input, ``[1, n, hidden]``) at ``positions`` ``[n]`` (q-norm applied where the model has one).
+    """
     layer = decoder_layers(model)[idx]
     attn = layer.self_attn
     h = layer.input_layernorm(hidden)

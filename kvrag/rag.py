@@ -207,7 +207,8 @@ class KVRag:
     def _check_build_args(self, model: Any, embedder: str | None, codec: str) -> None:
         manifest = self.index.manifest
         if isinstance(model, str) and model != manifest["model"]["source"]:
-            log.info("index was built from %r; extending it with the model given (%r)", manifest["model"]["source"], model)
+            log.info("index was built from %r; extending it with the model given (%r)",
+                     manifest["model"]["source"], model)
         if embedder is not None and Embedder(embedder).name != manifest["embedder"]:
             raise IndexMismatchError(f"index uses embedder {manifest['embedder']!r}, not {embedder!r}")
         if codec != manifest["codec"]["name"]:

@@ -1,0 +1,173 @@
+"""LangChain adapter: the standard retriever suite, LLM behaviour, and an LCEL stuff chain with SmolLM2.
+
+langchain-tests has no standard suite for (non-chat) LLMs, so `KVCachedLLM` gets the equivalent
+checks here: invoke/batch/stream/async, token callbacks, identifying params, generation_info.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvrag import KVRag, SplitConfig
+
+pytest.importorskip("langchain_core")
+from kvrag.integrations.langchain import KVCachedLLM, KVRetriever, format_docs  # noqa: E402
+from langchain_core.callbacks import BaseCallbackHandler  # noqa: E402
+from langchain_core.documents import Document  # noqa: E402
+from langchain_core.prompts import PromptTemplate  # noqa: E402
+from langchain_core.runnables import RunnablePassthrough  # noqa: E402
+
+QA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "qa" / "hotpotqa_ircot.jsonl"
+QUESTION = "In what year was the album Milk and Honey released?"
+GOLD = "1984"
+TEMPLATE = "Context:\n{context}Answer the question with a short answer of a few words.\nQuestion: {question}"
+
+
+def passages(n: int = 4) -> list[tuple[str, str]]:
+    """The first ``n`` real passages of the first HotpotQA item (John Lennon albums)."""
+    ctxs = json.loads(QA.read_text().splitlines()[0])["ctxs"][:n]
+    return [(c["title"], f"{c['title']}. {c['text']}") for c in ctxs]
+
+
+@pytest.fixture(scope="module")
+def rag(smollm2, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVRag]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a 135M model gains nothing from threads on a shared 2-core CPU
+    path = tmp_path_factory.mktemp("lc") / "idx"
+    yield KVRag.build(passages(), path, model=smollm2, split=SplitConfig(mode="document"),
+                      show_progress=False)
+    torch.set_num_threads(threads)
+
+
+# -- imports ----------------------------------------------------------------------------------------
+
+
+def test_import_kvrag_loads_no_framework():
+    code = ("import sys, kvrag; from kvrag import KVRag; import kvrag.flat, kvrag.spans; "
+            "print([m for m in sys.modules if m.startswith(('langchain', 'llama_index'))])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_missing_extra_names_it(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def fail_langchain(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name.startswith("langchain_core"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "kvrag.integrations.langchain")
+    monkeypatch.setattr(builtins, "__import__", fail_langchain)
+    with pytest.raises(ImportError, match=r"pip install 'kvrag\[langchain\]'"):
+        importlib.import_module("kvrag.integrations.langchain")
+
+
+def test_format_docs_lays_chunks_out_as_kvrag_stores_them():
+    docs = [Document(page_content=" a \n"), Document(page_content="b")]
+    assert format_docs(docs) == "a\n\nb\n\n"
+
+
+# -- the standard retriever suite -------------------------------------------------------------------
+
+try:
+    from langchain_tests.integration_tests import RetrieversIntegrationTests
+except ImportError:  # pragma: no cover - langchain-tests is a dev extra
+    RetrieversIntegrationTests = None
+
+
+if RetrieversIntegrationTests is not None:
+
+    @pytest.mark.slow
+    @pytest.mark.asyncio  # the suite's async test; pytest-asyncio runs in strict mode here
+    @pytest.mark.filterwarnings("ignore:The test .* is marked with '@pytest.mark.asyncio'")
+    class TestKVRetrieverStandard(RetrieversIntegrationTests):
+        _rag: KVRag | None = None
+
+        @pytest.fixture(autouse=True)
+        def _bind(self, rag: KVRag) -> None:
+            type(self)._rag = rag
+
+        @property
+        def retriever_constructor(self) -> type[KVRetriever]:
+            return KVRetriever
+
+        @property
+        def retriever_constructor_params(self) -> dict[str, Any]:
+            return {"rag": self._rag, "k": 2}
+
+        @property
+        def retriever_query_example(self) -> str:
+            return QUESTION
+
+
+# -- retriever and LLM ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_retriever_metadata_carries_chunk_id_score_source(rag):
+    docs = KVRetriever(rag=rag, k=2).invoke(QUESTION)
+    chunks = rag.retrieve(QUESTION, k=2)
+    assert [d.metadata["chunk_id"] for d in docs] == [c.key for c in chunks]
+    assert all(isinstance(d.metadata["score"], float) and "source" in d.metadata for d in docs)
+    assert docs[0].page_content == chunks[0].text
+
+
+class _Tokens(BaseCallbackHandler):
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+
+    def on_llm_new_token(self, token: str, **kwargs: Any) -> None:
+        self.tokens.append(token)
+
+
+@pytest.mark.slow
+def test_llm_invoke_stream_batch_async_and_callbacks(rag):
+    llm = KVCachedLLM(rag=rag, max_new_tokens=3)
+    assert llm._llm_type == "kvrag"
+    assert {"mode", "ratio", "model", "index"} <= set(llm._identifying_params)
+    text = llm.invoke("Say hello.")
+    assert isinstance(text, str) and text
+    # no chunk in the prompt: an ordinary LLM, full prefill
+    assert llm.last_answer.mode == "full" and llm.last_answer.chunks == []
+    handler = _Tokens()
+    pieces = list(llm.stream("Say hello.", config={"callbacks": [handler]}))
+    assert "".join(pieces).strip() == text and handler.tokens == [p for p in pieces if p]
+    assert llm.batch(["Say hello.", "Say hello."]) == [text, text]
+    assert asyncio.run(llm.ainvoke("Say hello.")) == text
+
+    async def astream() -> str:
+        return "".join([p async for p in llm.astream("Say hello.")])
+
+    assert asyncio.run(astream()).strip() == text
+    info = llm.generate(["Say hello."]).generations[0][0].generation_info
+    assert info is not None and info["mode"] == "full" and info["chunk_ids"] == [] and info["ttft_s"] > 0
+
+
+@pytest.mark.slow
+def test_lcel_stuff_chain_answers_with_fused_caches(rag):
+    retriever = KVRetriever(rag=rag, k=2)
+    llm = KVCachedLLM(rag=rag, mode="cacheblend", ratio=0.15, max_new_tokens=14)
+    prompt = PromptTemplate.from_template(TEMPLATE)
+    chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | llm
+    out = chain.invoke(QUESTION)
+    assert GOLD in out
+    answer = llm.last_answer
+    assert [c.key for c in answer.chunks] == [d.metadata["chunk_id"] for d in retriever.invoke(QUESTION)]
+    assert answer.mode == "cacheblend" and 0 < answer.recompute_fraction < 1 and answer.ttft_s > 0
+    # generate() reports the same through generation_info
+    info = llm.generate([prompt.format(context=format_docs(retriever.invoke(QUESTION)), question=QUESTION)],
+                        max_new_tokens=1).generations[0][0].generation_info
+    assert info["chunk_ids"] == [c.key for c in answer.chunks] and info["recompute_fraction"] < 1

@@ -1,0 +1,111 @@
+"""LlamaIndex adapter: retriever nodes, the LLM's interface, RetrieverQueryEngine and KVRagQueryEngine."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvrag import KVRag, SplitConfig
+
+pytest.importorskip("llama_index.core")
+from kvrag.integrations.llama_index import KVCachedLLM, KVRagQueryEngine, KVRetriever  # noqa: E402
+from llama_index.core.llms import ChatMessage  # noqa: E402
+from llama_index.core.query_engine import RetrieverQueryEngine  # noqa: E402
+from llama_index.core.schema import NodeWithScore  # noqa: E402
+
+QA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "qa" / "hotpotqa_ircot.jsonl"
+QUESTION = "In what year was the album Milk and Honey released?"
+GOLD = "1984"
+
+
+def passages(n: int = 4) -> list[tuple[str, str]]:
+    """The first ``n`` real passages of the first HotpotQA item (John Lennon albums)."""
+    ctxs = json.loads(QA.read_text().splitlines()[0])["ctxs"][:n]
+    return [(c["title"], f"{c['title']}. {c['text']}") for c in ctxs]
+
+
+@pytest.fixture(scope="module")
+def rag(smollm2, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVRag]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a 135M model gains nothing from threads on a shared 2-core CPU
+    path = tmp_path_factory.mktemp("li") / "idx"
+    yield KVRag.build(passages(), path, model=smollm2, split=SplitConfig(mode="document"),
+                      show_progress=False)
+    torch.set_num_threads(threads)
+
+
+def test_missing_extra_names_it(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def fail(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name.startswith("llama_index"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "kvrag.integrations.llama_index")
+    monkeypatch.setattr(builtins, "__import__", fail)
+    with pytest.raises(ImportError, match=r"pip install 'kvrag\[llamaindex\]'"):
+        importlib.import_module("kvrag.integrations.llama_index")
+
+
+@pytest.mark.slow
+def test_retriever_returns_nodes_with_chunk_ids(rag):
+    nodes = KVRetriever(rag=rag, k=2).retrieve(QUESTION)
+    chunks = rag.retrieve(QUESTION, k=2)
+    assert all(isinstance(n, NodeWithScore) for n in nodes)
+    keys = [c.key for c in chunks]
+    assert [n.node.metadata["chunk_id"] for n in nodes] == [n.node.node_id for n in nodes] == keys
+    assert [n.score for n in nodes] == pytest.approx([c.score for c in chunks])
+    # the LLM sees the chunk's exact text, not its metadata
+    from llama_index.core.schema import MetadataMode
+
+    assert nodes[0].node.get_content(metadata_mode=MetadataMode.LLM) == chunks[0].text
+    with pytest.raises(ValueError, match="k must be"):
+        KVRetriever(rag=rag, k=0)
+
+
+@pytest.mark.slow
+def test_llm_complete_stream_chat_and_metadata(rag):
+    llm = KVCachedLLM(rag=rag, max_new_tokens=3)
+    assert llm.metadata.context_window == rag.lm.spec.max_position and llm.metadata.num_output == 3
+    done = llm.complete("Say hello.")
+    info = done.additional_kwargs
+    assert done.text and info["mode"] == "full" and info["chunk_ids"] == []
+    pieces = list(llm.stream_complete("Say hello."))
+    assert pieces[-1].text.strip() == done.text
+    assert "".join(p.delta or "" for p in pieces).strip() == done.text
+    assert asyncio.run(llm.acomplete("Say hello.")).text == done.text
+    assert llm.chat([ChatMessage(role="user", content="Say hello.")]).message.content
+
+
+@pytest.mark.slow
+def test_retriever_query_engine_fuses_the_retrieved_chunks(rag):
+    retriever = KVRetriever(rag=rag, k=2)
+    llm = KVCachedLLM(rag=rag, mode="cacheblend", ratio=0.15, max_new_tokens=14)
+    response = RetrieverQueryEngine.from_args(retriever, llm=llm).query(QUESTION)
+    assert GOLD in str(response)
+    answer = llm.last_answer
+    retrieved = [n.node.metadata["chunk_id"] for n in response.source_nodes]
+    assert sorted(c.key for c in answer.chunks) == sorted(retrieved)
+    assert answer.mode == "cacheblend" and 0 < answer.recompute_fraction < 1
+
+
+@pytest.mark.slow
+def test_kvrag_query_engine_passes_chunk_ids_to_fusion(rag):
+    retriever = KVRetriever(rag=rag, k=2)
+    llm = KVCachedLLM(rag=rag, mode="cacheblend", ratio=0.15, max_new_tokens=14)
+    response = KVRagQueryEngine(retriever=retriever, llm=llm).query(QUESTION)
+    assert GOLD in str(response)
+    assert response.metadata["chunk_ids"] == [n.node.metadata["chunk_id"] for n in response.source_nodes]
+    assert response.metadata["mode"] == "cacheblend" and 0 < response.metadata["recompute_fraction"] < 1
+    assert llm.last_answer.text == str(response)

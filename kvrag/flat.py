@@ -29,7 +29,6 @@ import torch
 from kvrag.config import FuseConfig, GenerateConfig
 from kvrag.errors import InputError
 from kvrag.fuse import FusionInput, fuse
-from kvrag.generate import TextStreamer, decode_tokens, eos_ids
 from kvrag.kvgen import KV, prefix_cache
 from kvrag.prompt import chunk_token_ids
 from kvrag.spans import Span, find_chunk_spans
@@ -147,7 +146,7 @@ def stream_flat_prompt(
 
     Args mirror `answer_flat_prompt`.
     """
-    from kvrag.rag import Answer
+    from kvrag.rag import Answer, stream_into
 
     if not isinstance(prompt, str) or not prompt.strip():
         raise InputError(f"prompt must be a non-empty str, got {prompt!r:.40}")
@@ -180,23 +179,7 @@ def stream_flat_prompt(
     answer = Answer("", fmode, fcfg.ratio, math.nan, used, timings, n_prompt_tokens=n_tokens,
                     recompute_fraction=fraction)
     rag.last_answer = answer
-    streamer = TextStreamer(lm.tokenizer, gcfg.stop)
-    for token in decode_tokens(lm.model, cache, logits, n_tokens, gcfg, eos_ids(lm.model, lm.tokenizer)):
-        if not answer.token_ids:
-            answer.ttft_s = time.perf_counter() - t0
-        answer.token_ids.append(token)
-        delta = streamer.push(token)
-        if delta:
-            yield delta
-        if streamer.stopped:
-            break
-    if math.isnan(answer.ttft_s):
-        answer.ttft_s = time.perf_counter() - t0
-    tail = streamer.flush()
-    if tail:
-        yield tail
-    answer.text = streamer.emitted.strip()
-    answer.timings["total_s"] = time.perf_counter() - t0
+    yield from stream_into(answer, lm, cache, logits, n_tokens, gcfg, t0)
 
 
 def answer_flat_prompt(

@@ -104,7 +104,6 @@ class KVRag:
         self.kvstore = KVStore(make_store("disk", path / "chunks"), codec, lm.fingerprint)
         self.batch_tokens = batch_tokens
         self._prefix: PrefixCache | None = None
-        self._eos = eos_ids(lm.model, lm.tokenizer)
         self.last_answer: Answer | None = None
 
     # -- construction -----------------------------------------------------------------------
@@ -307,26 +306,10 @@ class KVRag:
         gcfg = GenerateConfig(max_new_tokens, temperature, top_p, tuple(stop), seed)
         t0 = time.perf_counter()
         used, inp, fused, timings = self._prepare(question, k, chunks, fcfg)
-        streamer = TextStreamer(self.lm.tokenizer, gcfg.stop)
         answer = Answer("", fcfg.mode, fcfg.ratio, math.nan, used, timings,
                         n_prompt_tokens=fused.n_tokens, recompute_fraction=fused.recompute_fraction)
         self.last_answer = answer
-        for token in decode_tokens(self.lm.model, fused.cache, fused.logits, fused.n_tokens, gcfg, self._eos):
-            if not answer.token_ids:
-                answer.ttft_s = time.perf_counter() - t0
-            answer.token_ids.append(token)
-            delta = streamer.push(token)
-            if delta:
-                yield delta
-            if streamer.stopped:
-                break
-        if math.isnan(answer.ttft_s):
-            answer.ttft_s = time.perf_counter() - t0
-        tail = streamer.flush()
-        if tail:
-            yield tail
-        answer.text = streamer.emitted.strip()
-        answer.timings["total_s"] = time.perf_counter() - t0
+        yield from stream_into(answer, self.lm, fused.cache, fused.logits, fused.n_tokens, gcfg, t0)
 
     def answer(self, question: str, k: int = 4, mode: str = "cacheblend", ratio: float = 0.15, *,
                chunks: Sequence[str | RetrievedChunk] | None = None, max_new_tokens: int = 64,
@@ -381,6 +364,28 @@ class KVRag:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def stream_into(answer: Answer, lm: LoadedModel, cache: Any, logits: torch.Tensor, n_tokens: int,
+                gcfg: GenerateConfig, t0: float) -> Iterator[str]:
+    """Decode from a fused cache into ``answer`` (token ids, TTFT since ``t0``, text), yielding text."""
+    streamer = TextStreamer(lm.tokenizer, gcfg.stop)
+    for token in decode_tokens(lm.model, cache, logits, n_tokens, gcfg, eos_ids(lm.model, lm.tokenizer)):
+        if not answer.token_ids:
+            answer.ttft_s = time.perf_counter() - t0
+        answer.token_ids.append(token)
+        delta = streamer.push(token)
+        if delta:
+            yield delta
+        if streamer.stopped:
+            break
+    if math.isnan(answer.ttft_s):
+        answer.ttft_s = time.perf_counter() - t0
+    tail = streamer.flush()
+    if tail:
+        yield tail
+    answer.text = streamer.emitted.strip()
+    answer.timings["total_s"] = time.perf_counter() - t0
 
 
 def _check_question(question: str) -> None:

@@ -79,7 +79,7 @@ class FuseConfig:
         link_tokens: ``attnlink``'s number of leading tokens recomputed in every chunk after the first.
         score: how ``cacheblend`` ranks tokens at a check layer: ``"kv"`` (HKVD: KV deviation of
             fresh vs stored), ``"attention"`` (attention mass the question puts on the token) or
-            ``"kv_attention"`` (their product: deviations that the question will read).
+            ``"kv_attention"`` (the default: their product, i.e. deviations that the question reads).
     """
 
     mode: str = "cacheblend"
@@ -87,7 +87,7 @@ class FuseConfig:
     check_layers: tuple[int, ...] = (1, 2, 3)
     first_ratio_scale: float = 2.0
     link_tokens: int = 16
-    score: str = "kv"
+    score: str = "kv_attention"
 
     def __post_init__(self) -> None:
         if self.score not in ("kv", "attention", "kv_attention"):

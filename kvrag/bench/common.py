@@ -1,0 +1,179 @@
+"""Helpers shared by the benchmarks: mode specs, hardware/version stamps, output files, plots.
+
+A mode spec is ``full``, ``prefix``, ``reuse``, ``cacheblend@RATIO`` or ``attnlink@K`` (leading
+tokens recomputed per chunk); `parse_modes` turns a comma list into labelled `FuseConfig`s. Nothing
+here imports torch at module level, so mounting ``kvrag bench`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import math
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from kvrag.config import FUSE_MODES, FuseConfig
+
+DEFAULT_SPEED_MODES = "full,prefix,reuse,cacheblend@0.15,attnlink@16"
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """A benchmark mode: its label (as given on the command line) and its fusion settings."""
+
+    label: str
+    config: FuseConfig
+
+
+def parse_mode(text: str) -> ModeSpec:
+    """``cacheblend@0.15`` -> ratio 0.15; ``attnlink@16`` -> 16 link tokens; bare names use defaults."""
+    name, _, arg = text.strip().partition("@")
+    if name not in FUSE_MODES:
+        raise ValueError(f"unknown mode {text!r}; expected one of {FUSE_MODES} (optionally NAME@VALUE)")
+    if not arg:
+        return ModeSpec(text.strip(), FuseConfig(mode=name))
+    if name == "cacheblend":
+        return ModeSpec(text.strip(), FuseConfig(mode=name, ratio=float(arg)))
+    if name == "attnlink":
+        return ModeSpec(text.strip(), FuseConfig(mode=name, link_tokens=int(arg)))
+    raise ValueError(f"mode {name!r} takes no @value, got {text!r}")
+
+
+def parse_modes(text: str) -> list[ModeSpec]:
+    """Parse a comma list of mode specs; ``full`` is always included (first): every ratio needs it."""
+    specs = [parse_mode(t) for t in text.split(",") if t.strip()]
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--modes lists a mode twice: {text!r}")
+    full = [s for s in specs if s.config.mode == "full"] or [ModeSpec("full", FuseConfig(mode="full"))]
+    return full[:1] + [s for s in specs if s.config.mode != "full"]
+
+
+def parse_ints(text: str, name: str) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"{name} must be a comma list of integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"{name} must list positive integers, got {text!r}")
+    return values
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def hardware() -> dict[str, Any]:
+    """CPU model, visible cores, torch threads, load average and the GPU (if any)."""
+    import torch
+
+    info: dict[str, Any] = {
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "platform": platform.platform(),
+        "gpu": None,
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        info["gpu"] = {"name": props.name, "memory_gb": round(props.total_memory / 2**30, 1)}
+    return info
+
+
+def versions() -> dict[str, str]:
+    out = {"python": sys.version.split()[0]}
+    for name in ("kvrag", "torch", "transformers", "numpy", "matplotlib"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            continue
+    return out
+
+
+def stamp(args: Any = None) -> dict[str, Any]:
+    """Describe the run for every result file: when, the command, parsed options, hardware, versions.
+
+    ``command`` is the process's own command line (``kvrag …`` when run from the shell); ``options``
+    holds the parsed arguments, which also identify the run when the CLI is called in-process.
+    """
+    options = {k: v for k, v in vars(args).items() if not callable(v)} if args is not None else {}
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "options": options,
+        "hardware": hardware(),
+        "versions": versions(),
+    }
+
+
+def _clean(value: Any) -> Any:
+    """NaN/inf become null so the JSON is strict."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_clean(payload), indent=2, allow_nan=False) + "\n")
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return "–" if not math.isfinite(v) else f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def pyplot() -> Any:
+    """Matplotlib's pyplot on the Agg backend, or an actionable ImportError."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("the benchmark plots need matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def cuda_sync(device: Any) -> None:
+    """Wait for queued GPU work before reading a clock (no-op on CPU)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def set_threads(threads: int | None) -> None:
+    """Pin torch's CPU thread count (fewer threads than cores is steadier on a shared machine)."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)

@@ -1,0 +1,300 @@
+"""Answer quality and TTFT of every fusion mode against full prefill, on a QA JSONL data set.
+
+One index is built over the passages of the selected questions (one passage = one chunk); each
+question is then answered by every mode over exactly its own passages, in dataset order, with greedy
+decoding. Modes are interleaved per question (the start rotates) so that machine drift hits all of
+them alike; every ratio is against ``full`` measured in the same run (DESIGN decision 8).
+
+Outputs in ``--out``: ``quality.json`` (per-question rows, per-mode summary, hardware, versions,
+command), ``quality.md`` (the summary table) and ``quality_pareto.png`` (agreement vs speedup).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvrag.bench import common, metrics
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODES = "full,prefix,reuse,cacheblend@0.05,cacheblend@0.15,cacheblend@0.25,attnlink@4,attnlink@16,attnlink@32"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", required=True, help="QA JSONL: {id, question, answers, ctxs: [{title, text}]}")
+    parser.add_argument("--model", default="smollm2", help="HF id/folder, .gguf file, or 'smollm2'")
+    parser.add_argument("--n", type=int, default=20, help="questions (the first N of the file)")
+    parser.add_argument(
+        "--modes", default=DEFAULT_MODES, help="comma list: full, prefix, reuse, cacheblend@R, attnlink@K"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--max-chunk-tokens", type=int, default=2048, help="passages longer than this are split")
+    parser.add_argument("--warmup", type=int, default=1, help="questions answered by every mode first, not counted")
+    parser.add_argument("--index", default=None, help="index directory (default: a temporary one)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--out", default="bench-out/quality", help="output directory")
+
+
+def load_questions(path: Path, n: int) -> list[dict[str, Any]]:
+    """Read the first ``n`` items of a QA JSONL file, checked for the fields the benchmark uses."""
+    items = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            item = json.loads(line)
+            missing = {"id", "question", "answers", "ctxs"} - item.keys()
+            if missing:
+                raise ValueError(f"{path}:{lineno}: item lacks {sorted(missing)}")
+            items.append(item)
+            if len(items) == n:
+                break
+    if not items:
+        raise ValueError(f"no questions in {path}")
+    return items
+
+
+def passage_text(ctx: dict[str, str]) -> str:
+    title = (ctx.get("title") or "").strip()
+    return f"{title}\n{ctx['text']}" if title else ctx["text"]
+
+
+def passage_documents(items: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    return [(f"{item['id']}/{j}", passage_text(ctx)) for item in items for j, ctx in enumerate(item["ctxs"])]
+
+
+def passage_keys(rag: Any, item: dict[str, Any]) -> list[str]:
+    """Chunk keys of an item's passages in dataset order (content hash, so duplicates share keys)."""
+    from kvrag.kvgen import chunk_key
+    from kvrag.prompt import chunk_token_ids
+
+    keys = []
+    for ctx in item["ctxs"]:
+        ids = chunk_token_ids(rag.lm.tokenizer, passage_text(ctx))
+        key = chunk_key(rag.lm.fingerprint, rag.layout.prefix_ids, ids)
+        if key not in rag.index:
+            raise ValueError(f"passage of {item['id']!r} is not one chunk in the index; raise --max-chunk-tokens")
+        keys.append(key)
+    return keys
+
+
+def answer_row(
+    rag: Any, item: dict[str, Any], keys: list[str], spec: common.ModeSpec, max_new_tokens: int
+) -> dict[str, Any]:
+    cfg = spec.config
+    ans = rag.answer(
+        item["question"],
+        chunks=keys,
+        mode=cfg.mode,
+        ratio=cfg.ratio,
+        fuse_config=cfg,
+        max_new_tokens=max_new_tokens,
+    )
+    return {
+        "id": item["id"],
+        "mode": spec.label,
+        "answer": ans.text,
+        "token_ids": list(ans.token_ids),
+        "golds": list(item["answers"]),
+        "ttft_s": ans.ttft_s,
+        "load_s": ans.timings["load_s"],
+        "fuse_s": ans.timings["fuse_s"],
+        "recompute_fraction": ans.recompute_fraction,
+        "prompt_tokens": ans.n_prompt_tokens,
+        **metrics.gold_scores(ans.text, item["answers"]),
+    }
+
+
+def score_question(
+    rag: Any,
+    item: dict[str, Any],
+    keys: list[str],
+    rows: dict[str, dict[str, Any]],
+    specs: list[common.ModeSpec],
+) -> None:
+    """Agreement, first-token agreement and ΔNLL of every mode against ``full``'s answer."""
+    full = rows["full"]
+    nll_full = rag.nll(item["question"], full["token_ids"], keys, fuse_config=specs[0].config)
+    for spec in specs:
+        row = rows[spec.label]
+        row["agreement"] = metrics.agreement(row["answer"], full["answer"])
+        row["first_token_agreement"] = metrics.first_token_agreement(row["token_ids"], full["token_ids"])
+        nll = (
+            nll_full
+            if spec.label == "full"
+            else rag.nll(item["question"], full["token_ids"], keys, fuse_config=spec.config)
+        )
+        row["nll_full_answer"], row["delta_nll"] = nll, nll - nll_full
+
+
+def run_question(
+    rag: Any, item: dict[str, Any], specs: list[common.ModeSpec], turn: int, max_new_tokens: int
+) -> list[dict[str, Any]]:
+    keys = passage_keys(rag, item)
+    order = specs[turn % len(specs) :] + specs[: turn % len(specs)]
+    rows = {s.label: answer_row(rag, item, keys, s, max_new_tokens) for s in order}
+    score_question(rag, item, keys, rows, specs)
+    return [rows[s.label] for s in specs]
+
+
+def summarise(rows: list[dict[str, Any]], specs: list[common.ModeSpec]) -> list[dict[str, Any]]:
+    by_mode = {s.label: [r for r in rows if r["mode"] == s.label] for s in specs}
+    full_ttft = metrics.summary([r["ttft_s"] for r in by_mode["full"]])["mean"]
+    out = []
+    for spec in specs:
+        rs = by_mode[spec.label]
+        ttft = metrics.summary([r["ttft_s"] for r in rs])
+        mean = {
+            k: metrics.summary([r[k] for r in rs])["mean"]
+            for k in (
+                "f1",
+                "rouge_l",
+                "em",
+                "agreement",
+                "first_token_agreement",
+                "delta_nll",
+                "recompute_fraction",
+                "load_s",
+                "fuse_s",
+                "prompt_tokens",
+            )
+        }
+        out.append(
+            {
+                "mode": spec.label,
+                "n": len(rs),
+                **mean,
+                "ttft_mean_s": ttft["mean"],
+                "ttft_p50_s": ttft["p50"],
+                "ttft_p90_s": ttft["p90"],
+                "ttft_speedup": full_ttft / ttft["mean"],
+            }
+        )
+    return out
+
+
+def summary_markdown(summary: list[dict[str, Any]]) -> str:
+    headers = [
+        "mode",
+        "gold F1",
+        "Rouge-L",
+        "EM",
+        "agreement",
+        "first-token",
+        "ΔNLL",
+        "TTFT mean ms",
+        "p50 ms",
+        "p90 ms",
+        "speedup vs full",
+        "recomputed",
+    ]
+    rows = [
+        [
+            s["mode"],
+            s["f1"],
+            s["rouge_l"],
+            s["em"],
+            s["agreement"],
+            s["first_token_agreement"],
+            s["delta_nll"],
+            s["ttft_mean_s"] * 1e3,
+            s["ttft_p50_s"] * 1e3,
+            s["ttft_p90_s"] * 1e3,
+            f"{s['ttft_speedup']:.2f}×",
+            s["recompute_fraction"],
+        ]
+        for s in summary
+    ]
+    return common.markdown_table(headers, rows)
+
+
+def pareto_plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
+    plt = common.pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    xs, ys = [s["ttft_speedup"] for s in summary], [s["agreement"] for s in summary]
+    ax.scatter(xs, ys, color="tab:blue", zorder=3)
+    for s, x, y in zip(summary, xs, ys, strict=True):
+        ax.annotate(s["mode"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    front, best = [], -1.0
+    for x, y in sorted(
+        zip(xs, ys, strict=True), key=lambda p: -p[0]
+    ):  # fastest first: keep points better than all faster ones
+        if y > best:
+            front.append((x, y))
+            best = y
+    ax.plot(*zip(*sorted(front), strict=True), color="tab:orange", linestyle="--", label="Pareto front", zorder=2)
+    ax.set_xlabel("TTFT speedup vs full (same run)")
+    ax.set_ylabel("agreement with full (token F1)")
+    ax.set_ylim(-0.02, 1.05)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def build_index(args: argparse.Namespace, items: list[dict[str, Any]], index_dir: Path) -> tuple[Any, float]:
+    from kvrag.config import SplitConfig
+    from kvrag.rag import KVRag
+
+    t0 = time.perf_counter()
+    split = SplitConfig(mode="document", max_tokens=args.max_chunk_tokens, min_tokens=0)
+    rag = KVRag.build(
+        passage_documents(items),
+        index_dir,
+        model=args.model,
+        split=split,
+        device=args.device,
+        show_progress=False,
+    )
+    return rag, time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace) -> int:
+    common.set_threads(args.threads)
+    specs = common.parse_modes(args.modes)
+    items = load_questions(Path(args.data), args.n)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="kvrag-bench-") as tmp:
+        rag, build_s = build_index(args, items, Path(args.index) if args.index else Path(tmp) / "index")
+        with rag:
+            for item in items[: args.warmup]:
+                run_question(rag, item, specs, 0, args.max_new_tokens)
+            rows: list[dict[str, Any]] = []
+            for turn, item in enumerate(items):
+                rows += run_question(rag, item, specs, turn, args.max_new_tokens)
+                log.info("question %d/%d done", turn + 1, len(items))
+            n_chunks = len(rag.index)
+    summary = summarise(rows, specs)
+    payload = {
+        **common.stamp(args),
+        "data": args.data,
+        "model": args.model,
+        "n_questions": len(items),
+        "max_new_tokens": args.max_new_tokens,
+        "warmup": args.warmup,
+        "index_chunks": n_chunks,
+        "index_build_s": build_s,
+        "summary": summary,
+        "rows": rows,
+    }
+    common.write_json(out / "quality.json", payload)
+    table = summary_markdown(summary)
+    (out / "quality.md").write_text(
+        f"# kvrag bench quality\n\n`{payload['command']}`\n\n{len(items)} questions from "
+        f"`{Path(args.data).name}`, model `{args.model}`, mean prompt {summary[0]['prompt_tokens']:.0f} "
+        f"tokens; CPU {payload['hardware']['cpu']} ({payload['hardware']['cpus_usable']} usable cores)."
+        f"\n\n{table}\n"
+    )
+    pareto_plot(summary, out / "quality_pareto.png", f"{Path(args.data).name}, {len(items)} q, {args.model}")
+    print(table)
+    return 0

@@ -1,0 +1,153 @@
+"""End-to-end `kvrag bench speed` and `kvrag bench quality` on tiny random models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvrag.bench.common import parse_modes
+from kvrag.cli import main
+
+
+def _check_outputs(out: Path, stem: str, plot: str) -> dict:
+    payload = json.loads((out / f"{stem}.json").read_text())
+    assert {"command", "hardware", "versions", "date"} <= payload.keys()
+    assert payload["hardware"]["cpu"]
+    md = (out / f"{stem}.md").read_text()
+    assert md.count("\n|") >= 3 and "full" in md
+    assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return payload
+
+
+def test_parse_modes() -> None:
+    specs = parse_modes("cacheblend@0.05,attnlink@4,reuse")
+    assert [s.label for s in specs] == ["full", "cacheblend@0.05", "attnlink@4", "reuse"]
+    assert specs[1].config.ratio == 0.05 and specs[2].config.link_tokens == 4
+    with pytest.raises(ValueError, match="unknown mode"):
+        parse_modes("full,blend@0.1")
+    with pytest.raises(ValueError, match="takes no"):
+        parse_modes("reuse@3")
+
+
+def _speed(out: Path, device: str) -> dict:
+    rc = main(
+        [
+            "bench",
+            "speed",
+            "--arch",
+            "tiny",
+            "--lengths",
+            "64,128",
+            "--chunk-tokens",
+            "32",
+            "--modes",
+            "full,reuse,cacheblend@0.15,attnlink@4",
+            "--repeats",
+            "1",
+            "--device",
+            device,
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    payload = _check_outputs(out, "speed", "speed.png")
+    results = payload["results"]
+    assert {r["length"] for r in results} == {64, 128}
+    assert len(results) == 8 and all(r["ttft_ms"] > 0 for r in results)
+    full = [r for r in results if r["mode"] == "full"]
+    assert all(r["speedup"] == pytest.approx(1.0) and r["recompute_fraction"] == 1.0 for r in full)
+    reuse = [r for r in results if r["mode"] == "reuse"]
+    assert all(r["recompute_fraction"] < 0.5 for r in reuse)
+    return payload
+
+
+def test_bench_speed_tiny_cpu(tmp_path: Path) -> None:
+    payload = _speed(tmp_path, "cpu")
+    assert payload["device"] == "cpu" and payload["dtype"] == "float32"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bench_speed_tiny_gpu(tmp_path: Path) -> None:
+    payload = _speed(tmp_path, "auto")
+    assert payload["device"].startswith("cuda") and payload["dtype"] == "bfloat16"
+
+
+def test_bench_speed_skips_lengths_over_the_window(tmp_path: Path) -> None:
+    rc = main(
+        [
+            "bench",
+            "speed",
+            "--arch",
+            "tiny",
+            "--lengths",
+            "32,200000",
+            "--chunk-tokens",
+            "32",
+            "--modes",
+            "full,reuse",
+            "--repeats",
+            "1",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert rc == 0
+    payload = json.loads((tmp_path / "speed.json").read_text())
+    assert {r["length"] for r in payload["results"]} == {32}
+    assert any("200000" in n for n in payload["notes"])
+
+
+def test_bench_quality_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
+    items = [
+        {
+            "id": f"q{i}",
+            "question": f"Who met Mr. Jones on day {i}?",
+            "answers": ["Dr. Smith", "Smith"],
+            "ctxs": [
+                {"title": "Meeting", "text": "Dr. Smith arrived in Washington at 5 p.m. on Monday."},
+                {"title": "", "text": f"She met Mr. Jones, who had travelled from London {i}."},
+                {"title": "Records", "text": "The records were lost in 1998."},
+            ],
+        }
+        for i in range(3)
+    ]
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in items))
+    out = tmp_path / "out"
+    rc = main(
+        [
+            "bench",
+            "quality",
+            "--data",
+            str(data),
+            "--model",
+            str(tiny_model_dir),
+            "--n",
+            "3",
+            "--modes",
+            "full,reuse,cacheblend@0.15,attnlink@4",
+            "--max-new-tokens",
+            "3",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    payload = _check_outputs(out, "quality", "quality_pareto.png")
+    assert payload["n_questions"] == 3 and payload["index_chunks"] == 5  # shared passages stored once
+    assert len(payload["rows"]) == 12
+    summary = {s["mode"]: s for s in payload["summary"]}
+    assert list(summary) == ["full", "reuse", "cacheblend@0.15", "attnlink@4"]
+    full = summary["full"]
+    assert full["agreement"] == 1.0 and full["delta_nll"] == 0.0 and full["ttft_speedup"] == pytest.approx(1.0)
+    for row in payload["rows"]:
+        assert 0.0 <= row["f1"] <= 1.0 and 0.0 <= row["agreement"] <= 1.0 and row["ttft_s"] > 0
+        assert 0.0 < row["recompute_fraction"] <= 1.0

@@ -1,0 +1,61 @@
+"""The benchmark metrics against hand-computed values (no model)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvrag.bench import metrics as m
+
+
+def test_normalize_drops_articles_punctuation_case_and_spaces() -> None:
+    assert m.normalize_answer("  The  Eiffel-Tower, in PARIS!  ") == "eiffeltower in paris"
+    assert m.normalize_answer("An apple a day") == "apple day"
+    assert m.normalize_answer("theatre") == "theatre"  # articles only as whole words
+
+
+def test_exact_match() -> None:
+    assert m.exact_match("the Beatles.", "Beatles") == 1.0
+    assert m.exact_match("Beatles band", "Beatles") == 0.0
+
+
+def test_token_f1_partial_overlap() -> None:
+    # pred {walls, and, bridges, album}, gold {walls, and, bridges}: P=3/4, R=1, F1=6/7
+    assert m.token_f1("the Walls and Bridges album", "Walls and Bridges") == pytest.approx(6 / 7)
+    assert m.token_f1("Paris", "London") == 0.0
+    assert m.token_f1("x y y", "y y z") == pytest.approx(2 / 3)  # counts are clipped
+    assert m.token_f1("a b b", "b b c") == pytest.approx(0.8)  # "a" is an article: P=1, R=2/3
+    assert m.token_f1("", "") == 1.0 and m.token_f1("the", "Paris") == 0.0
+
+
+def test_rouge_l_known_pairs() -> None:
+    # LCS("police killed the gunman", "police kill the gunman") after normalisation: police, gunman = 2
+    assert m.rouge_l("police killed the gunman", "police kill the gunman") == pytest.approx(2 / 3)
+    # LCS of "x b c d e" vs "x c e f": x c e = 3, P=3/5, R=3/4
+    assert m.rouge_l("x b c d e", "x c e f") == pytest.approx(2 * 0.6 * 0.75 / 1.35)
+    assert m.rouge_l("one two", "two one") == pytest.approx(0.5)
+    assert m.rouge_l("same words", "Same words.") == 1.0
+
+
+def test_best_over_golds() -> None:
+    golds = ["G. Stanley Hall", "Stanley Hall"]
+    assert m.best_over_golds(m.exact_match, "stanley hall", golds) == 1.0
+    assert m.best_over_golds(m.token_f1, "Hall", golds) == pytest.approx(2 / 3)
+    assert m.best_over_golds(m.token_f1, "Hall", []) == 0.0
+    scores = m.gold_scores("Stanley Hall", golds)
+    assert scores == {"f1": 1.0, "em": 1.0, "rouge_l": 1.0}
+
+
+def test_agreement_and_first_token() -> None:
+    assert m.agreement("Charles County", "charles county.") == 1.0
+    assert m.first_token_agreement([5, 6], [5, 9]) == 1.0
+    assert m.first_token_agreement([4], [5]) == 0.0
+    assert m.first_token_agreement([], []) == 1.0
+
+
+def test_summary_stats() -> None:
+    s = m.summary([1, 2, 3, 4, 10])
+    assert s["mean"] == pytest.approx(4.0) and s["p50"] == 3.0
+    assert s["p90"] == pytest.approx(4 + 0.6 * 6)  # position 3.6 between 4 and 10
+    assert math.isnan(m.summary([])["mean"])

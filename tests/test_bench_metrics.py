@@ -59,3 +59,14 @@ def test_summary_stats() -> None:
     assert s["mean"] == pytest.approx(4.0) and s["p50"] == 3.0
     assert s["p90"] == pytest.approx(4 + 0.6 * 6)  # position 3.6 between 4 and 10
     assert math.isnan(m.summary([])["mean"])
+
+
+def test_mode_specs_with_a_cacheblend_score():
+    from kvrag.bench.common import parse_mode
+
+    spec = parse_mode("cacheblend@0.1/kv")
+    assert (spec.config.ratio, spec.config.score) == (0.1, "kv")
+    with pytest.raises(ValueError, match="score"):
+        parse_mode("cacheblend@0.1/nonsense")
+    with pytest.raises(ValueError, match="only cacheblend"):
+        parse_mode("attnlink@4/kv")

@@ -33,8 +33,14 @@ class ModeSpec:
 
 
 def parse_mode(text: str) -> ModeSpec:
-    """``cacheblend@0.15`` -> ratio 0.15; ``attnlink@16`` -> 16 link tokens; bare names use defaults."""
-    name, _, arg = text.strip().partition("@")
+    """``cacheblend@0.15`` -> ratio 0.15 (``cacheblend@0.15/kv`` also picks the token score: ``kv``,
+    ``attention`` or ``kv_attention``); ``attnlink@16`` -> 16 link tokens; bare names use defaults."""
+    spec, _, score = text.strip().partition("/")
+    name, _, arg = spec.partition("@")
+    if score:
+        if name != "cacheblend":
+            raise ValueError(f"only cacheblend takes a /score, got {text!r}")
+        return ModeSpec(text.strip(), FuseConfig(mode=name, ratio=float(arg or 0.15), score=score))
     if name not in FUSE_MODES:
         raise ValueError(f"unknown mode {text!r}; expected one of {FUSE_MODES} (optionally NAME@VALUE)")
     if not arg:

@@ -13,6 +13,7 @@ Nothing here is pickled: a hostile file can at worst raise `CorruptChunkError`.
 
 from __future__ import annotations
 
+import io
 import json
 import struct
 import zlib
@@ -104,11 +105,21 @@ def _parse_header(key: str, preamble: bytes, read: Any) -> ChunkHeader:
             layers=layers,
             data_start=_PREAMBLE.size + head_len,
         )
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptChunkError(key, f"malformed header: {exc}") from None
-    if len(shape) != 4 or len(layers) != shape[0]:
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
+        raise CorruptChunkError(key, f"malformed header: {type(exc).__name__}: {exc}") from None
+    if len(shape) != 4 or len(layers) != shape[0] or min(shape) < 0:
         raise CorruptChunkError(key, "header shape and layer table disagree")
+    offset = 0
+    for start, length, _ in layers:
+        if start != offset or length < 0:
+            raise CorruptChunkError(key, "layer table is not contiguous")
+        offset += length
     return header
+
+
+def _normal(params: Any) -> Any:
+    """``params`` as they read back from JSON (tuples become lists), for comparison."""
+    return json.loads(json.dumps(params, sort_keys=True))
 
 
 class ChunkReader:
@@ -123,6 +134,13 @@ class ChunkReader:
             raise CorruptChunkError(key, "written by a different model (fingerprint mismatch)")
         if self.header.codec.get("name") != codec.name:
             raise CorruptChunkError(key, f"encoded with codec {self.header.codec.get('name')!r}")
+        if _normal(self.header.codec) != _normal(codec.params()):
+            raise CorruptChunkError(
+                key, f"encoded with codec parameters {self.header.codec}, the reader expects {codec.params()}")
+        size = fh.seek(0, io.SEEK_END)
+        expected = self.header.data_start + sum(n for _, n, _ in self.header.layers)
+        if size != expected:
+            raise CorruptChunkError(key, f"file is {size} bytes, its header describes {expected} (truncated?)")
 
     def close(self) -> None:
         self._fh.close()
@@ -150,7 +168,7 @@ class ChunkReader:
         _, h, s, d = self.header.shape
         try:
             return self._codec.decode_layer(blob, layer, (h, s, d), self.header.dtype)
-        except (ValueError, RuntimeError) as exc:
+        except (ValueError, RuntimeError, OverflowError, IndexError, TypeError) as exc:
             raise CorruptChunkError(self.key, f"layer {layer} does not decode: {exc}") from None
 
     def layers(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

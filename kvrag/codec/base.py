@@ -5,13 +5,17 @@ Tensor layout for one layer: ``[kv_heads, seq, head_dim]``. Keys are pre-RoPE.
 
 from __future__ import annotations
 
+import copy
 import importlib
+import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+
+from kvrag.errors import KVRagError
 
 _REGISTRY: dict[str, type[Codec]] = {}
 # Codecs that live in their own modules register on import; the factory imports them lazily.
@@ -21,6 +25,14 @@ _LAZY_MODULES: dict[str, str] = {
 }
 
 C = TypeVar("C", bound="type[Codec]")
+
+
+class CodecNotFittedError(KVRagError):
+    """A codec that needs fitting (``needs_fit``) was used before `Codec.fit` or `Codec.load_state`.
+
+    Deliberately not a ValueError: the container turns ValueErrors from ``decode_layer`` into
+    `CorruptChunkError` (recompute the chunk), but a missing codec state is a setup error.
+    """
 
 
 class Codec(ABC):
@@ -72,6 +84,14 @@ class Codec(ABC):
 
     def load_state(self, directory: Path) -> None:
         """Restore state written by `save_state`."""
+
+    def with_level(self, level: int) -> Codec:
+        """A copy of the codec at quality ``level``, sharing any fitted state (to store several levels)."""
+        if level not in self.levels():
+            raise ValueError(f"codec {self.name!r} has levels {self.levels()}, got level={level}")
+        clone = copy.copy(self)
+        clone.level = level
+        return clone
 
 
 def register_codec(name: str) -> Callable[[C], C]:

@@ -1,0 +1,302 @@
+"""Codec round trips, error bounds, fitted-state persistence and robustness (raw, int8, cachegen)."""
+
+from __future__ import annotations
+
+import json
+import math
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvrag.codec import make_codec
+from kvrag.codec.base import Codec, CodecNotFittedError
+from kvrag.codec.cachegen import CacheGenCodec
+
+L, H, D = 4, 2, 16
+
+
+def synthetic_kv(seed: int, seq: int = 37, layers: int = L, heads: int = H, dim: int = D,
+                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """KV with the structure of real caches: channel offsets, low-rank token content, noise."""
+    g = torch.Generator().manual_seed(seed)
+    c = heads * dim
+    offsets = torch.linspace(-2, 2, c)[torch.randperm(c, generator=torch.Generator().manual_seed(99))]
+    mix = torch.randn(6, c, generator=torch.Generator().manual_seed(98))
+
+    def one() -> torch.Tensor:
+        z = torch.randn(layers, seq, 6, generator=g) @ mix + 0.1 * torch.randn(layers, seq, c, generator=g)
+        return (scale * (z + offsets)).view(layers, seq, heads, dim).permute(0, 2, 1, 3).contiguous()
+
+    return one(), one()
+
+
+@pytest.fixture(scope="module")
+def fitted() -> CacheGenCodec:
+    codec = make_codec("cachegen")
+    assert isinstance(codec, CacheGenCodec)
+    codec.fit([synthetic_kv(i, seq=40 + i) for i in range(8)], n_layers=L)
+    return codec
+
+
+def roundtrip(codec: Codec, keys: torch.Tensor, values: torch.Tensor,
+              dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, int]:
+    ks, vs, nbytes = [], [], 0
+    for layer in range(keys.shape[0]):
+        blob = codec.encode_layer(keys[layer].to(dtype), values[layer].to(dtype), layer)
+        nbytes += len(blob)
+        k, v = codec.decode_layer(blob, layer, tuple(keys.shape[1:]), dtype)
+        assert k.dtype == dtype and v.dtype == dtype and k.shape == keys.shape[1:]
+        ks.append(k)
+        vs.append(v)
+    return torch.stack(ks), torch.stack(vs), nbytes
+
+
+def rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
+    return float((x.float() - y.float()).norm() / x.float().norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_raw_is_exact(dtype: torch.dtype) -> None:
+    keys, values = synthetic_kv(0)
+    k, v, _ = roundtrip(make_codec("raw"), keys, values, dtype)
+    assert torch.equal(k, keys.to(dtype)) and torch.equal(v, values.to(dtype))
+
+
+def test_int8_error_is_within_half_a_step() -> None:
+    keys, values = synthetic_kv(1, scale=3.0)
+    k, v, nbytes = roundtrip(make_codec("int8"), keys, values)
+    for x, y in ((keys, k), (values, v)):
+        step = (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) / 255
+        assert bool(((x - y).abs() <= 0.51 * step + 1e-3 * x.abs().amax()).all())
+    assert nbytes * 8 / (2 * keys.numel()) == pytest.approx(8 + 32 / D)
+
+
+def test_int8_rejects_non_finite() -> None:
+    keys, values = synthetic_kv(2)
+    keys[0, 0, 0, 0] = math.inf
+    with pytest.raises(ValueError, match="non-finite"):
+        make_codec("int8").encode_layer(keys[0], values[0], 0)
+
+
+def test_registry_levels() -> None:
+    assert make_codec("cachegen").level == CacheGenCodec.default_level() == 1
+    assert CacheGenCodec.levels() == (0, 1, 2)
+    assert make_codec("cachegen").needs_fit and not make_codec("int8").needs_fit
+    with pytest.raises(ValueError, match="levels"):
+        make_codec("cachegen", 7)
+
+
+def assert_within_bound(codec: CacheGenCodec, x: torch.Tensor, y: torch.Tensor, kind: int) -> None:
+    """Every token's L2 error is at most Δ/2 · sqrt(C) (plus float32 rounding)."""
+    c = x.shape[1] * x.shape[3]
+    for layer in range(x.shape[0]):
+        err = (x[layer] - y[layer]).permute(1, 0, 2).reshape(x.shape[2], c).norm(dim=1)
+        bound = codec.step(layer, kind) / 2 * math.sqrt(c)
+        assert float(err.max()) <= bound * 1.001 + 1e-5 * float(x[layer].abs().max())
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_cachegen_roundtrip_within_bound(fitted: CacheGenCodec, level: int) -> None:
+    codec = fitted.with_level(level)
+    keys, values = synthetic_kv(100)
+    k, v, _ = roundtrip(codec, keys, values)
+    assert_within_bound(codec, keys, k, 0)
+    assert_within_bound(codec, values, v, 1)
+    assert rel_err(keys, k) < 0.1 and rel_err(values, v) < 0.1
+
+
+def test_cachegen_levels_trade_size_for_error(fitted: CacheGenCodec) -> None:
+    keys, values = synthetic_kv(101, seq=64)
+    sizes, errors = [], []
+    for level in CacheGenCodec.levels():
+        k, v, nbytes = roundtrip(fitted.with_level(level), keys, values)
+        sizes.append(nbytes)
+        errors.append(rel_err(keys, k) + rel_err(values, v))
+    assert sizes == sorted(sizes) and errors == sorted(errors, reverse=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cachegen_half_precision(fitted: CacheGenCodec, dtype: torch.dtype) -> None:
+    keys, values = synthetic_kv(102)
+    k, v, _ = roundtrip(fitted, keys, values, dtype)
+    assert rel_err(keys, k) < 0.1 and rel_err(values, v) < 0.1
+
+
+def test_cachegen_out_of_distribution_values_use_escapes(fitted: CacheGenCodec) -> None:
+    keys, values = synthetic_kv(103, scale=40.0)  # far outside the fitted alphabet
+    keys[1, 0, 5, 3] = 5e4  # a lone spike
+    k, v, _ = roundtrip(fitted, keys, values)
+    assert_within_bound(fitted, keys, k, 0)
+    assert_within_bound(fitted, values, v, 1)
+
+
+@pytest.mark.parametrize("seq", [0, 1, 3])
+def test_cachegen_short_chunks(fitted: CacheGenCodec, seq: int) -> None:
+    keys, values = synthetic_kv(104, seq=seq)
+    k, v, _ = roundtrip(fitted, keys, values)
+    assert k.shape == keys.shape and v.shape == values.shape
+
+
+def test_cachegen_rejects_bad_input(fitted: CacheGenCodec) -> None:
+    keys, values = synthetic_kv(105)
+    with pytest.raises(ValueError, match="does not match"):
+        fitted.encode_layer(keys[0, :1], values[0, :1], 0)
+    with pytest.raises(ValueError, match="layer"):
+        fitted.encode_layer(keys[0], values[0], L)
+    keys[0, 0, 0, 0] = math.nan
+    with pytest.raises(ValueError, match="non-finite"):
+        fitted.encode_layer(keys[0], values[0], 0)
+
+
+def test_cachegen_needs_fit(tmp_path: Path) -> None:
+    codec = make_codec("cachegen")
+    keys, values = synthetic_kv(106)
+    with pytest.raises(CodecNotFittedError, match="fit"):
+        codec.encode_layer(keys[0], values[0], 0)
+    with pytest.raises(CodecNotFittedError, match="load_state"):
+        codec.decode_layer(b"\0" * 32, 0, (H, 37, D), torch.float32)
+    with pytest.raises(CodecNotFittedError):
+        codec.save_state(tmp_path)
+    with pytest.raises(ValueError, match="cannot read"):
+        codec.load_state(tmp_path / "missing")
+
+
+def test_cachegen_blob_from_other_level_or_state_is_refused(fitted: CacheGenCodec) -> None:
+    keys, values = synthetic_kv(107)
+    blob = fitted.encode_layer(keys[0], values[0], 0)
+    with pytest.raises(ValueError, match="level"):
+        fitted.with_level(0).decode_layer(blob, 0, (H, 37, D), torch.float32)
+    other = make_codec("cachegen")
+    other.fit([synthetic_kv(50 + i) for i in range(3)], n_layers=L)
+    assert other.params()["state"] != fitted.params()["state"]
+    with pytest.raises(ValueError, match="state"):
+        other.decode_layer(blob, 0, (H, 37, D), torch.float32)
+    with pytest.raises(ValueError, match="tokens"):
+        fitted.decode_layer(blob, 0, (H, 36, D), torch.float32)
+
+
+def test_cachegen_state_save_load_roundtrip(fitted: CacheGenCodec, tmp_path: Path) -> None:
+    fitted.save_state(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cachegen.json", "cachegen.npz"]
+    meta = json.loads((tmp_path / "cachegen.json").read_text())
+    assert meta["state_id"] == fitted.params()["state"]
+    with np.load(tmp_path / "cachegen.npz", allow_pickle=False) as npz:
+        assert all(npz[name].dtype != object for name in npz.files)
+    loaded = make_codec("cachegen", 2)
+    loaded.load_state(tmp_path)
+    assert loaded.params() == {**fitted.params(), "level": 2}
+    keys, values = synthetic_kv(108)
+    for level in CacheGenCodec.levels():
+        a, b = fitted.with_level(level), loaded.with_level(level)
+        blob = a.encode_layer(keys[1], values[1], 1)
+        assert blob == b.encode_layer(keys[1], values[1], 1)
+        for x, y in zip(a.decode_layer(blob, 1, (H, 37, D), torch.float32),
+                        b.decode_layer(blob, 1, (H, 37, D), torch.float32)):
+            assert torch.equal(x, y)
+
+
+def test_cachegen_state_tampering_is_detected(fitted: CacheGenCodec, tmp_path: Path) -> None:
+    fitted.save_state(tmp_path)
+    meta = json.loads((tmp_path / "cachegen.json").read_text())
+    meta["steps"]["1"][0][0] *= 2
+    (tmp_path / "cachegen.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="state id"):
+        make_codec("cachegen").load_state(tmp_path)
+
+
+def test_cachegen_fit_is_deterministic() -> None:
+    samples = [synthetic_kv(i) for i in range(3)]
+    a, b = make_codec("cachegen"), make_codec("cachegen")
+    a.fit(samples, L)
+    b.fit(samples, L)
+    assert a.params() == b.params()
+
+
+def test_cachegen_fit_rejects_bad_samples() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        make_codec("cachegen").fit([], L)
+    with pytest.raises(ValueError, match="n_layers"):
+        make_codec("cachegen").fit([synthetic_kv(0)], L + 1)
+
+
+def test_cachegen_decodes_from_worker_threads(fitted: CacheGenCodec) -> None:
+    chunks = [synthetic_kv(200 + i) for i in range(6)]
+    blobs = [[fitted.encode_layer(k[i], v[i], i) for i in range(L)] for k, v in chunks]
+    serial = [[fitted.decode_layer(b, i, (H, 37, D), torch.float32) for i, b in enumerate(bl)] for bl in blobs]
+
+    def decode(bl: list[bytes]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [fitted.with_level(1).decode_layer(b, i, (H, 37, D), torch.float32) for i, b in enumerate(bl)]
+
+    with ThreadPoolExecutor(4) as pool:
+        threaded = list(pool.map(decode, blobs))
+    for s_chunk, t_chunk in zip(serial, threaded):
+        for (ks, vs), (kt, vt) in zip(s_chunk, t_chunk):
+            assert torch.equal(ks, kt) and torch.equal(vs, vt)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=600), seq=st.integers(0, 50), layer=st.integers(0, L - 1))
+def test_cachegen_random_blobs_only_raise_value_error(fitted: CacheGenCodec, data: bytes, seq: int,
+                                                      layer: int) -> None:
+    try:
+        k, v = fitted.decode_layer(data, layer, (H, seq, D), torch.float32)
+    except ValueError:
+        return
+    assert k.shape == (H, seq, D) and bool(torch.isfinite(k).all() and torch.isfinite(v).all())
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_cachegen_mutated_blobs_only_raise_value_error(fitted: CacheGenCodec, data: st.DataObject) -> None:
+    keys, values = synthetic_kv(300)
+    blob = bytearray(fitted.encode_layer(keys[2], values[2], 2))
+    for _ in range(data.draw(st.integers(1, 4))):
+        pos = data.draw(st.integers(0, len(blob) - 1))
+        blob[pos] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(blob)))
+    try:
+        k, v = fitted.decode_layer(bytes(blob[:cut] if data.draw(st.booleans()) else blob), 2,
+                                   (H, 37, D), torch.float32)
+    except ValueError:
+        return
+    assert bool(torch.isfinite(k).all() and torch.isfinite(v).all())
+
+
+@pytest.mark.slow
+def test_cachegen_on_real_smollm2_kv(smollm2) -> None:
+    """Real pre-RoPE caches of SmolLM2: size target (<= 2.67 bits/element) and small error."""
+    from conftest import DATA
+
+    from kvrag.container import encode_chunk
+    from kvrag.kvgen import chunk_caches, prefix_cache
+
+    rows = [json.loads(line) for line in (DATA / "qa" / "musique_cacheblend_dev75.jsonl").open()]
+    texts = [c["text"] for r in rows[:4] for c in r["ctxs"]][:30]
+    ids = [smollm2.tokenizer(t, add_special_tokens=False)["input_ids"][:200] for t in texts]
+    prefix = prefix_cache(smollm2, smollm2.tokenizer("Passages:\n\n")["input_ids"])
+    caches = dict(chunk_caches(smollm2, prefix, ids))
+    samples, test = [caches[i] for i in range(24)], [caches[i] for i in range(24, 30)]
+    codec = make_codec("cachegen")
+    codec.fit(samples, smollm2.spec.n_layers)
+    expected = {0: (0.16, 0.32), 1: (0.10, 0.21), 2: (0.06, 0.12)}  # relative L2 error bounds (K, V)
+    bits = {}
+    for level in CacheGenCodec.levels():
+        c = codec.with_level(level)
+        ek = ev = nk = nv = 0.0
+        nbytes = elements = 0
+        for keys, values in test:
+            k, v, _ = roundtrip(c, keys, values)
+            nbytes += len(encode_chunk(c, "ab" * 20, smollm2.fingerprint, keys, values))  # metadata included
+            elements += 2 * keys.numel()
+            ek, nk = ek + float((keys - k).pow(2).sum()), nk + float(keys.pow(2).sum())
+            ev, nv = ev + float((values - v).pow(2).sum()), nv + float(values.pow(2).sum())
+            assert_within_bound(c, keys, k, 0)
+        bits[level] = nbytes * 8 / elements
+        assert math.sqrt(ek / nk) < expected[level][0] and math.sqrt(ev / nv) < expected[level][1]
+    assert bits[0] < bits[1] < bits[2]
+    assert bits[CacheGenCodec.default_level()] <= 16 / 6

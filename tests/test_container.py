@@ -1,0 +1,260 @@
+"""The chunk container and `KVStore`: round trips, every kind of corruption, layer-wise reads,
+several quality levels per chunk, and fuzzing (only `CorruptChunkError` may come out)."""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import struct
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_codec import D, H, L, synthetic_kv
+
+from kvrag.codec import make_codec
+from kvrag.codec.base import Codec
+from kvrag.container import MAGIC, ChunkReader, encode_chunk
+from kvrag.errors import CorruptChunkError
+from kvrag.store import KVStore, MemoryStore, level_key, make_store
+
+KEY = "0123456789abcdef0123456789abcdef01234567"
+FP = "model-fingerprint"
+
+
+@functools.lru_cache(maxsize=1)
+def fitted_cachegen() -> Codec:
+    codec = make_codec("cachegen")
+    codec.fit([synthetic_kv(i) for i in range(6)], n_layers=L)
+    return codec
+
+
+@pytest.fixture(scope="module")
+def cachegen() -> Codec:
+    return fitted_cachegen()
+
+
+@pytest.fixture(params=["raw", "int8", "cachegen"])
+def codec(request: pytest.FixtureRequest, cachegen: Codec) -> Codec:
+    return cachegen if request.param == "cachegen" else make_codec(request.param)
+
+
+def container(codec: Codec, seed: int = 0) -> tuple[bytes, torch.Tensor, torch.Tensor]:
+    keys, values = synthetic_kv(seed)
+    return encode_chunk(codec, KEY, FP, keys, values), keys, values
+
+
+def read_all(data: bytes, codec: Codec, key: str = KEY, fingerprint: str | None = FP) -> Any:
+    with ChunkReader(key, io.BytesIO(data), codec, fingerprint) as reader:
+        return reader.decode_all()
+
+
+def rewrite_header(data: bytes, edit: Any) -> bytes:
+    """A container whose JSON header went through ``edit`` (checksum recomputed: a consistent file)."""
+    _, version, head_len, _ = struct.unpack_from("<4sHII", data)
+    meta = json.loads(data[14 : 14 + head_len])
+    edit(meta)
+    head = json.dumps(meta, sort_keys=True).encode()
+    return struct.pack("<4sHII", MAGIC, version, len(head), zlib.crc32(head)) + head + data[14 + head_len :]
+
+
+def test_roundtrip_through_the_store(codec: Codec, tmp_path: Path) -> None:
+    for store in (MemoryStore(), make_store("disk", tmp_path, fsync=False)):
+        kv = KVStore(store, codec, FP)
+        keys, values = synthetic_kv(1)
+        assert kv.put(KEY, keys, values) == store.nbytes(KEY)
+        k, v = kv.load(KEY)
+        assert k.shape == keys.shape and kv.is_valid(KEY)
+        if codec.name == "raw":
+            assert torch.equal(k, keys) and torch.equal(v, values)
+        else:
+            assert float((k - keys).norm() / keys.norm()) < 0.1
+
+
+def corruptions(data: bytes, other: Codec) -> dict[str, tuple[bytes, Codec | None, str | None]]:
+    """name -> (file bytes, codec to read with (None: the writer's), fingerprint (None: the right one))."""
+    head_len = struct.unpack_from("<I", data, 6)[0]
+    flip_layer = bytearray(data)
+    flip_layer[-3] ^= 0x10
+    flip_header = bytearray(data)
+    flip_header[14 + head_len // 2] ^= 0x01
+    return {
+        "truncated": (data[: len(data) - 5], None, None),
+        "truncated in the header": (data[:20], None, None),
+        "empty file": (b"", None, None),
+        "flipped bit in a layer": (bytes(flip_layer), None, None),
+        "flipped bit in the header": (bytes(flip_header), None, None),
+        "wrong magic": (b"XXXX" + data[4:], None, None),
+        "wrong version": (data[:4] + struct.pack("<H", 99) + data[6:], None, None),
+        "wrong fingerprint": (data, None, "another-model"),
+        "wrong codec": (data, other, None),
+        "wrong codec params": (rewrite_header(data, lambda m: m["codec"].update(level=5)), None, None),
+        "another chunk's file": (rewrite_header(data, lambda m: m.update(key="ff" * 20)), None, None),
+        "layer table not contiguous": (rewrite_header(data, lambda m: m["layers"][1].__setitem__(0, 3)),
+                                       None, None),
+        "trailing bytes": (data + b"\0", None, None),
+    }
+
+
+@pytest.mark.parametrize("kind", ["truncated", "truncated in the header", "empty file", "flipped bit in a layer",
+                                  "flipped bit in the header", "wrong magic", "wrong version",
+                                  "wrong fingerprint", "wrong codec", "wrong codec params",
+                                  "another chunk's file", "layer table not contiguous", "trailing bytes"])
+def test_every_corruption_raises_corrupt_chunk_error(codec: Codec, kind: str) -> None:
+    data, _, _ = container(codec)
+    other = make_codec("int8" if codec.name != "int8" else "raw")
+    bad, reader_codec, fingerprint = corruptions(data, other)[kind]
+    with pytest.raises(CorruptChunkError) as info:
+        read_all(bad, reader_codec or codec, fingerprint=fingerprint or FP)
+    assert info.value.chunk == KEY and KEY in str(info.value)
+
+
+def test_wrong_level_and_other_fitted_state_raise(cachegen: Codec) -> None:
+    data, _, _ = container(cachegen)
+    with pytest.raises(CorruptChunkError, match="parameters"):
+        read_all(data, cachegen.with_level(0))
+    refit = make_codec("cachegen")
+    refit.fit([synthetic_kv(40 + i) for i in range(3)], n_layers=L)
+    with pytest.raises(CorruptChunkError, match="parameters") as info:
+        read_all(data, refit)
+    assert info.value.chunk == KEY
+
+
+def test_codec_level_check_backs_up_the_header(cachegen: Codec) -> None:
+    """Even with a header claiming the reader's params, a blob of another level does not decode."""
+    level0 = cachegen.with_level(0)
+    data = encode_chunk(level0, KEY, FP, *synthetic_kv(2))
+    forged = rewrite_header(data, lambda m: m.update(codec=cachegen.params()))
+    with pytest.raises(CorruptChunkError, match="level"):
+        read_all(forged, cachegen)
+
+
+def test_missing_chunk(codec: Codec) -> None:
+    kv = KVStore(MemoryStore(), codec, FP)
+    with pytest.raises(CorruptChunkError, match="missing") as info:
+        kv.load(KEY)
+    assert info.value.chunk == KEY and not kv.is_valid(KEY)
+
+
+def test_is_valid_spots_a_damaged_layer(codec: Codec) -> None:
+    store = MemoryStore()
+    kv = KVStore(store, codec, FP)
+    kv.put(KEY, *synthetic_kv(3))
+    data = bytearray(store._data[KEY])
+    data[-1] ^= 0xFF
+    store.put(KEY, bytes(data))
+    assert not kv.is_valid(KEY)
+    reader = kv.reader(KEY)  # the header is intact: opening works, the layer read does not
+    with reader, pytest.raises(CorruptChunkError, match=f"layer {L - 1}"):
+        reader.decode_layer(L - 1)
+
+
+class CountingFile(io.BytesIO):
+    """Records the byte ranges read."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.ranges: list[tuple[int, int]] = []
+
+    def read(self, size: int | None = -1) -> bytes:
+        start = self.tell()
+        out = super().read(size)
+        self.ranges.append((start, start + len(out)))
+        return out
+
+
+def test_single_layer_decode_reads_only_that_layer(codec: Codec) -> None:
+    data, keys, values = container(codec)
+    fh = CountingFile(data)
+    reader = ChunkReader(KEY, fh, codec, FP)
+    header_end = reader.header.data_start
+    fh.ranges.clear()
+    k, v = reader.decode_layer(2)
+    offset, length, _ = reader.header.layers[2]
+    assert fh.ranges == [(header_end + offset, header_end + offset + length)]
+    full_k, full_v = read_all(data, codec)
+    assert torch.equal(k, full_k[2]) and torch.equal(v, full_v[2])
+
+
+def test_several_levels_per_chunk(cachegen: Codec, tmp_path: Path) -> None:
+    store = make_store("disk", tmp_path, fsync=False)
+    kv = KVStore(store, cachegen, FP)
+    keys, values = synthetic_kv(4)
+    sizes = kv.put_levels(KEY, keys, values)
+    assert sorted(sizes) == [0, 1, 2] and sizes[0] < sizes[1] < sizes[2]
+    assert kv.stored_levels(KEY) == [0, 1, 2] and kv.contains(KEY) and kv.contains(KEY, level=0)
+    assert store.contains(level_key(KEY, 0)) and kv.nbytes(KEY, level=2) == sizes[2]
+    errors = []
+    for level in (0, 1, 2):
+        k, v = kv.load(KEY, level=level)
+        errors.append(float((k - keys).norm() / keys.norm()))
+    assert errors[0] > errors[1] > errors[2]
+    assert torch.equal(kv.load(KEY)[0], kv.load(KEY, level=1)[0])  # the index's own level
+    kv.discard(KEY)
+    assert kv.stored_levels(KEY) == []
+    with pytest.raises(CorruptChunkError, match="level 0") as info:
+        kv.load(KEY, level=0)
+    assert info.value.chunk == KEY
+
+
+def test_level_file_swapped_for_another_level_is_detected(cachegen: Codec) -> None:
+    store = MemoryStore()
+    kv = KVStore(store, cachegen, FP)
+    kv.put_levels(KEY, *synthetic_kv(5), levels=(0, 2))
+    store.put(level_key(KEY, 2), store._data[level_key(KEY, 0)])
+    with pytest.raises(CorruptChunkError):
+        kv.load(KEY, level=2)
+
+
+@functools.cache
+def valid_file(name: str) -> tuple[bytes, Codec, tuple[torch.Tensor, torch.Tensor]]:
+    """A valid container written by codec ``name``, the codec, and what it decodes to."""
+    codec = fitted_cachegen() if name == "cachegen" else make_codec(name)
+    data = container(codec, seed=7)[0]
+    return data, codec, read_all(data, codec)
+
+
+CODECS = st.sampled_from(["raw", "int8", "cachegen"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=2000), name=CODECS, magic=st.booleans())
+def test_random_bytes_only_raise_corrupt_chunk_error(data: bytes, name: str, magic: bool) -> None:
+    codec = valid_file(name)[1]
+    with pytest.raises(CorruptChunkError) as info:
+        read_all((MAGIC + struct.pack("<H", 1) + data) if magic else data, codec)
+    assert info.value.chunk == KEY
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=CODECS, draw=st.data())
+def test_mutated_containers_raise_or_decode_exactly(name: str, draw: st.DataObject) -> None:
+    data, codec, original = valid_file(name)
+    mutated = bytearray(data)
+    for _ in range(draw.draw(st.integers(1, 3))):
+        op = draw.draw(st.sampled_from(["set", "insert", "delete", "truncate"]))
+        pos = draw.draw(st.integers(0, max(0, len(mutated) - 1)))
+        if op == "set" and mutated:
+            mutated[pos] = draw.draw(st.integers(0, 255))
+        elif op == "insert":
+            mutated.insert(pos, draw.draw(st.integers(0, 255)))
+        else:
+            del mutated[pos : pos + 1 if op == "delete" else None]
+    try:
+        k, v = read_all(bytes(mutated), codec)
+    except CorruptChunkError as exc:
+        assert exc.chunk == KEY
+        return
+    assert torch.equal(k, original[0]) and torch.equal(v, original[1])
+
+
+def test_shapes_in_header_match_the_cache(codec: Codec) -> None:
+    data, keys, _ = container(codec)
+    with ChunkReader(KEY, io.BytesIO(data), codec, FP) as reader:
+        assert reader.header.shape == tuple(keys.shape) == (L, H, 37, D)
+        assert reader.header.codec == json.loads(json.dumps(codec.params()))

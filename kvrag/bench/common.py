@@ -34,7 +34,8 @@ class ModeSpec:
 
 def parse_mode(text: str) -> ModeSpec:
     """``cacheblend@0.15`` -> ratio 0.15 (``cacheblend@0.15/kv`` also picks the token score: ``kv``,
-    ``attention`` or ``kv_attention``); ``attnlink@16`` -> 16 link tokens; bare names use defaults."""
+    ``attention`` or ``kv_attention``); ``attnlink@16`` -> 16 link tokens; bare names use defaults.
+    """
     spec, _, score = text.strip().partition("/")
     name, _, arg = spec.partition("@")
     if score:

@@ -300,3 +300,18 @@ def test_cachegen_on_real_smollm2_kv(smollm2) -> None:
         assert math.sqrt(ek / nk) < expected[level][0] and math.sqrt(ev / nv) < expected[level][1]
     assert bits[0] < bits[1] < bits[2]
     assert bits[CacheGenCodec.default_level()] <= 16 / 6
+
+
+def test_codec_bench_rows_and_markdown() -> None:
+    from kvrag.bench.codec import run_codec_bench, to_markdown
+
+    rows = run_codec_bench([synthetic_kv(i, seq=48) for i in range(6)], codecs=("raw", "int8", "cachegen"),
+                           levels=(1,), repeats=1)
+    assert [(r["codec"], r["level"]) for r in rows] == [("raw", 0), ("int8", 0), ("cachegen", 1)]
+    raw, int8, cachegen = rows
+    assert raw["rel_err_k"] == 0 and raw["bits_per_element"] > 32  # float32 plus the container header
+    assert int8["bits_per_element"] > cachegen["bits_per_element"] and cachegen["rel_err_v"] < 0.1
+    assert all(r["decode_MBps"] > 0 and r["ratio_vs_bf16"] == pytest.approx(16 / r["bits_per_element"])
+               for r in rows)
+    table = to_markdown(rows)
+    assert table.count("\n| ") == 3 and "cachegen | 1*" in table  # 3 rows after the header

@@ -258,3 +258,15 @@ def test_shapes_in_header_match_the_cache(codec: Codec) -> None:
     with ChunkReader(KEY, io.BytesIO(data), codec, FP) as reader:
         assert reader.header.shape == tuple(keys.shape) == (L, H, 37, D)
         assert reader.header.codec == json.loads(json.dumps(codec.params()))
+
+
+def test_index_reopened_with_saved_codec_state_reads_its_chunks(cachegen: Codec, tmp_path: Path) -> None:
+    """The build fits and saves the codec state; `KVRag.open` makes a fresh codec and loads it."""
+    store = make_store("disk", tmp_path / "chunks", fsync=False)
+    KVStore(store, cachegen, FP).put(KEY, *synthetic_kv(6))
+    cachegen.save_state(tmp_path / "codec")
+    reopened = make_codec("cachegen", cachegen.level)
+    reopened.load_state(tmp_path / "codec")
+    k, v = KVStore(store, reopened, FP).load(KEY)
+    k0, v0 = KVStore(store, cachegen, FP).load(KEY)
+    assert torch.equal(k, k0) and torch.equal(v, v0)

@@ -85,7 +85,7 @@ def test_int8_rejects_non_finite() -> None:
 
 def test_registry_levels() -> None:
     assert make_codec("cachegen").level == CacheGenCodec.default_level() == 1
-    assert CacheGenCodec.levels() == (0, 1, 2)
+    assert CacheGenCodec.levels() == (0, 1, 2, 3)
     assert make_codec("cachegen").needs_fit and not make_codec("int8").needs_fit
     with pytest.raises(ValueError, match="levels"):
         make_codec("cachegen", 7)
@@ -100,7 +100,7 @@ def assert_within_bound(codec: CacheGenCodec, x: torch.Tensor, y: torch.Tensor, 
         assert float(err.max()) <= bound * 1.001 + 1e-5 * float(x[layer].abs().max())
 
 
-@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
 def test_cachegen_roundtrip_within_bound(fitted: CacheGenCodec, level: int) -> None:
     codec = fitted.with_level(level)
     keys, values = synthetic_kv(100)
@@ -283,7 +283,8 @@ def test_cachegen_on_real_smollm2_kv(smollm2) -> None:
     samples, test = [caches[i] for i in range(24)], [caches[i] for i in range(24, 30)]
     codec = make_codec("cachegen")
     codec.fit(samples, smollm2.spec.n_layers)
-    expected = {0: (0.16, 0.32), 1: (0.10, 0.21), 2: (0.06, 0.12)}  # relative L2 error bounds (K, V)
+    # relative L2 error bounds (K, V), ~1.3x what 300 SmolLM2 chunks measured
+    expected = {0: (0.14, 0.32), 1: (0.09, 0.20), 2: (0.06, 0.12), 3: (0.03, 0.06)}
     bits = {}
     for level in CacheGenCodec.levels():
         c = codec.with_level(level)
@@ -297,8 +298,9 @@ def test_cachegen_on_real_smollm2_kv(smollm2) -> None:
             ev, nv = ev + float((values - v).pow(2).sum()), nv + float(values.pow(2).sum())
             assert_within_bound(c, keys, k, 0)
         bits[level] = nbytes * 8 / elements
-        assert math.sqrt(ek / nk) < expected[level][0] and math.sqrt(ev / nv) < expected[level][1]
-    assert bits[0] < bits[1] < bits[2]
+        errors = (math.sqrt(ek / nk), math.sqrt(ev / nv))
+        assert errors[0] < expected[level][0] and errors[1] < expected[level][1], (level, errors)
+    assert bits[0] < bits[1] < bits[2] < bits[3]
     assert bits[CacheGenCodec.default_level()] <= 16 / 6
 
 

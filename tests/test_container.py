@@ -186,14 +186,14 @@ def test_several_levels_per_chunk(cachegen: Codec, tmp_path: Path) -> None:
     kv = KVStore(store, cachegen, FP)
     keys, values = synthetic_kv(4)
     sizes = kv.put_levels(KEY, keys, values)
-    assert sorted(sizes) == [0, 1, 2] and sizes[0] < sizes[1] < sizes[2]
-    assert kv.stored_levels(KEY) == [0, 1, 2] and kv.contains(KEY) and kv.contains(KEY, level=0)
+    assert sorted(sizes) == [0, 1, 2, 3] and sizes[0] < sizes[1] < sizes[2] < sizes[3]
+    assert kv.stored_levels(KEY) == [0, 1, 2, 3] and kv.contains(KEY) and kv.contains(KEY, level=0)
     assert store.contains(level_key(KEY, 0)) and kv.nbytes(KEY, level=2) == sizes[2]
     errors = []
-    for level in (0, 1, 2):
+    for level in (0, 1, 2, 3):
         k, v = kv.load(KEY, level=level)
         errors.append(float((k - keys).norm() / keys.norm()))
-    assert errors[0] > errors[1] > errors[2]
+    assert errors[0] > errors[1] > errors[2] > errors[3]
     assert torch.equal(kv.load(KEY)[0], kv.load(KEY, level=1)[0])  # the index's own level
     kv.discard(KEY)
     assert kv.stored_levels(KEY) == []

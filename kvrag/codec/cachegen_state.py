@@ -120,7 +120,27 @@ class CacheGenState:
             raise ValueError(f"malformed cachegen state in {directory}: {exc}") from None
         if state.state_id != meta.get("state_id"):
             raise ValueError(f"cachegen state in {directory} does not match its recorded state id")
+        state.validate()
         return state
+
+    def validate(self) -> None:
+        """Check array shapes and probability tables; ValueError naming what is wrong."""
+        n_l, c, b = self.n_layers, self.n_heads * self.head_dim, self.block
+        expected = {"mean": (2, n_l, c), "scale": (2, n_l), "sigma": (2, n_l, c),
+                    "basis": (2, n_l, c // b if b and c % b == 0 else -1, b, b)}
+        for name, shape in expected.items():
+            if getattr(self, name).shape != shape:
+                raise ValueError(f"cachegen state: {name} is {getattr(self, name).shape}, expected {shape}")
+        for level, model in self.levels.items():
+            if model.segments.ndim != 2 or model.segments.shape[1] != 7:
+                raise ValueError(f"cachegen state: level {level} segment table is {model.segments.shape}")
+            if not (np.isfinite(model.probs).all() and (model.probs > 0).all()):
+                raise ValueError(f"cachegen state: level {level} has invalid probabilities")
+
+
+def layer_group(layer: int, n_layers: int) -> int:
+    """Which third of the layers ``layer`` is in (0 early, 1 middle, 2 late): steps grow with it."""
+    return min(2, 3 * layer // n_layers)
 
 
 def _heads_per_block(n_heads: int, head_dim: int) -> int:
@@ -234,7 +254,7 @@ def fit_state(
             coeffs = np.concatenate([basis[kind, layer, b].T @ x[:, b * block : (b + 1) * block].T
                                      for b in range(basis.shape[2])])
             for level, per_kind in steps.items():
-                step = per_kind[kind][min(2, 3 * layer // n_layers)] * float(scale[kind, layer])
+                step = per_kind[kind][layer_group(layer, n_layers)] * float(scale[kind, layer])
                 codes = np.rint(coeffs / step)
                 for b, lo, hi in _segment_rows(sigma[kind, layer] / step, block):
                     radius, width, probs = _symbol_table(codes[b * block + lo : b * block + hi])

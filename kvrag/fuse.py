@@ -20,18 +20,29 @@ import torch
 
 from kvrag import hf_compat
 from kvrag.config import FuseConfig
+from kvrag.feed import ChunkFeed, TensorFeed
 from kvrag.kvgen import KV, PrefixCache
 from kvrag.model import LoadedModel, apply_rope, rope_at
 
 
 @dataclass
 class FusionInput:
-    """What fusion needs. ``chunk_kv[i] is None`` marks a chunk without a usable cache (recomputed)."""
+    """What fusion needs. ``chunk_kv[i] is None`` marks a chunk without a usable cache (recomputed).
+
+    ``chunk_kv`` is either the caches themselves or a `ChunkFeed` that delivers them layer by layer
+    while fusion runs (loading overlapped with recompute).
+    """
 
     prefix: PrefixCache
     chunk_ids: list[torch.Tensor]  # each [n_i]
-    chunk_kv: list[KV | None]  # each ([L, H, n_i, D] pre-RoPE keys, values) or None
+    chunk_kv: list[KV | None] | ChunkFeed  # each ([L, H, n_i, D] pre-RoPE keys, values) or None
     suffix_ids: torch.Tensor  # [S]
+
+    def available(self) -> list[bool]:
+        """Per chunk: whether it has a stored cache."""
+        if isinstance(self.chunk_kv, ChunkFeed):
+            return list(self.chunk_kv.available)
+        return [kv is not None for kv in self.chunk_kv]
 
 
 @dataclass
@@ -60,6 +71,7 @@ class FusionResult:
     n_selected: list[int]  # per layer: how many tokens were recomputed
     fuse_s: float
     selected: torch.Tensor = field(repr=False)  # positions recomputed in the last layer
+    load_wait_s: float = 0.0  # time the layer loop waited for stored layers (loading not hidden)
 
     @property
     def recompute_fraction(self) -> float:
@@ -77,8 +89,8 @@ def segments(inp: FusionInput) -> Segments:
     total = pos + int(inp.suffix_ids.numel())
     forced = torch.zeros(total, dtype=torch.bool)
     forced[pos:] = True
-    for start, n, kv in zip(starts, lens, inp.chunk_kv):
-        if kv is None:
+    for start, n, ok in zip(starts, lens, inp.available()):
+        if not ok:
             forced[start : start + n] = True
     return Segments(p, starts, lens, pos, total, forced)
 
@@ -189,31 +201,49 @@ def make_selector(config: FuseConfig) -> Selector:
     return CacheBlendSelector(config)
 
 
-def _assemble(lm: LoadedModel, inp: FusionInput, seg: Segments) -> list[KV]:
-    """Full per-layer K/V ``[1, H, N, D]``: prefix as stored, chunks rotated to their positions."""
+def _prefixed_layers(lm: LoadedModel, inp: FusionInput, seg: Segments) -> list[KV]:
+    """Per-layer K/V ``[1, H, N, D]`` holding the prefix; every other row is written before it is read
+    (stored chunk rows by `_place_layer`, recomputed rows by the layer itself).
+    """
     spec, device = lm.spec, lm.device
     dtype = inp.prefix.kv[0][0].dtype
     shape = (1, spec.n_kv_heads, seg.total, spec.head_dim)
-    layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-              for _ in range(spec.n_layers)]
-    p = seg.prefix_len
-    for (k_full, v_full), (k_pre, v_pre) in zip(layers, inp.prefix.kv):
-        k_full[:, :, :p] = k_pre
-        v_full[:, :, :p] = v_pre
-    for start, n, kv in zip(seg.chunk_starts, seg.chunk_lens, inp.chunk_kv):
-        if kv is None:
-            continue
-        keys, values = kv[0].to(device, dtype), kv[1].to(device, dtype)  # [L, H, n, D]
-        cos, sin = rope_at(lm.model, torch.arange(start, start + n, device=device), keys)
-        rotated = apply_rope(keys, cos, sin)
-        for layer, (k_full, v_full) in enumerate(layers):
-            k_full[0, :, start : start + n] = rotated[layer]
-            v_full[0, :, start : start + n] = values[layer]
+    layers = []
+    for k_pre, v_pre in inp.prefix.kv:
+        k_full = torch.empty(shape, dtype=dtype, device=device)
+        v_full = torch.empty(shape, dtype=dtype, device=device)
+        k_full[:, :, : seg.prefix_len] = k_pre
+        v_full[:, :, : seg.prefix_len] = v_pre
+        layers.append((k_full, v_full))
     return layers
 
 
-def _attention_mask(sel: torch.Tensor, total: int, dtype: torch.dtype, window: int | None) -> torch.Tensor:
-    """Additive mask ``[1, 1, n_sel, N]``: selected token i sees positions j <= pos_i (within window)."""
+def _open_feed(lm: LoadedModel, inp: FusionInput, seg: Segments, dtype: torch.dtype) -> ChunkFeed | None:
+    if isinstance(inp.chunk_kv, ChunkFeed):
+        return inp.chunk_kv if inp.chunk_kv.any_available else None
+    if not any(kv is not None for kv in inp.chunk_kv):
+        return None
+    return TensorFeed(inp.chunk_kv, seg.chunk_lens, lm.spec.n_layers, lm.device, dtype)
+
+
+def _place_layer(layer: hf_compat.ScatterLayer, kv: tuple[torch.Tensor, torch.Tensor], seg: Segments,
+                 cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Write one layer's stored chunk K/V (``[H, n, D]`` pre-RoPE) into the full cache, keys rotated."""
+    keys, values, _ = layer.full()
+    start, stop = seg.prefix_len, seg.suffix_start
+    keys[0, :, start:stop] = apply_rope(kv[0][None].to(keys.dtype), cos, sin)[0]
+    values[0, :, start:stop] = kv[1].to(values.dtype)
+
+
+def _attention_mask(sel: torch.Tensor, total: int, dtype: torch.dtype, window: int | None,
+                    causal_ok: bool = False) -> torch.Tensor | None:
+    """Additive mask ``[1, 1, n_sel, N]``: selected token i sees positions j <= pos_i (within window).
+
+    None when every position is selected and the attention kernel applies the causal mask itself
+    (``causal_ok``): a plain causal prefill, which SDPA runs with its flash kernel.
+    """
+    if causal_ok and sel.numel() == total and (window is None or total <= window):
+        return None
     cols = torch.arange(total, device=sel.device)
     allowed = cols[None, :] <= sel[:, None]
     if window is not None and total > window:
@@ -268,36 +298,56 @@ def suffix_attention(
     return scores.softmax(-1).sum(dim=(0, 1, 2, 3))
 
 
+def _causal_kernel(lm: LoadedModel) -> bool:
+    """Whether the model's attention applies a causal mask by itself when given none (SDPA)."""
+    return getattr(lm.model.config, "_attn_implementation", None) == "sdpa"
+
+
 def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig) -> FusionResult:
-    """Run the selective-recompute layer loop and return the fused cache and last-token logits."""
+    """Run the selective-recompute layer loop and return the fused cache and last-token logits.
+
+    Stored chunk layers are placed into the cache just before their layer runs, so a `ChunkFeed`
+    input loads later layers while earlier ones are recomputed.
+    """
     t0 = time.perf_counter()
     seg = segments(inp)
     selector = make_selector(config)
     device = lm.device
     ids = torch.cat([inp.prefix.ids.to(device)] + [c.to(device) for c in inp.chunk_ids]
                     + [inp.suffix_ids.to(device)])
-    cache = hf_compat.ScatterCache(_assemble(lm, inp, seg))
+    layers = _prefixed_layers(lm, inp, seg)
+    cache = hf_compat.ScatterCache(layers)
+    feed = _open_feed(lm, inp, seg, layers[0][0].dtype)
     sel = selector.initial(seg).nonzero().squeeze(1).to(device)
-    window = lm.spec.sliding_window
-    with torch.no_grad():
-        hidden = hf_compat.embed_tokens(lm.model, ids[sel])[None]  # [1, n_sel, hidden]
-        mask = _attention_mask(sel, seg.total, hidden.dtype, window)
-        n_selected = []
-        for layer_idx in range(lm.spec.n_layers):
-            scatter = cache.layer(layer_idx)
-            scatter.rows, scatter.keep_old = sel, selector.checks(layer_idx)
-            n_selected.append(int(sel.numel()))
-            hidden_in = hidden
-            hidden = hf_compat.run_decoder_layer(lm.model, layer_idx, hidden, mask, sel, cache)
-            if not scatter.keep_old:
-                continue
-            dev = _token_scores(lm, config.score, layer_idx, hidden_in, sel, scatter, seg)
-            keep = selector.narrow(layer_idx, sel.cpu(), dev.cpu(), seg)
-            scatter.old_keys = scatter.old_values = None
-            if keep is not None and keep.numel() < sel.numel():
-                keep = keep.to(device)
-                sel, hidden = sel[keep], hidden[:, keep]
-                mask = _attention_mask(sel, seg.total, hidden.dtype, window)
-        logits = hf_compat.final_logits(lm.model, hidden[:, -1:])[0, -1]
+    window, causal_ok = lm.spec.sliding_window, _causal_kernel(lm)
+    try:
+        with torch.no_grad():
+            if feed is not None:
+                positions = torch.arange(seg.prefix_len, seg.suffix_start, device=device)
+                cos, sin = rope_at(lm.model, positions, layers[0][0])
+            hidden = hf_compat.embed_tokens(lm.model, ids[sel])[None]  # [1, n_sel, hidden]
+            mask = _attention_mask(sel, seg.total, hidden.dtype, window, causal_ok)
+            n_selected = []
+            for layer_idx in range(lm.spec.n_layers):
+                scatter = cache.layer(layer_idx)
+                if feed is not None:
+                    _place_layer(scatter, feed.layer(layer_idx), seg, cos, sin)
+                scatter.rows, scatter.keep_old = sel, selector.checks(layer_idx)
+                n_selected.append(int(sel.numel()))
+                hidden_in = hidden
+                hidden = hf_compat.run_decoder_layer(lm.model, layer_idx, hidden, mask, sel, cache)
+                if not scatter.keep_old:
+                    continue
+                dev = _token_scores(lm, config.score, layer_idx, hidden_in, sel, scatter, seg)
+                keep = selector.narrow(layer_idx, sel.cpu(), dev.cpu(), seg)
+                scatter.old_keys = scatter.old_values = None
+                if keep is not None and keep.numel() < sel.numel():
+                    keep = keep.to(device)
+                    sel, hidden = sel[keep], hidden[:, keep]
+                    mask = _attention_mask(sel, seg.total, hidden.dtype, window, causal_ok)
+            logits = hf_compat.final_logits(lm.model, hidden[:, -1:])[0, -1]
+    finally:
+        if feed is not None:
+            feed.close()
     return FusionResult(cache.to_dynamic(), logits, seg.total, n_selected,
-                        time.perf_counter() - t0, sel)
+                        time.perf_counter() - t0, sel, feed.wait_s if feed is not None else 0.0)

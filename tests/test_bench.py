@@ -32,7 +32,7 @@ def test_parse_modes() -> None:
         parse_modes("reuse@3")
 
 
-def _speed(out: Path, device: str) -> dict:
+def _speed(out: Path, device: str, tiers: str = "disk,ram") -> dict:
     rc = main(
         [
             "bench",
@@ -49,6 +49,8 @@ def _speed(out: Path, device: str) -> dict:
             "1",
             "--device",
             device,
+            "--tiers",
+            tiers,
             "--out",
             str(out),
         ]
@@ -57,11 +59,15 @@ def _speed(out: Path, device: str) -> dict:
     payload = _check_outputs(out, "speed", "speed.png")
     results = payload["results"]
     assert {r["length"] for r in results} == {64, 128}
-    assert len(results) == 8 and all(r["ttft_ms"] > 0 for r in results)
+    n_tiers = len(tiers.split(","))
+    # per length: the plain transformers forward, full, and three modes from every tier
+    assert len(results) == 2 * (2 + 3 * n_tiers) and all(r["ttft_ms"] > 0 for r in results)
     full = [r for r in results if r["mode"] == "full"]
     assert all(r["speedup"] == pytest.approx(1.0) and r["recompute_fraction"] == 1.0 for r in full)
     reuse = [r for r in results if r["mode"] == "reuse"]
+    assert {r["tier"] for r in reuse} == set(tiers.split(","))
     assert all(r["recompute_fraction"] < 0.5 for r in reuse)
+    assert all(r["load_ms"] >= 0 and r["fuse_ms"] > 0 for r in results)
     return payload
 
 
@@ -72,7 +78,7 @@ def test_bench_speed_tiny_cpu(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bench_speed_tiny_gpu(tmp_path: Path) -> None:
-    payload = _speed(tmp_path, "auto")
+    payload = _speed(tmp_path, "auto", "disk,ram,gpu")
     assert payload["device"].startswith("cuda") and payload["dtype"] == "bfloat16"
 
 

@@ -3,10 +3,14 @@
 For each length, random token chunks of ``--chunk-tokens`` are prefilled once after a fixed prefix
 (`kvgen.chunk_caches`), stored through `KVStore` with the lossless ``raw`` codec in a temporary
 folder, and each mode is timed from loading the chunks to the first token's logits (``full`` loads
-nothing and recomputes every token). Modes are interleaved within each repeat, warm-up runs are
-excluded, GPU work is synchronised around every clock read, and every ratio is against ``full``
-measured in the same run. ``--arch`` builds a published model shape with random weights (no
-download, no tokenizer), so the numbers are timings only.
+nothing and recomputes every token). Loading runs layer by layer alongside the recompute (a
+`kvrag.feed` pipeline) from each ``--tiers`` source: ``disk`` (the store; page cache warm), ``ram``
+(host memory, pinned on CUDA) and ``gpu`` (resident in GPU memory). A plain transformers forward
+over the same prompt (``hf-prefill``) is timed too, to show that ``full`` is a fair baseline. Runs
+are interleaved within each repeat, warm-up runs are excluded, GPU work is synchronised around every
+clock read, and every ratio is against ``full`` measured in the same run. ``--arch`` builds a
+published model shape with random weights (no download, no tokenizer), so the numbers are timings
+only.
 
 Outputs in ``--out``: ``speed.json``, ``speed.md`` and ``speed.png`` (TTFT vs context length).
 """
@@ -18,7 +22,7 @@ import logging
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default="1024,2048,4096", help="context lengths in tokens (chunks only)")
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--modes", default=common.DEFAULT_SPEED_MODES)
+    parser.add_argument("--tiers", default="disk,ram",
+                        help="where the chunk caches are loaded from: disk (the store), ram (host memory, "
+                             "pinned on CUDA), gpu (resident in GPU memory); comma list")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1, …")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
@@ -147,10 +154,14 @@ def load_lm(args: argparse.Namespace, device: str) -> tuple[Any, str]:
     return arch_model(arch, device, args.dtype), arch
 
 
+TIERS = ("disk", "ram", "gpu")
+
+
 class Workload:
     """One context length: random chunks whose caches are stored on disk, plus prefix and suffix."""
 
-    def __init__(self, lm: Any, kvstore: Any, length: int, chunk_tokens: int, seed: int) -> None:
+    def __init__(self, lm: Any, kvstore: Any, length: int, chunk_tokens: int, seed: int,
+                 tiers: Sequence[str] = ("disk",)) -> None:
         import torch
 
         from kvrag.kvgen import chunk_caches, chunk_key, prefix_cache
@@ -163,12 +174,33 @@ class Workload:
         self.suffix_ids = rand(SUFFIX_TOKENS)
         self.keys = [chunk_key(lm.fingerprint, self.prefix.ids.tolist(), c.tolist()) for c in self.chunk_ids]
         self.stored_bytes = 0
+        self.resident: dict[str, list[Any]] = {}
+        cuda = lm.device.type == "cuda"
         for i, (k, v) in chunk_caches(lm, self.prefix, [c.tolist() for c in self.chunk_ids], 4 * chunk_tokens):
             self.stored_bytes += kvstore.put(self.keys[i], k.cpu(), v.cpu())
+            if "ram" in tiers:  # host memory, pinned for asynchronous copies when there is a GPU
+                host = [t.cpu().pin_memory() if cuda else t.cpu() for t in (k, v)]
+                self.resident.setdefault("ram", []).append(tuple(host))
+            if "gpu" in tiers:
+                self.resident.setdefault("gpu", []).append((k.to(lm.device), v.to(lm.device)))
         self.kvstore = kvstore
 
-    def time_mode(self, lm: Any, config: Any) -> dict[str, float]:
-        """Load (+decode) the stored chunks and fuse; seconds, with GPU work synchronised."""
+    def feed(self, lm: Any, tier: str) -> Any:
+        """A feed over this workload's chunk caches from ``tier``."""
+        from kvrag.feed import StoreFeed, TensorFeed
+
+        lengths = [int(c.numel()) for c in self.chunk_ids]
+        dtype = self.prefix.kv[0][0].dtype
+        if tier == "disk":
+            return StoreFeed(self.kvstore, self.keys, lengths, lm.spec.n_layers, lm.device, dtype)
+        return TensorFeed(self.resident[tier], lengths, lm.spec.n_layers, lm.device, dtype)
+
+    def time_mode(self, lm: Any, config: Any, tier: str = "disk") -> dict[str, float]:
+        """Load the stored chunks from ``tier`` while fusing (layer-wise pipeline); seconds, GPU synchronised.
+
+        ``load_s`` is opening the chunks plus the time fusion waited for a layer (loading that
+        recompute did not hide); ``fuse_s`` is the rest.
+        """
         import torch
 
         from kvrag.fuse import FusionInput, fuse
@@ -176,11 +208,7 @@ class Workload:
         device = lm.device
         common.cuda_sync(device)
         t0 = time.perf_counter()
-        if config.mode == "full":
-            kv: list[Any] = [None] * len(self.keys)
-        else:
-            kv = [tuple(t.to(device, non_blocking=True) for t in self.kvstore.load(k)) for k in self.keys]
-        common.cuda_sync(device)
+        kv = [None] * len(self.keys) if config.mode == "full" else self.feed(lm, tier)
         t1 = time.perf_counter()
         result = fuse(lm, FusionInput(self.prefix, self.chunk_ids, kv, self.suffix_ids), config)
         int(torch.argmax(result.logits))  # the first token; also waits for the GPU
@@ -188,11 +216,26 @@ class Workload:
         t2 = time.perf_counter()
         return {
             "ttft_s": t2 - t0,
-            "load_s": t1 - t0,
-            "fuse_s": t2 - t1,
+            "load_s": t1 - t0 + result.load_wait_s,
+            "fuse_s": t2 - t1 - result.load_wait_s,
             "recompute_fraction": result.recompute_fraction,
             "tokens": result.n_tokens,
         }
+
+    def time_plain_prefill(self, lm: Any) -> dict[str, float]:
+        """The model's own forward over the same prompt (no kvrag code): checks that ``full`` is fair."""
+        import torch
+
+        ids = torch.cat([self.prefix.ids.cpu()] + self.chunk_ids + [self.suffix_ids]).to(lm.device)
+        common.cuda_sync(lm.device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = lm.model(input_ids=ids[None], use_cache=True, logits_to_keep=1)
+        int(torch.argmax(out.logits[0, -1]))
+        common.cuda_sync(lm.device)
+        elapsed = time.perf_counter() - t0
+        return {"ttft_s": elapsed, "load_s": 0.0, "fuse_s": elapsed, "recompute_fraction": 1.0,
+                "tokens": int(ids.numel())}
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -209,28 +252,43 @@ def free_memory(device: Any) -> None:
         torch.cuda.empty_cache()
 
 
-def time_length(lm: Any, work: Workload, specs: list[common.ModeSpec], repeats: int) -> list[dict[str, Any]]:
-    """Warm-up once per mode, then ``repeats`` interleaved rounds; medians per mode."""
-    samples: dict[str, list[dict[str, float]]] = {s.label: [] for s in specs}
+PLAIN = "hf-prefill"
+
+
+def time_length(lm: Any, work: Workload, specs: list[common.ModeSpec], repeats: int,
+                tiers: Sequence[str] = ("disk",)) -> list[dict[str, Any]]:
+    """Warm-up once per run kind, then ``repeats`` interleaved rounds; medians per (mode, tier).
+
+    ``full`` loads nothing and runs once per round; every other mode runs once per tier. A plain
+    transformers forward over the same prompt (``hf-prefill``) is timed alongside as a fairness check.
+    """
+    runs: list[tuple[str, str, Callable[[], dict[str, float]]]] = [(PLAIN, "-", lambda: work.time_plain_prefill(lm))]
     for spec in specs:
-        work.time_mode(lm, spec.config)
+        for tier in ["-"] if spec.config.mode == "full" else tiers:
+            source = tier if tier != "-" else "disk"
+            runs.append((spec.label, tier, lambda c=spec.config, t=source: work.time_mode(lm, c, t)))
+    samples: dict[tuple[str, str], list[dict[str, float]]] = {(m, t): [] for m, t, _ in runs}
+    for _, _, run in runs:
+        run()
     for r in range(repeats):
-        for spec in specs[r % len(specs) :] + specs[: r % len(specs)]:
-            samples[spec.label].append(work.time_mode(lm, spec.config))
-    full_ms = statistics.median(s["ttft_s"] for s in samples[specs[0].label]) * 1e3
+        for mode, tier, run in runs[r % len(runs) :] + runs[: r % len(runs)]:
+            samples[mode, tier].append(run())
+    full_ms = statistics.median(s["ttft_s"] for s in samples[specs[0].label, "-"]) * 1e3
     rows = []
-    for spec in specs:
-        med = {k: statistics.median(s[k] for s in samples[spec.label]) for k in ("ttft_s", "load_s", "fuse_s")}
+    for mode, tier, _ in runs:
+        got = samples[mode, tier]
+        med = {k: statistics.median(s[k] for s in got) for k in ("ttft_s", "load_s", "fuse_s")}
         rows.append(
             {
-                "mode": spec.label,
+                "mode": mode,
+                "tier": tier,
                 "ttft_ms": med["ttft_s"] * 1e3,
                 "load_ms": med["load_s"] * 1e3,
                 "fuse_ms": med["fuse_s"] * 1e3,
                 "speedup": full_ms / (med["ttft_s"] * 1e3),
-                "recompute_fraction": samples[spec.label][0]["recompute_fraction"],
-                "prompt_tokens": samples[spec.label][0]["tokens"],
-                "ttft_ms_all": [s["ttft_s"] * 1e3 for s in samples[spec.label]],
+                "recompute_fraction": got[0]["recompute_fraction"],
+                "prompt_tokens": got[0]["tokens"],
+                "ttft_ms_all": [s["ttft_s"] * 1e3 for s in got],
             }
         )
     return rows
@@ -249,14 +307,15 @@ def run_lengths(
 
     kvstore = KVStore(make_store("disk", tmp / "chunks", fsync=False), make_codec("raw"), lm.fingerprint)
     results, notes = [], []
+    tiers = parse_tiers(args.tiers, lm.device)
     for length in common.parse_ints(args.lengths, "--lengths"):
         total = PREFIX_TOKENS + length + SUFFIX_TOKENS
         if total > lm.spec.max_position:
             notes.append(f"length {length} skipped: {total} tokens exceed the model's window {lm.spec.max_position}")
             continue
         try:
-            work = Workload(lm, kvstore, length, args.chunk_tokens, args.seed)
-            rows = time_length(lm, work, specs, args.repeats)
+            work = Workload(lm, kvstore, length, args.chunk_tokens, args.seed, tiers)
+            rows = time_length(lm, work, specs, args.repeats, tiers)
         except (RuntimeError, MemoryError) as exc:
             if not is_oom(exc):
                 raise
@@ -274,12 +333,25 @@ def run_lengths(
     return results, notes
 
 
+def parse_tiers(text: str, device: Any) -> list[str]:
+    """``disk,ram,gpu`` -> tiers to time; ``gpu`` needs a CUDA model."""
+    tiers = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in tiers if t not in TIERS]
+    if not tiers or bad:
+        raise ValueError(f"--tiers must list some of {TIERS}, got {text!r}")
+    if "gpu" in tiers and getattr(device, "type", str(device)) != "cuda":
+        raise ValueError("--tiers gpu needs a CUDA device (caches resident in GPU memory)")
+    return list(dict.fromkeys(tiers))
+
+
 def speed_markdown(results: list[dict[str, Any]]) -> str:
-    headers = ["context tokens", "mode", "TTFT ms", "speedup vs full", "load ms", "fuse ms", "recomputed"]
+    headers = ["context tokens", "mode", "caches in", "TTFT ms", "speedup vs full", "load ms", "fuse ms",
+               "recomputed"]
     rows = [
         [
             r["length"],
             r["mode"],
+            r.get("tier", "disk"),
             r["ttft_ms"],
             f"{r['speedup']:.2f}×",
             r["load_ms"],
@@ -294,9 +366,11 @@ def speed_markdown(results: list[dict[str, Any]]) -> str:
 def speed_plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
     plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(6, 4.2))
-    for mode in dict.fromkeys(r["mode"] for r in results):
-        rs = [r for r in results if r["mode"] == mode]
-        ax.plot([r["length"] for r in rs], [r["ttft_ms"] for r in rs], marker="o", label=mode)
+    for mode, tier in dict.fromkeys((r["mode"], r.get("tier", "disk")) for r in results):
+        rs = [r for r in results if r["mode"] == mode and r.get("tier", "disk") == tier]
+        label = mode if tier == "-" else f"{mode} ({tier})"
+        style = "--" if mode == PLAIN else ":" if tier == "ram" else "-."  if tier == "gpu" else "-"
+        ax.plot([r["length"] for r in rs], [r["ttft_ms"] for r in rs], style, marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context length (chunk tokens)")
@@ -324,6 +398,7 @@ def write_outputs(args: argparse.Namespace, lm: Any, name: str, results: list[di
         "prefix_tokens": PREFIX_TOKENS,
         "suffix_tokens": SUFFIX_TOKENS,
         "repeats": args.repeats,
+        "tiers": args.tiers,
         "notes": notes,
         "results": results,
     }
@@ -338,8 +413,10 @@ def write_outputs(args: argparse.Namespace, lm: Any, name: str, results: list[di
     note_text = "".join(f"\n- {n}" for n in notes)
     (out / "speed.md").write_text(
         f"# kvrag bench speed\n\n`{payload['command']}`\n\n{name}, {payload['dtype']} on {where}; "
-        f"chunks of {args.chunk_tokens} tokens stored with the raw codec on local disk; median of "
-        f"{args.repeats}.\n\n{table}\n{note_text}\n"
+        f"chunks of {args.chunk_tokens} tokens, caches stored with the raw codec and loaded layer by layer "
+        f"during fusion from the listed tier (disk: local store, page cache warm; ram: host memory; gpu: "
+        f"GPU memory); load ms is the loading fusion waited for; median of {args.repeats}.\n\n"
+        f"{table}\n{note_text}\n"
     )
     if results:
         speed_plot(results, out / "speed.png", f"{name} ({payload['dtype']}, {lm.device})")

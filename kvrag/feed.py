@@ -1,0 +1,315 @@
+"""Layer-wise delivery of chunk caches to the fusion loop (CacheBlend §5's loading pipeline).
+
+Fusion needs the stored K/V of layer ``i`` only when it reaches layer ``i``. A `ChunkFeed` hands it
+over one layer at a time for the whole chunk region — every chunk's pre-RoPE keys and values side by
+side, ``[kv_heads, n, head_dim]`` with zeros for chunks that have no cache — on the model's device,
+and prepares the next layers while the current one is recomputed:
+
+- `TensorFeed`: caches already in memory (``[L, H, n, D]`` per chunk), on the host (pinned or not)
+  or on the device. On CUDA, host caches are copied on a side stream ``depth`` layers ahead.
+- `StoreFeed`: caches in a `KVStore`. A worker thread reads, checks and decodes ``depth`` layers ahead
+  (the codec's decoders and file reads release the GIL for their bulk work), into pinned staging
+  buffers that a side stream copies to the GPU.
+
+``wait_s`` accumulates the time the fusion loop spent blocked on a layer that was not ready yet:
+the part of loading that recompute did not hide.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from kvrag.errors import CorruptChunkError
+
+log = logging.getLogger(__name__)
+
+KV = tuple[torch.Tensor, torch.Tensor]
+LayerKV = tuple[torch.Tensor, torch.Tensor]  # [H, n, D] each: one layer of the whole chunk region
+DEFAULT_DEPTH = 2
+
+
+class ChunkFeed(ABC):
+    """Per-layer K/V of a run of chunks, in the order they appear in the prompt."""
+
+    def __init__(self, lengths: Sequence[int], available: Sequence[bool], n_layers: int,
+                 device: torch.device | str, dtype: torch.dtype) -> None:
+        if len(lengths) != len(available):
+            raise ValueError(f"{len(lengths)} chunk lengths but {len(available)} availability flags")
+        self.lengths, self.available = [int(n) for n in lengths], [bool(a) for a in available]
+        self.n_layers, self.device, self.dtype = n_layers, torch.device(device), dtype
+        self.offsets = [sum(self.lengths[:i]) for i in range(len(self.lengths))]
+        self.total = sum(self.lengths)
+        self.wait_s = 0.0
+
+    @property
+    def any_available(self) -> bool:
+        return any(self.available)
+
+    def layer(self, i: int) -> LayerKV:
+        """Layer ``i``'s pre-RoPE ``(keys, values)`` ``[H, total, D]`` on the device (layers in order)."""
+        t0 = time.perf_counter()
+        out = self._layer(i)
+        self.wait_s += time.perf_counter() - t0
+        return out
+
+    @abstractmethod
+    def _layer(self, i: int) -> LayerKV: ...
+
+    def close(self) -> None:
+        """Stop background work and release buffers."""
+
+    def __enter__(self) -> ChunkFeed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _is_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+class _Prefetcher:
+    """Runs ``produce(i)`` on one worker thread, ``depth`` layers ahead of the consumer."""
+
+    def __init__(self, produce: Callable[[int], Any], n_layers: int, depth: int) -> None:
+        self._produce, self._n, self._depth = produce, n_layers, max(1, depth)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrag-feed")
+        self._futures: dict[int, Future[Any]] = {}
+        self._next = 0
+        self._closed = False
+        for _ in range(min(self._depth, n_layers)):
+            self._submit()
+
+    def _submit(self) -> None:
+        if self._next < self._n and not self._closed:
+            self._futures[self._next] = self._pool.submit(self._produce, self._next)
+            self._next += 1
+
+    def get(self, i: int) -> Any:
+        future = self._futures.pop(i, None)
+        if future is None:
+            raise RuntimeError(f"layer {i} was not requested in order (feeds deliver layers 0, 1, …)")
+        result = future.result()
+        self._submit()
+        return result
+
+    def close(self) -> None:
+        self._closed = True
+        for future in self._futures.values():
+            future.cancel()
+        self._pool.shutdown(wait=True)
+        self._futures.clear()
+
+
+class _DeviceCopier:
+    """Copies host layers to a CUDA device on a side stream, through a ring of pinned buffers."""
+
+    def __init__(self, device: torch.device, shape: tuple[int, ...], dtype: torch.dtype, ring: int) -> None:
+        self.device, self.stream = device, torch.cuda.Stream(device)
+        self.host = [torch.empty(shape, dtype=dtype, pin_memory=True) for _ in range(ring)]
+        self.events: list[torch.cuda.Event | None] = [None] * ring
+
+    def buffer(self, i: int) -> torch.Tensor:
+        """The pinned buffer for layer ``i`` (waits until its previous copy has finished)."""
+        slot = i % len(self.host)
+        event = self.events[slot]
+        if event is not None:
+            event.synchronize()
+        return self.host[slot]
+
+    def upload(self, i: int, host: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        with torch.cuda.stream(self.stream):
+            dev = host.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.events[i % len(self.host)] = event
+        return dev, event
+
+
+def _consume(device: torch.device, event: Any, *tensors: torch.Tensor) -> None:
+    """Make the current stream wait for a side-stream copy and keep the copied memory alive for it."""
+    if event is not None:
+        stream = torch.cuda.current_stream(device)
+        stream.wait_event(event)
+        for tensor in tensors:
+            tensor.record_stream(stream)
+
+
+class TensorFeed(ChunkFeed):
+    """Chunk caches already in memory: ``[L, H, n, D]`` keys and values per chunk, or None."""
+
+    def __init__(self, chunk_kv: Sequence[KV | None], lengths: Sequence[int], n_layers: int,
+                 device: torch.device | str, dtype: torch.dtype, depth: int = DEFAULT_DEPTH) -> None:
+        super().__init__(lengths, [kv is not None for kv in chunk_kv], n_layers, device, dtype)
+        self.chunk_kv = list(chunk_kv)
+        self._shape: tuple[int, int] | None = None
+        for kv, n in zip(self.chunk_kv, self.lengths):
+            if kv is not None:
+                if kv[0].shape != kv[1].shape or kv[0].dim() != 4 or kv[0].shape[2] != n or kv[0].shape[0] < n_layers:
+                    raise ValueError(f"chunk cache of shape {tuple(kv[0].shape)} does not fit {n} tokens "
+                                     f"and {n_layers} layers")
+                self._shape = (int(kv[0].shape[1]), int(kv[0].shape[3]))
+        host = [kv for kv in self.chunk_kv if kv is not None and kv[0].device.type == "cpu"]
+        self._async = _is_cuda(self.device) and bool(host)
+        self._prefetch: _Prefetcher | None = None
+        if self._async:
+            self._stream = torch.cuda.Stream(self.device)
+            self._prefetch = _Prefetcher(self._upload, n_layers, depth)
+
+    def _gather(self, i: int, device: torch.device) -> LayerKV:
+        assert self._shape is not None
+        h, d = self._shape
+        if all(self.available) and not self._async:  # one concatenation kernel per tensor
+            parts = [kv for kv in self.chunk_kv if kv is not None]
+            return (torch.cat([kv[0][i] for kv in parts], dim=1).to(device, self.dtype),
+                    torch.cat([kv[1][i] for kv in parts], dim=1).to(device, self.dtype))
+        k = torch.zeros((h, self.total, d), dtype=self.dtype, device=device)
+        v = torch.zeros_like(k)
+        for kv, off, n in zip(self.chunk_kv, self.offsets, self.lengths):
+            if kv is not None:
+                k[:, off : off + n].copy_(kv[0][i], non_blocking=True)
+                v[:, off : off + n].copy_(kv[1][i], non_blocking=True)
+        return k, v
+
+    def _upload(self, i: int) -> tuple[LayerKV, torch.cuda.Event]:
+        with torch.cuda.stream(self._stream):
+            kv = self._gather(i, self.device)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return kv, event
+
+    def _layer(self, i: int) -> LayerKV:
+        if self._shape is None:
+            raise RuntimeError("no chunk in this feed has a cache")
+        if self._prefetch is None:
+            return self._gather(i, self.device)
+        (k, v), event = self._prefetch.get(i)
+        _consume(self.device, event, k, v)
+        return k, v
+
+    def close(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.close()
+
+
+class StoreFeed(ChunkFeed):
+    """Chunk caches read from a `KVStore` layer by layer, decoded ahead of use on a worker thread.
+
+    ``recover(j)`` is called when chunk ``j``'s file is missing or a layer fails its checksum or does
+    not decode; it returns that chunk's whole cache (recomputed from text), used from then on. Layers
+    already delivered came from checked bytes, so they stay valid.
+    """
+
+    def __init__(self, kvstore: Any, keys: Sequence[str | None], lengths: Sequence[int], n_layers: int,
+                 device: torch.device | str, dtype: torch.dtype, recover: Callable[[int], KV] | None = None,
+                 depth: int = DEFAULT_DEPTH, workers: int | None = None) -> None:
+        super().__init__(lengths, [k is not None for k in keys], n_layers, device, dtype)
+        if workers is None:  # decoding threads; a layer's chunks decode in parallel
+            workers = min(8, max(1, (os.cpu_count() or 2) // 2)) if _is_cuda(self.device) else 1
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvrag-decode") if workers > 1 else None
+        self.kvstore, self.keys, self._recover = kvstore, list(keys), recover
+        self._readers: list[Any] = [None] * len(self.keys)
+        self._recovered: dict[int, KV] = {}
+        self._lock = threading.Lock()
+        self.decode_s = 0.0
+        for j, key in enumerate(self.keys):
+            if key is not None:
+                self._open(j, key)
+        self._shape = self._probe_shape()
+        self._copier: _DeviceCopier | None = None
+        if _is_cuda(self.device) and self._shape is not None:
+            h, d = self._shape
+            self._copier = _DeviceCopier(self.device, (2, h, self.total, d), dtype, depth + 1)
+        self._prefetch = _Prefetcher(self._produce, n_layers, depth) if self._shape is not None else None
+
+    def _open(self, j: int, key: str) -> None:
+        try:
+            reader = self.kvstore.reader(key)
+            if reader.header.shape[2] != self.lengths[j] or reader.header.n_layers < self.n_layers:
+                reader.close()
+                raise CorruptChunkError(key, f"holds {reader.header.shape[2]} tokens, expected {self.lengths[j]}")
+            self._readers[j] = reader
+        except CorruptChunkError as exc:
+            self._recover_chunk(j, exc)
+
+    def _recover_chunk(self, j: int, exc: CorruptChunkError) -> None:
+        if self._recover is None:
+            raise exc
+        log.warning("%s; recomputing it from its text", exc)
+        reader, self._readers[j] = self._readers[j], None
+        if reader is not None:
+            reader.close()
+        self._recovered[j] = self._recover(j)
+
+    def _probe_shape(self) -> tuple[int, int] | None:
+        for reader in self._readers:
+            if reader is not None:
+                _, h, _, d = reader.header.shape
+                return int(h), int(d)
+        for kv in self._recovered.values():
+            return int(kv[0].shape[1]), int(kv[0].shape[3])
+        return None
+
+    def _produce(self, i: int) -> tuple[torch.Tensor, Any]:
+        assert self._shape is not None
+        t0 = time.perf_counter()
+        h, d = self._shape
+        if self._copier is not None:
+            both = self._copier.buffer(i)
+            if not all(self.available):
+                both.zero_()
+        else:
+            both = torch.zeros((2, h, self.total, d), dtype=self.dtype)
+
+        def fill(j: int) -> None:
+            k, v = self._chunk_layer(j, i)
+            off, n = self.offsets[j], self.lengths[j]
+            both[0, :, off : off + n].copy_(k)
+            both[1, :, off : off + n].copy_(v)
+
+        todo = [j for j in range(len(self.keys)) if self.available[j]]
+        for _ in map(fill, todo) if self._pool is None else self._pool.map(fill, todo):
+            pass
+        self.decode_s += time.perf_counter() - t0
+        if self._copier is not None:
+            return self._copier.upload(i, both)
+        return both, None
+
+    def _chunk_layer(self, j: int, i: int) -> KV:
+        reader = self._readers[j]
+        if reader is not None:
+            try:
+                return reader.decode_layer(i)
+            except CorruptChunkError as exc:
+                with self._lock:
+                    self._recover_chunk(j, exc)
+        kv = self._recovered[j]
+        return kv[0][i].to("cpu"), kv[1][i].to("cpu")
+
+    def _layer(self, i: int) -> LayerKV:
+        if self._prefetch is None:
+            raise RuntimeError("no chunk in this feed has a cache")
+        both, event = self._prefetch.get(i)
+        _consume(self.device, event, both)
+        both = both if both.device == self.device else both.to(self.device)
+        return both[0], both[1]
+
+    def close(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        for reader in self._readers:
+            if reader is not None:
+                reader.close()
+        self._readers = [None] * len(self.keys)

@@ -1,0 +1,160 @@
+"""Layer-wise chunk-cache feeds: what they deliver, recovery from bad chunks, and fusion through them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fuse import _setup
+
+from kvrag.codec.base import make_codec
+from kvrag.config import FuseConfig
+from kvrag.errors import CorruptChunkError
+from kvrag.feed import StoreFeed, TensorFeed
+from kvrag.fuse import FusionInput, fuse
+from kvrag.store import KVStore, make_store
+
+LENS = (9, 14, 6)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return _setup("llama", seed=3, lens=LENS)
+
+
+def _store(tmp_path, lm, kv, codec: str = "raw") -> tuple[KVStore, list[str]]:
+    kvstore = KVStore(make_store("disk", tmp_path / "chunks", fsync=False), make_codec(codec), lm.fingerprint)
+    keys = [f"{i:02x}" * 20 for i in range(len(kv))]
+    for key, (k, v) in zip(keys, kv):
+        kvstore.put(key, k, v)
+    return kvstore, keys
+
+
+def _expected(kv, layer: int, available=(True, True, True)):
+    ks = [k[layer] if ok else torch.zeros_like(k[layer]) for (k, _), ok in zip(kv, available)]
+    vs = [v[layer] if ok else torch.zeros_like(v[layer]) for (_, v), ok in zip(kv, available)]
+    return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+
+
+def test_tensor_feed_delivers_each_layer_side_by_side_with_zeros_for_missing(setup):
+    lm, _, _, kv, _ = setup
+    masked = [kv[0], None, kv[2]]
+    with TensorFeed(masked, LENS, lm.spec.n_layers, "cpu", torch.float32) as feed:
+        assert feed.available == [True, False, True] and feed.total == sum(LENS)
+        for layer in range(lm.spec.n_layers):
+            k, v = feed.layer(layer)
+            ek, ev = _expected(kv, layer, (True, False, True))
+            assert torch.equal(k, ek) and torch.equal(v, ev)
+
+
+def test_tensor_feed_rejects_a_cache_of_the_wrong_length(setup):
+    lm, _, _, kv, _ = setup
+    with pytest.raises(ValueError, match="does not fit"):
+        TensorFeed(kv, (9, 15, 6), lm.spec.n_layers, "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_store_feed_equals_the_stored_caches(tmp_path, setup, workers):
+    lm, _, _, kv, _ = setup
+    kvstore, keys = _store(tmp_path, lm, kv)
+    with StoreFeed(kvstore, keys, LENS, lm.spec.n_layers, "cpu", torch.float32, workers=workers) as feed:
+        for layer in range(lm.spec.n_layers):
+            k, v = feed.layer(layer)
+            ek, ev = _expected(kv, layer)
+            assert torch.equal(k, ek) and torch.equal(v, ev)
+        assert feed.decode_s > 0
+
+
+def test_store_feed_wants_layers_in_order(tmp_path, setup):
+    lm, _, _, kv, _ = setup
+    kvstore, keys = _store(tmp_path, lm, kv)
+    with StoreFeed(kvstore, keys, LENS, lm.spec.n_layers, "cpu", torch.float32, depth=1) as feed:
+        with pytest.raises(RuntimeError, match="in order"):
+            feed.layer(2)
+
+
+def test_store_feed_recovers_a_missing_chunk_or_raises_without_recovery(tmp_path, setup):
+    lm, _, _, kv, _ = setup
+    kvstore, keys = _store(tmp_path, lm, kv)
+    kvstore.store.delete(keys[1])
+    with pytest.raises(CorruptChunkError, match="missing"):
+        StoreFeed(kvstore, keys, LENS, lm.spec.n_layers, "cpu", torch.float32)
+    asked = []
+    recover = lambda j: asked.append(j) or kv[j]  # noqa: E731
+    with StoreFeed(kvstore, keys, LENS, lm.spec.n_layers, "cpu", torch.float32, recover=recover) as feed:
+        k, v = feed.layer(0)
+    assert asked == [1]
+    assert torch.equal(k, _expected(kv, 0)[0]) and torch.equal(v, _expected(kv, 0)[1])
+
+
+def test_store_feed_recovers_a_chunk_whose_later_layer_is_corrupt(tmp_path, setup):
+    lm, _, _, kv, _ = setup
+    kvstore, keys = _store(tmp_path, lm, kv)
+    reader = kvstore.reader(keys[2])
+    offset, length, _ = reader.header.layers[2]
+    start = reader.header.data_start
+    reader.close()
+    path = kvstore.store._path(keys[2])
+    data = bytearray(path.read_bytes())
+    data[start + offset + length // 2] ^= 0x40  # one bit flipped inside layer 2
+    path.write_bytes(bytes(data))
+    asked = []
+    recover = lambda j: asked.append(j) or kv[j]  # noqa: E731
+    with StoreFeed(kvstore, keys, LENS, lm.spec.n_layers, "cpu", torch.float32, recover=recover) as feed:
+        got = [feed.layer(layer) for layer in range(lm.spec.n_layers)]
+    assert asked == [2]
+    for layer, (k, v) in enumerate(got):
+        ek, ev = _expected(kv, layer)
+        assert torch.equal(k, ek) and torch.equal(v, ev)
+
+
+@pytest.mark.parametrize("mode", ["cacheblend", "attnlink", "reuse"])
+def test_fusion_through_a_store_feed_equals_fusion_over_tensors(tmp_path, setup, mode):
+    lm, prefix, chunks, kv, suffix = setup
+    kvstore, keys = _store(tmp_path, lm, kv)
+    config = FuseConfig(mode=mode, ratio=0.3, link_tokens=3)
+    direct = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
+    feed = StoreFeed(kvstore, keys, LENS, lm.spec.n_layers, "cpu", torch.float32)
+    piped = fuse(lm, FusionInput(prefix, chunks, feed, suffix), config)
+    assert torch.equal(direct.logits, piped.logits)
+    assert direct.n_selected == piped.n_selected and piped.load_wait_s >= 0
+
+
+def test_fusion_with_a_chunk_without_cache_through_a_feed(tmp_path, setup):
+    lm, prefix, chunks, kv, suffix = setup
+    kvstore, keys = _store(tmp_path, lm, kv)
+    config = FuseConfig(mode="reuse")
+    direct = fuse(lm, FusionInput(prefix, chunks, [kv[0], None, kv[2]], suffix), config)
+    feed = StoreFeed(kvstore, [keys[0], None, keys[2]], LENS, lm.spec.n_layers, "cpu", torch.float32)
+    piped = fuse(lm, FusionInput(prefix, chunks, feed, suffix), config)
+    assert torch.equal(direct.logits, piped.logits)
+    assert piped.n_selected[0] == LENS[1] + suffix.numel()
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier", ["disk", "ram", "gpu"])
+def test_gpu_fusion_from_every_tier_matches_cpu_fusion(tmp_path, setup, tier):
+    lm, prefix, chunks, kv, suffix = setup
+    config = FuseConfig(mode="cacheblend", ratio=0.3)
+    ref = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
+    from kvrag.kvgen import PrefixCache
+    from kvrag.model import wrap_model
+
+    gpu_lm = wrap_model(lm.model.to("cuda"), None, "tiny-gpu")
+    try:
+        gpu_prefix = PrefixCache(prefix.ids.cuda(), [(k.cuda(), v.cuda()) for k, v in prefix.kv])
+        n = gpu_lm.spec.n_layers
+        if tier == "disk":
+            kvstore, keys = _store(tmp_path, lm, kv)
+            source = StoreFeed(kvstore, keys, LENS, n, "cuda", torch.float32, workers=2)
+        elif tier == "ram":
+            source = TensorFeed([(k.pin_memory(), v.pin_memory()) for k, v in kv], LENS, n, "cuda", torch.float32)
+        else:
+            source = TensorFeed([(k.cuda(), v.cuda()) for k, v in kv], LENS, n, "cuda", torch.float32)
+        got = fuse(gpu_lm, FusionInput(gpu_prefix, chunks, source, suffix), config)
+        assert (got.logits.cpu() - ref.logits).abs().max().item() <= 1e-3
+    finally:
+        lm.model.to("cpu")

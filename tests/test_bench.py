@@ -148,7 +148,9 @@ def test_bench_quality_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
     )
     assert rc == 0
     payload = _check_outputs(out, "quality", "quality_pareto.png")
-    assert payload["n_questions"] == 3 and payload["index_chunks"] == 5  # shared passages stored once
+    assert payload["n_questions"] == payload["n_planned"] == 3
+    assert payload["index_chunks"] == 5  # shared passages stored once
+    assert "partial" not in (out / "quality.md").read_text()
     assert len(payload["rows"]) == 12
     summary = {s["mode"]: s for s in payload["summary"]}
     assert list(summary) == ["full", "reuse", "cacheblend@0.15", "attnlink@4"]

@@ -258,7 +258,40 @@ def build_index(args: argparse.Namespace, items: list[dict[str, Any]], index_dir
     return rag, time.perf_counter() - t0
 
 
+def write_outputs(args: argparse.Namespace, items: list[dict[str, Any]], specs: list[common.ModeSpec],
+                  rows: list[dict[str, Any]], extra: dict[str, Any]) -> str:
+    """Write ``quality.json``, ``quality.md`` and the Pareto plot for the rows so far; the table."""
+    out = Path(args.out)
+    summary = summarise(rows, specs)
+    done = len({r["id"] for r in rows})
+    payload = {
+        **common.stamp(args),
+        "data": args.data,
+        "model": args.model,
+        "n_questions": done,
+        "n_planned": len(items),
+        "max_new_tokens": args.max_new_tokens,
+        "warmup": args.warmup,
+        **extra,
+        "summary": summary,
+        "rows": rows,
+    }
+    common.write_json(out / "quality.json", payload)
+    table = summary_markdown(summary)
+    partial = "" if done == len(items) else f" (partial: {done} of {len(items)} questions so far)"
+    (out / "quality.md").write_text(
+        f"# kvrag bench quality\n\n`{payload['command']}`\n\n{done} questions from "
+        f"`{Path(args.data).name}`{partial}, model `{args.model}`, mean prompt {summary[0]['prompt_tokens']:.0f} "
+        f"tokens; CPU {payload['hardware']['cpu']} ({payload['hardware']['cpus_usable']} usable cores)."
+        f"\n\n{table}\n"
+    )
+    pareto_plot(summary, out / "quality_pareto.png", f"{Path(args.data).name}, {done} q, {args.model}")
+    return table
+
+
 def run(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
     common.set_threads(args.threads)
     specs = common.parse_modes(args.modes)
     items = load_questions(Path(args.data), args.n)
@@ -266,35 +299,14 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvrag-bench-") as tmp:
         rag, build_s = build_index(args, items, Path(args.index) if args.index else Path(tmp) / "index")
+        extra = {"index_chunks": len(rag.index), "index_build_s": build_s}
         with rag:
             for item in items[: args.warmup]:
                 run_question(rag, item, specs, 0, args.max_new_tokens)
             rows: list[dict[str, Any]] = []
-            for turn, item in enumerate(items):
+            for turn, item in enumerate(tqdm(items, desc="questions", unit="q", disable=None)):
                 rows += run_question(rag, item, specs, turn, args.max_new_tokens)
+                write_outputs(args, items, specs, rows, extra)  # partial results survive an interruption
                 log.info("question %d/%d done", turn + 1, len(items))
-            n_chunks = len(rag.index)
-    summary = summarise(rows, specs)
-    payload = {
-        **common.stamp(args),
-        "data": args.data,
-        "model": args.model,
-        "n_questions": len(items),
-        "max_new_tokens": args.max_new_tokens,
-        "warmup": args.warmup,
-        "index_chunks": n_chunks,
-        "index_build_s": build_s,
-        "summary": summary,
-        "rows": rows,
-    }
-    common.write_json(out / "quality.json", payload)
-    table = summary_markdown(summary)
-    (out / "quality.md").write_text(
-        f"# kvrag bench quality\n\n`{payload['command']}`\n\n{len(items)} questions from "
-        f"`{Path(args.data).name}`, model `{args.model}`, mean prompt {summary[0]['prompt_tokens']:.0f} "
-        f"tokens; CPU {payload['hardware']['cpu']} ({payload['hardware']['cpus_usable']} usable cores)."
-        f"\n\n{table}\n"
-    )
-    pareto_plot(summary, out / "quality_pareto.png", f"{Path(args.data).name}, {len(items)} q, {args.model}")
-    print(table)
+    print(write_outputs(args, items, specs, rows, extra))
     return 0

@@ -41,9 +41,12 @@ def pick_token(logits: torch.Tensor, config: GenerateConfig, generator: torch.Ge
 
 def decode_tokens(
     model: Any, cache: Any, first_logits: torch.Tensor, start_pos: int,
-    config: GenerateConfig, stop_ids: set[int],
+    config: GenerateConfig, stop_ids: set[int], logprobs: list[float] | None = None,
 ) -> Iterator[int]:
-    """Yield generated token ids; stops at an EOS id or after ``max_new_tokens`` (EOS not yielded)."""
+    """Yield generated token ids; stops at an EOS id or after ``max_new_tokens`` (EOS not yielded).
+
+    When ``logprobs`` is given, each yielded token's log-probability under the model is appended to it.
+    """
     generator = None
     if config.seed is not None:
         generator = torch.Generator(device="cpu").manual_seed(config.seed)
@@ -53,6 +56,8 @@ def decode_tokens(
         token = pick_token(logits.cpu() if generator is not None else logits, config, generator)
         if token in stop_ids:
             return
+        if logprobs is not None:
+            logprobs.append(float(torch.log_softmax(logits.float(), dim=-1)[token]))
         yield token
         with torch.no_grad():
             out = model(

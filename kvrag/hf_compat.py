@@ -56,6 +56,21 @@ def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(cache.key_cache, cache.value_cache))
 
 
+def crop_cache(cache: Any, length: int) -> None:
+    """Keep the first ``length`` positions of every layer of a dynamic cache (in place).
+
+    (``DynamicCache.crop``'s argument changed meaning across transformers versions.)
+    """
+    if hasattr(cache, "layers"):
+        for layer in cache.layers:
+            if getattr(layer, "keys", None) is not None:
+                layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+        return
+    for i in range(len(cache.key_cache)):
+        cache.key_cache[i] = cache.key_cache[i][..., :length, :]
+        cache.value_cache[i] = cache.value_cache[i][..., :length, :]
+
+
 def dynamic_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
     """A `DynamicCache` holding the given per-layer ``(keys, values)`` (``[B, H, S, D]``)."""
     cache = DynamicCache()

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvrag import hf_compat
 from kvrag.build import Builder, BuildStats, split_documents
 from kvrag.codec.base import Codec, make_codec
 from kvrag.config import FuseConfig, GenerateConfig, SplitConfig
@@ -66,6 +67,8 @@ class Answer:
     token_ids: list[int] = field(default_factory=list)
     n_prompt_tokens: int = 0
     recompute_fraction: float = 0.0
+    score_nll: float = math.nan  # teacher-forced NLL of ``score_ids`` under this fusion, when asked
+    token_logprobs: list[float] = field(default_factory=list)  # log-probability of each generated token
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -309,7 +312,8 @@ class KVRag:
     def stream(self, question: str, k: int = 4, mode: str = "cacheblend", ratio: float = 0.15, *,
                chunks: Sequence[str | RetrievedChunk] | None = None, max_new_tokens: int = 64,
                temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] = (),
-               seed: int | None = None, fuse_config: FuseConfig | None = None) -> Iterator[str]:
+               seed: int | None = None, fuse_config: FuseConfig | None = None,
+               score_ids: Sequence[int] | None = None) -> Iterator[str]:
         """Yield the answer's text as it is generated; `last_answer` holds the full `Answer` after.
 
         Args mirror `answer`.
@@ -322,11 +326,15 @@ class KVRag:
                         n_prompt_tokens=fused.n_tokens, recompute_fraction=fused.recompute_fraction)
         self.last_answer = answer
         yield from stream_into(answer, self.lm, fused.cache, fused.logits, fused.n_tokens, gcfg, t0)
+        if score_ids:
+            hf_compat.crop_cache(fused.cache, fused.n_tokens)  # back to the fused prompt alone
+            answer.score_nll = self._teacher_nll(fused, score_ids)
 
     def answer(self, question: str, k: int = 4, mode: str = "cacheblend", ratio: float = 0.15, *,
                chunks: Sequence[str | RetrievedChunk] | None = None, max_new_tokens: int = 64,
                temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] = (),
-               seed: int | None = None, fuse_config: FuseConfig | None = None) -> Answer:
+               seed: int | None = None, fuse_config: FuseConfig | None = None,
+               score_ids: Sequence[int] | None = None) -> Answer:
         """Retrieve ``k`` chunks (or use ``chunks``), fuse their caches and generate an answer.
 
         Args:
@@ -337,13 +345,15 @@ class KVRag:
             chunks: chunk keys to use instead of retrieving (the direct path).
             max_new_tokens, temperature, top_p, stop, seed: decoding (greedy by default).
             fuse_config: full control over fusion (overrides ``mode`` and ``ratio``).
+            score_ids: token ids whose teacher-forced NLL under this same fusion is measured after
+                decoding (``Answer.score_nll``; equals `nll` without fusing a second time).
 
         Returns:
             `Answer` with the text, TTFT and its breakdown, and the chunks used.
         """
         for _ in self.stream(question, k, mode, ratio, chunks=chunks, max_new_tokens=max_new_tokens,
                              temperature=temperature, top_p=top_p, stop=stop, seed=seed,
-                             fuse_config=fuse_config):
+                             fuse_config=fuse_config, score_ids=score_ids):
             pass
         assert self.last_answer is not None
         return self.last_answer
@@ -355,6 +365,10 @@ class KVRag:
             raise ValueError("target_ids is empty")
         fcfg = fuse_config or FuseConfig(mode=mode, ratio=ratio)
         _, _, fused, _ = self._prepare(question, len(chunks), chunks, fcfg)
+        return self._teacher_nll(fused, target_ids)
+
+    def _teacher_nll(self, fused: FusionResult, target_ids: Sequence[int]) -> float:
+        """Mean NLL of ``target_ids`` fed after the fused prompt (the cache must hold just the prompt)."""
         device = fused.logits.device
         target = torch.tensor(list(target_ids), device=device)
         logits = [fused.logits[None]]
@@ -382,7 +396,8 @@ def stream_into(answer: Answer, lm: LoadedModel, cache: Any, logits: torch.Tenso
                 gcfg: GenerateConfig, t0: float) -> Iterator[str]:
     """Decode from a fused cache into ``answer`` (token ids, TTFT since ``t0``, text), yielding text."""
     streamer = TextStreamer(lm.tokenizer, gcfg.stop)
-    for token in decode_tokens(lm.model, cache, logits, n_tokens, gcfg, eos_ids(lm.model, lm.tokenizer)):
+    stop_ids = eos_ids(lm.model, lm.tokenizer)
+    for token in decode_tokens(lm.model, cache, logits, n_tokens, gcfg, stop_ids, answer.token_logprobs):
         if not answer.token_ids:
             answer.ttft_s = time.perf_counter() - t0
         answer.token_ids.append(token)

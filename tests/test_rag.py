@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,21 @@ def test_direct_chunk_ids_and_nll(built):
     assert abs(full_nll - same) < 1e-4
     with pytest.raises(KeyError, match="nope"):
         rag.answer("q?", chunks=["nope"])
+
+
+@pytest.mark.parametrize("mode", ["full", "cacheblend", "reuse"])
+def test_scoring_during_an_answer_equals_nll_and_greedy_logprobs_score_the_answer(built, mode):
+    rag, _ = built
+    keys = [c.key for c in rag.retrieve("Where is sediment?", k=3)]
+    full = rag.answer("Where is sediment?", chunks=keys, mode="full", max_new_tokens=6)
+    assert len(full.token_logprobs) == len(full.token_ids) > 0
+    assert all(lp <= 0 for lp in full.token_logprobs)
+    own = rag.nll("Where is sediment?", full.token_ids, keys, mode="full")
+    assert -sum(full.token_logprobs) / len(full.token_logprobs) == pytest.approx(own, abs=1e-4)
+    scored = rag.answer("Where is sediment?", chunks=keys, mode=mode, max_new_tokens=6, score_ids=full.token_ids)
+    assert scored.score_nll == pytest.approx(rag.nll("Where is sediment?", full.token_ids, keys, mode=mode),
+                                             abs=1e-4)
+    assert math.isnan(rag.answer("Where is sediment?", chunks=keys, mode=mode, max_new_tokens=2).score_nll)
 
 
 def test_rebuild_with_one_more_document_computes_only_its_chunks(built, tiny_model_dir):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -86,8 +87,10 @@ def passage_keys(rag: Any, item: dict[str, Any]) -> list[str]:
 
 
 def answer_row(
-    rag: Any, item: dict[str, Any], keys: list[str], spec: common.ModeSpec, max_new_tokens: int
+    rag: Any, item: dict[str, Any], keys: list[str], spec: common.ModeSpec, max_new_tokens: int,
+    score_ids: list[int] | None = None,
 ) -> dict[str, Any]:
+    """One mode's answer; with ``score_ids`` (``full``'s answer) also their NLL under the same fusion."""
     cfg = spec.config
     ans = rag.answer(
         item["question"],
@@ -96,7 +99,12 @@ def answer_row(
         ratio=cfg.ratio,
         fuse_config=cfg,
         max_new_tokens=max_new_tokens,
+        score_ids=score_ids,
     )
+    if score_ids is None:  # full's own answer: greedy decoding already saw each token's probability
+        nll = -sum(ans.token_logprobs) / len(ans.token_logprobs) if ans.token_logprobs else math.nan
+    else:
+        nll = ans.score_nll
     return {
         "id": item["id"],
         "mode": spec.label,
@@ -108,39 +116,31 @@ def answer_row(
         "fuse_s": ans.timings["fuse_s"],
         "recompute_fraction": ans.recompute_fraction,
         "prompt_tokens": ans.n_prompt_tokens,
+        "nll_full_answer": nll,
         **metrics.gold_scores(ans.text, item["answers"]),
     }
-
-
-def score_question(
-    rag: Any,
-    item: dict[str, Any],
-    keys: list[str],
-    rows: dict[str, dict[str, Any]],
-    specs: list[common.ModeSpec],
-) -> None:
-    """Agreement, first-token agreement and ΔNLL of every mode against ``full``'s answer."""
-    full = rows["full"]
-    nll_full = rag.nll(item["question"], full["token_ids"], keys, fuse_config=specs[0].config)
-    for spec in specs:
-        row = rows[spec.label]
-        row["agreement"] = metrics.agreement(row["answer"], full["answer"])
-        row["first_token_agreement"] = metrics.first_token_agreement(row["token_ids"], full["token_ids"])
-        nll = (
-            nll_full
-            if spec.label == "full"
-            else rag.nll(item["question"], full["token_ids"], keys, fuse_config=spec.config)
-        )
-        row["nll_full_answer"], row["delta_nll"] = nll, nll - nll_full
 
 
 def run_question(
     rag: Any, item: dict[str, Any], specs: list[common.ModeSpec], turn: int, max_new_tokens: int
 ) -> list[dict[str, Any]]:
+    """Answer with ``full`` first, then with every other mode (rotated per question), each fused once.
+
+    Agreement, first-token agreement and ΔNLL compare each mode with ``full``'s answer; a mode's NLL
+    of that answer is measured on the cache it answered from (`KVRag.answer` ``score_ids``).
+    """
     keys = passage_keys(rag, item)
-    order = specs[turn % len(specs) :] + specs[: turn % len(specs)]
-    rows = {s.label: answer_row(rag, item, keys, s, max_new_tokens) for s in order}
-    score_question(rag, item, keys, rows, specs)
+    full = answer_row(rag, item, keys, specs[0], max_new_tokens)
+    others = specs[1:]
+    order = others[turn % len(others) :] + others[: turn % len(others)] if others else []
+    rows = {specs[0].label: full}
+    for spec in order:
+        rows[spec.label] = answer_row(rag, item, keys, spec, max_new_tokens, full["token_ids"] or None)
+    for spec in specs:
+        row = rows[spec.label]
+        row["agreement"] = metrics.agreement(row["answer"], full["answer"])
+        row["first_token_agreement"] = metrics.first_token_agreement(row["token_ids"], full["token_ids"])
+        row["delta_nll"] = row["nll_full_answer"] - full["nll_full_answer"] if spec is not specs[0] else 0.0
     return [rows[s.label] for s in specs]
 
 

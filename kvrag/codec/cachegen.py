@@ -6,33 +6,38 @@ Per layer, separately for pre-RoPE K and for V, on the ``C = kv_heads * head_dim
    anchor shared by all chunks), not against the first token of their group of ~10 as in CacheGen:
    once the mean is removed, channels correlate only ~0.3 with the next token and ~0.1 with the
    ninth, so a delta has ~1.8× the variance of the value and the 8-bit anchors cost ~0.5
-   bits/element more. Measured on SmolLM2 (300 chunks, same entropy coding): at 6.7 % / 13 %
-   relative error CacheGen's anchor+delta coding needs 3.6 / 3.7 bits per K / V element, per-channel
-   coding against the mean 2.8 / 3.0, and this codec 2.0 / 2.5.
-2. *Transform.* A KLT (PCA) basis per block of whole heads (``<= 256`` channels), fitted once:
-   pre-RoPE keys are nearly low-rank and heads are correlated.
+   bits/element more.
+2. *Transform.* A KLT (PCA) basis per head, then a second KLT across heads over the ``m = 16``
+   strongest components of every head (pre-RoPE keys are nearly low-rank and heads correlate
+   mostly in their strong directions). On SmolLM2 this keeps most of a 192-channel KLT's gain
+   (ideal 2.49 bits/element at level 1, vs 2.29 for one 192-channel KLT and 2.59 per head alone)
+   while decoding costs ``2 * head_dim + 2 * (H*m)**2 / C`` flops per element instead of ``2 * C``.
 3. *Layer-wise quantisation.* One uniform step ``Δ = steps[level][kind][group] * rms(layer, kind)``
-   on every KLT component (equal distortion per component is MSE-optimal; weak components round to
-   zero and cost ~nothing); steps grow over three layer groups, early layers finer, as in CacheGen
-   (on SmolLM2, coarse steps in the first third hurt ~15× more than in the others). Error bound, per
-   token: ``||x - x̂||_2 <= Δ/2 * sqrt(C)``, unless a coefficient exceeds ``32767 Δ`` (clamped).
-4. *Entropy coding.* Per (layer, kind, block), components are cut into bands of ``sigma/Δ``; each
-   band has a fitted distribution over codes ``-E..E`` plus an escape (escaped codes follow the
-   blob header as int16), with ``E`` covering 99.9 % of the fitted codes. ``k`` codes share one
-   symbol of a product model over ``(2E+2)**k <= 4096`` tuples. Symbols are coded with
-   `constriction`'s rANS ``AnsCoder`` (its decoder beat the range decoder by 5–30 % here; decode
-   speed is bound by the coder's 25–60 M symbols/s), one whole array per segment.
+   on every coded component; steps grow over three layer groups, early layers finer, as in CacheGen.
+   Both transforms are orthonormal, so every token's error is at most ``Δ/2 * sqrt(C)`` in L2 norm,
+   unless a coefficient exceeds ``32767 Δ`` (clamped).
+4. *Entropy coding.* Components are cut into segments by their ``sigma/Δ`` band; each (kind, band)
+   has one fitted distribution over codes ``-E..E`` plus an escape (escaped codes follow the blob
+   header as int16). ``k <= 4`` codes share one symbol of a product model over
+   ``(2E+2)**k <= 256`` tuples. Symbols are coded with kvrag's interleaved rANS coder
+   (`kvrag.codec.rans`: 32 lanes, 12-bit probabilities, 16-bit words), whose numba decoder writes
+   the dequantised codes straight into the matrices that two batched matmuls turn back into K/V.
 
-Levels 0–3 (higher = finer steps, larger blobs); `default_level` is 1, the finest that stays under
-the 2.67 bits/element (6× vs bf16) target with margin. ``params()`` records the level, the blob
-format and the fitted state's id; a blob of another level or state raises ValueError on decode
-(the container turns it into `CorruptChunkError`). Decoding is thread-safe (tables are built once
-per level under a lock and never mutated).
+Levels 0–3 (higher = finer steps, larger blobs); `default_level` is 1. ``params()`` records the
+level, the blob format and the fitted state's id; a blob of another level, state or format raises
+ValueError on decode (the container turns it into `CorruptChunkError`). Decoding is thread-safe and
+releases the GIL in the entropy decoder (tables are built once per level under a lock).
 
-Layer blob (little endian)::
+Layer blob, format 2 (little endian)::
 
-    u8 format | u8 level | u16 0 | u32 state tag | u32 seq | u32 n_escapes | u32 n_words
-    | int16 escapes[n_escapes] | pad to 4 bytes | u32 rANS words[n_words]
+    u8 format=2 | u8 level | u16 lanes=32 | u32 state tag | u32 seq | u32 n_escapes | u32 n_words
+    | u32 lane states[32] | int16 escapes[n_escapes] | u16 rANS words[n_words]
+
+Symbol order (lane of symbol ``i`` is ``i % 32``): K then V; per kind the layer's segments in
+state order (`cachegen_state`); per segment its ``n = seq * w`` codes column by column (``w`` = the
+segment's columns), each column's codes in token order; the first ``k * floor(n / k)`` codes as
+``k``-tuples (first code most significant; digit ``E + code``, digit ``2E + 1`` for an escape),
+the rest one per symbol. Escaped values are listed in code order.
 """
 
 from __future__ import annotations
@@ -43,16 +48,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import constriction
 import numpy as np
 import torch
 
+from kvrag.codec import rans
 from kvrag.codec.base import Codec, CodecNotFittedError, register_codec
-from kvrag.codec.cachegen_state import MAX_TUPLE_ALPHABET, CacheGenState, fit_state, layer_group
+from kvrag.codec.cachegen_state import N_BANDS, CacheGenState, fit_state, layer_group
 
-BLOB_FORMAT = 1
+BLOB_FORMAT = 2
+MAX_TUPLE_ALPHABET = 256
 _BLOB = struct.Struct("<BBHIIII")
-_SENTINEL = -32768
 _Q_MAX = 32767
 MAX_SEQ = 1 << 20
 Steps = dict[int, tuple[tuple[float, float, float], tuple[float, float, float]]]
@@ -67,93 +72,115 @@ DEFAULT_STEPS: Steps = {
 
 
 @dataclass(frozen=True)
-class _Coding:
-    """One entropy model: ``width`` codes per symbol, and the float32 codes of every symbol."""
+class _Models:
+    """The rANS tables of one level: two distributions per (kind, band), tuples then singles."""
 
-    model: Any  # constriction Categorical over (2E+2)**width symbols
-    lut: np.ndarray  # float32 [(2E+2)**width, width]; _SENTINEL marks an escaped code
-    has_escape: np.ndarray  # bool [(2E+2)**width]
-    zero: int  # the symbol of all-zero codes
-    min_bits: float  # information content of the most probable symbol
+    radius: np.ndarray  # int64 [2 * N_BANDS]
+    width: np.ndarray  # int64 [2 * N_BANDS]: codes per tuple symbol
+    freq: np.ndarray  # u32 [n_dist, 256]
+    start: np.ndarray  # u32 [n_dist, 256]
+    slot_sym: np.ndarray  # u8 [n_dist, 4096]
+    sym_info: np.ndarray  # u32 [n_dist, 256]
+    rows: np.ndarray  # i8 [n_dist, 256 * 4]
+    has_escape: np.ndarray  # bool [n_dist, 256]
+    min_bits: np.ndarray  # f64 [n_dist]: information content of each distribution's likeliest symbol
 
 
 @dataclass(frozen=True)
-class _Segment:
-    """A contiguous range of one block's components that share one symbol distribution.
+class _LayerPlan:
+    """One layer's segments in coding order (K then V) and where their codes go when decoding."""
 
-    Its codes, component-major (``[stop - start, S]`` flattened), are coded as tuples of ``width``
-    followed by the < ``width`` leftover codes one at a time.
-    """
-
-    col0: int  # first row in the layer's [C, S] block-major coefficient matrix
-    col1: int
-    block: int
-    stop: int  # end of the range within its block
-    radius: int
-    tuples: _Coding
-    singles: _Coding
-
-    @property
-    def width(self) -> int:
-        return int(self.tuples.lut.shape[1])
-
-    def counts(self, seq: int) -> tuple[int, int]:
-        """(tuple symbols, single symbols) for ``seq`` tokens."""
-        return divmod(seq * (self.col1 - self.col0), self.width)
+    kind: np.ndarray
+    col0: np.ndarray
+    width: np.ndarray  # columns per segment
+    dist: np.ndarray  # tuple distribution (the single one is dist + 1)
+    k: np.ndarray
+    radius: np.ndarray
+    head: np.ndarray  # -1 for a segment of the mix group
+    dim0: np.ndarray  # first head dimension (head segments)
 
 
 @dataclass
 class _LevelTables:
-    segments: list[list[list[_Segment]]]  # [kind][layer] -> segments in coding order
-    encode_basis: torch.Tensor  # [2, L, n_blocks, b, b]: U / Δ
-    decode_basis: torch.Tensor  # [2, L, n_blocks, b, b]: Δ * Uᵀ
+    models: _Models
+    plans: list[_LayerPlan]
+    encode_basis: torch.Tensor  # [2, L, H, D, D]: U / Δ
+    decode_basis: torch.Tensor  # [2, L, H, D, D]: Δ * Uᵀ
+    mix: torch.Tensor  # [2, L, H*m, H*m]
+    mix_t: torch.Tensor  # [2, L, H*m, H*m]
     mean: torch.Tensor  # [2, L, C]
 
 
-def _coding(probs: np.ndarray, radius: int, width: int) -> _Coding:
+def _tuple_rows(radius: int, width: int) -> np.ndarray:
+    """i8 ``[256 * 4]``: the codes of every tuple symbol (`rans.ESCAPE` for an escape digit)."""
     alphabet = 2 * radius + 2
-    joint = probs.astype(np.float64)
-    for _ in range(width - 1):
-        joint = np.outer(joint, probs.astype(np.float64)).ravel()  # most significant code first
-    digits = (np.arange(alphabet**width)[:, None] // alphabet ** np.arange(width - 1, -1, -1)) % alphabet
-    lut = np.where(digits == alphabet - 1, _SENTINEL, digits - radius).astype(np.float32)
-    zero = int(sum(radius * alphabet**j for j in range(width)))
-    model = constriction.stream.model.Categorical(joint, perfect=False)
-    return _Coding(model, lut, (lut == _SENTINEL).any(axis=1), zero, float(-np.log2(joint.max() / joint.sum())))
+    sym = np.arange(alphabet**width)
+    digits = (sym[:, None] // alphabet ** np.arange(width - 1, -1, -1)) % alphabet  # [n, width]
+    values = np.where(digits == alphabet - 1, rans.ESCAPE, digits - radius).astype(np.int8)
+    rows = np.zeros((rans.MAX_ALPHABET, rans.TUPLE), np.int8)
+    rows[: sym.size, :width] = values
+    return rows.ravel()
 
 
-def _segment(row: np.ndarray, probs: np.ndarray, block: int) -> _Segment:
-    _, _, b, lo, hi, radius, width = (int(v) for v in row)
-    if not (0 <= lo < hi <= block and 1 <= radius and 1 <= width
-            and (2 * radius + 2) ** width <= MAX_TUPLE_ALPHABET):
-        raise ValueError(f"cachegen state: invalid segment {row.tolist()}")
-    return _Segment(b * block + lo, b * block + hi, b, hi, radius, _coding(probs, radius, width),
-                    _coding(probs, radius, 1))
+def _models(state: CacheGenState, level: int) -> _Models:
+    model = state.levels[level]
+    n_dist = 4 * N_BANDS
+    radius = model.radius.reshape(-1).astype(np.int64)
+    width = np.maximum(1, np.floor(np.log(MAX_TUPLE_ALPHABET) / np.log(2 * radius + 2) + 1e-9)).astype(np.int64)
+    width = np.minimum(width, rans.TUPLE)
+    freq = np.zeros((n_dist, rans.MAX_ALPHABET), np.uint32)
+    slot_sym = np.zeros((n_dist, rans.PROB_SCALE), np.uint8)
+    sym_info = np.zeros((n_dist, rans.MAX_ALPHABET), np.uint32)
+    rows = np.zeros((n_dist, rans.MAX_ALPHABET * rans.TUPLE), np.int8)
+    for i, (e, k) in enumerate(zip(radius, width)):
+        single = model.probs.reshape(-1, model.probs.shape[-1])[i, : 2 * e + 2].astype(np.float64)
+        joint = single
+        for _ in range(k - 1):
+            joint = np.outer(joint, single).ravel()  # most significant code first
+        for d, (p, w) in enumerate(((joint, k), (single, 1))):
+            f = rans.quantise_frequencies(p)
+            freq[2 * i + d, : f.size] = f
+            slot_sym[2 * i + d], sym_info[2 * i + d] = rans.decode_table(f)
+            rows[2 * i + d] = _tuple_rows(int(e), w)
+    start = np.stack([rans.starts(f) for f in freq])
+    min_bits = -np.log2(freq.max(axis=1) / rans.PROB_SCALE)
+    has_escape = (rows.reshape(n_dist, rans.MAX_ALPHABET, rans.TUPLE) == rans.ESCAPE).any(axis=2)
+    return _Models(radius, width, freq, start, slot_sym, sym_info, rows, has_escape, min_bits)
+
+
+def _plans(state: CacheGenState, level: int, models: _Models) -> list[_LayerPlan]:
+    segments, hm = state.levels[level].segments, state.n_heads * state.mix_dims
+    rest = state.head_dim - state.mix_dims
+    plans = []
+    for layer in range(state.n_layers):
+        rows = segments[segments[:, 1] == layer]
+        rows = rows[np.lexsort((rows[:, 2], rows[:, 0]))]  # K then V, by column
+        kind, col0, col1, band = (rows[:, i].astype(np.int64) for i in (0, 2, 3, 4))
+        if not ((kind >= 0) & (kind <= 1) & (band >= 0) & (band < N_BANDS)).all():
+            raise ValueError(f"cachegen state: invalid segment in layer {layer}")
+        for kd in (0, 1):
+            c0, c1 = col0[kind == kd], col1[kind == kd]
+            if c0.size == 0 or c0[0] != 0 or (c0[1:] != c1[:-1]).any() or c1[-1] != state.n_heads * state.head_dim:
+                raise ValueError(f"cachegen state: segments do not tile the columns of layer {layer}")
+        dist = kind * N_BANDS + band
+        in_head = np.maximum(col0 - hm, 0)
+        head = np.where(col0 < hm, -1, in_head // max(rest, 1))
+        plans.append(_LayerPlan(kind, col0, col1 - col0, 2 * dist, models.width[dist], models.radius[dist],
+                                head, state.mix_dims + in_head % max(rest, 1)))
+    return plans
 
 
 def _build_tables(state: CacheGenState, level: int) -> _LevelTables:
     if level not in state.levels or level not in state.steps:
         raise ValueError(f"cachegen state has no tables for level {level}")
-    model, n_layers = state.levels[level], state.n_layers
-    segments: list[list[list[_Segment]]] = [[[] for _ in range(n_layers)] for _ in range(2)]
-    offset = 0
-    for row in model.segments:
-        kind, layer, radius = int(row[0]), int(row[1]), int(row[5])
-        if kind not in (0, 1) or not 0 <= layer < n_layers or offset + 2 * radius + 2 > model.probs.size:
-            raise ValueError(f"cachegen state: invalid segment {row.tolist()}")
-        segments[kind][layer].append(_segment(row, model.probs[offset : offset + 2 * radius + 2], state.block))
-        offset += 2 * radius + 2
-    channels = state.n_heads * state.head_dim
-    for per_layer in segments:
-        for segs in per_layer:
-            if not segs or [s.col0 for s in segs] != [0, *[s.col1 for s in segs[:-1]]] or segs[-1].col1 != channels:
-                raise ValueError("cachegen state: segments do not tile the channels")
-    third = [layer_group(layer, n_layers) for layer in range(n_layers)]
+    models = _models(state, level)
+    third = [layer_group(layer, state.n_layers) for layer in range(state.n_layers)]
     step = torch.tensor([[state.steps[level][kind][t] for t in third] for kind in (0, 1)])
-    step = step * torch.from_numpy(state.scale).float()  # [2, L]
-    basis = torch.from_numpy(state.basis).float()  # [2, L, n_blocks, b, b]
-    return _LevelTables(segments, basis / step[..., None, None, None],
-                        (basis * step[..., None, None, None]).transpose(-1, -2).contiguous(),
+    step = (step * torch.from_numpy(state.scale).float())[..., None, None, None]  # [2, L, 1, 1, 1]
+    basis = torch.from_numpy(state.basis).float()  # [2, L, H, D, D]
+    mix = torch.from_numpy(state.mix).float()
+    return _LevelTables(models, _plans(state, level, models), basis / step,
+                        (basis * step).transpose(-1, -2).contiguous(), mix, mix.transpose(-1, -2).contiguous(),
                         torch.from_numpy(state.mean).float())
 
 
@@ -173,23 +200,19 @@ class _Shared:
             return self._tables[level]
 
 
-def _symbols(codes: np.ndarray, seg: _Segment) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One segment's codes ``[w, S]`` → (tuple symbols, single symbols, escaped codes)."""
-    flat = np.ascontiguousarray(codes).ravel()
-    escaped = np.abs(flat) > seg.radius
-    alphabet = 2 * seg.radius + 2
-    digits = np.where(escaped, alphabet - 1, flat + seg.radius)
-    n_tuples = flat.size // seg.width
-    grouped = digits[: n_tuples * seg.width].reshape(n_tuples, seg.width)
-    tuples = grouped[:, 0].astype(np.int64)
-    for j in range(1, seg.width):
-        tuples = tuples * alphabet + grouped[:, j]
-    return tuples.astype(np.int32), digits[n_tuples * seg.width :].astype(np.int32), flat[escaped]
+def _symbols(codes: np.ndarray, radius: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One segment's codes (token-major, flat) → (tuple symbols, single symbols, escaped codes)."""
+    escaped = np.abs(codes) > radius
+    alphabet = 2 * radius + 2
+    digits = np.where(escaped, alphabet - 1, codes + radius)
+    n_tuples = codes.size // k
+    tuples = digits[: n_tuples * k].reshape(n_tuples, k) @ (alphabet ** np.arange(k - 1, -1, -1))
+    return tuples, digits[n_tuples * k :], codes[escaped]
 
 
 @register_codec("cachegen")
 class CacheGenCodec(Codec):
-    """KLT transform coding with layer-wise steps and fitted rANS models; see the module docstring.
+    """Two-stage KLT transform coding with layer-wise steps and fitted rANS models; see the module docstring.
 
     Example:
         >>> codec = make_codec("cachegen", level=1)  # doctest: +SKIP
@@ -263,16 +286,17 @@ class CacheGenCodec(Codec):
             raise ValueError(f"cachegen: seq {shape[1]} outside 0..{MAX_SEQ}")
 
     def _quantise(self, x: torch.Tensor, kind: int, layer: int, tables: _LevelTables) -> np.ndarray:
-        """``x`` ``[H, S, D]`` → integer KLT coefficients ``[C, S]`` (block-major components)."""
+        """``x`` ``[H, S, D]`` → integer coded columns ``[S, C]`` (see `cachegen_state`)."""
         h, s, d = x.shape
-        rows = x.detach().to("cpu", torch.float32).permute(1, 0, 2).reshape(s, h * d)  # [S, C]
-        if not bool(torch.isfinite(rows).all()):
+        x = x.detach().to("cpu", torch.float32)
+        if not bool(torch.isfinite(x).all()):
             raise ValueError(f"cachegen: non-finite values in layer {layer}")
-        rows = rows - tables.mean[kind, layer]
-        basis = tables.encode_basis[kind, layer]  # [n_blocks, b, b]
-        b = basis.shape[-1]
-        coeffs = torch.cat([basis[i].t() @ rows[:, i * b : (i + 1) * b].t() for i in range(basis.shape[0])])
-        return coeffs.round_().clamp_(-_Q_MAX, _Q_MAX).to(torch.int32).numpy()
+        centred = x - tables.mean[kind, layer].view(h, 1, d)
+        comps = torch.bmm(centred, tables.encode_basis[kind, layer])  # [H, S, D], in units of Δ
+        m = tables.mix.shape[-1] // h
+        top = comps[:, :, :m].transpose(0, 1).reshape(s, h * m) @ tables.mix[kind, layer]  # [S, H*m]
+        coded = torch.cat([top, comps[:, :, m:].transpose(0, 1).reshape(s, h * (d - m))], dim=1)  # [S, C]
+        return coded.round_().clamp_(-_Q_MAX, _Q_MAX).to(torch.int32).numpy()
 
     def encode_layer(self, keys: torch.Tensor, values: torch.Tensor, layer: int) -> bytes:
         shared = self._require_fit("encode_layer")
@@ -280,21 +304,23 @@ class CacheGenCodec(Codec):
             raise ValueError(f"cachegen: keys {tuple(keys.shape)} and values {tuple(values.shape)} differ")
         self._check_shape(tuple(keys.shape), layer)
         tables = shared.tables(self.level)
-        streams, escapes = [], []
-        for kind, x in enumerate((keys, values)):
-            codes = self._quantise(x, kind, layer, tables)
-            for seg in tables.segments[kind][layer]:
-                tuples, singles, escaped = _symbols(codes[seg.col0 : seg.col1], seg)
-                streams += [(tuples, seg.tuples.model), (singles, seg.singles.model)]
-                escapes.append(escaped)
-        coder = constriction.stream.stack.AnsCoder()
-        for symbols, model in reversed(streams):  # a stack: the decoder pops them in coding order
-            if symbols.size:
-                coder.encode_reverse(symbols, model)
-        words = coder.get_compressed().astype("<u4")
-        esc = np.concatenate(escapes).astype("<i2") if escapes else np.zeros(0, "<i2")
-        head = _BLOB.pack(BLOB_FORMAT, self.level, 0, shared.tag, keys.shape[1], esc.size, words.size)
-        return head + esc.tobytes() + b"\0" * (-esc.nbytes % 4) + words.tobytes()
+        plan = tables.plans[layer]
+        codes = [self._quantise(x, kind, layer, tables) for kind, x in enumerate((keys, values))]
+        symbols, run_len, run_dist, escapes = [], [], [], []
+        for j in range(plan.kind.size):
+            seg = codes[plan.kind[j]][:, plan.col0[j] : plan.col0[j] + plan.width[j]].T.ravel()  # column-major
+            tuples, singles, escaped = _symbols(seg, int(plan.radius[j]), int(plan.k[j]))
+            symbols += [tuples, singles]
+            run_len += [tuples.size, singles.size]
+            run_dist += [plan.dist[j], plan.dist[j] + 1]
+            escapes.append(escaped)
+        models = tables.models
+        words, states, status = rans.encode(np.concatenate(symbols).astype(np.int32), np.asarray(run_len, np.int64),
+                                            np.asarray(run_dist, np.int64), models.freq, models.start)
+        assert status == rans.OK, status  # every symbol of a fitted alphabet has a frequency >= 1
+        esc = np.concatenate(escapes).astype("<i2")
+        head = _BLOB.pack(BLOB_FORMAT, self.level, rans.LANES, shared.tag, keys.shape[1], esc.size, words.size)
+        return head + states.astype("<u4").tobytes() + esc.tobytes() + words.astype("<u2").tobytes()
 
     def decode_layer(
         self, blob: bytes, layer: int, shape: tuple[int, int, int], dtype: torch.dtype
@@ -302,94 +328,60 @@ class CacheGenCodec(Codec):
         shared = self._require_fit("decode_layer")
         self._check_shape(tuple(shape), layer)
         tables = shared.tables(self.level)
-        esc, words = self._parse_blob(blob, shared, shape[1])
-        segs = tables.segments
-        min_bits = sum(n * coding.min_bits for kind in (0, 1) for seg in segs[kind][layer]
-                       for n, coding in zip(seg.counts(shape[1]), (seg.tuples, seg.singles)))
-        if min_bits > 32 * words.size + 64:
-            raise ValueError(f"cachegen layer {layer}: {words.size} words cannot hold {shape[1]} tokens")
-        try:
-            coder = constriction.stream.stack.AnsCoder(words)
-            used, out = 0, []
-            for kind in (0, 1):
-                coeffs, used, rank = self._decode_codes(coder, segs[kind][layer], shape[1], esc, used)
-                out.append(self._reconstruct(coeffs, rank, kind, layer, shape, tables))
-            clean = coder.is_empty()
-        except (ValueError, RuntimeError, OverflowError, IndexError, TypeError) as exc:
-            raise ValueError(f"cachegen layer {layer}: entropy decoding failed: {exc}") from None
-        if used != esc.size or not clean:
-            raise ValueError(f"cachegen layer {layer}: stream and escapes do not match its header")
-        return out[0].to(dtype), out[1].to(dtype)
+        h, s, d = shape
+        plan, models = tables.plans[layer], tables.models
+        n = s * plan.width
+        n_tuples = n // plan.k
+        n_singles = n - n_tuples * plan.k
+        states, esc, words, n_words = self._parse_blob(blob, shared, s, int(n_tuples.sum() + n_singles.sum()))
+        min_bits = float(n_tuples @ models.min_bits[plan.dist] + n_singles @ models.min_bits[plan.dist + 1])
+        if min_bits > 16 * n_words + 32 * rans.LANES:
+            raise ValueError(f"cachegen layer {layer}: {n_words} words cannot hold {s} tokens")
+        m = tables.mix.shape[-1] // h
+        # Per kind, component-major: mix columns [H*m, S], then each head's components [H, D, S].
+        size_a, size_b = h * m * s, h * d * s
+        base = plan.kind * (size_a + size_b) + s * np.where(plan.head < 0, plan.col0, h * m + plan.head * d + plan.dim0)
+        buf = np.empty(2 * (size_a + size_b) + rans.TUPLE, np.float32)
+        status = rans.decode(words, n_words, states, n, plan.k, plan.dist, base, models.slot_sym, models.sym_info,
+                             models.rows, models.has_escape, esc, buf)
+        if status != rans.OK:
+            raise ValueError(f"cachegen layer {layer}: entropy decoding failed (status {status}): the stream, "
+                             "its escapes and its header do not match")
+        out = []
+        for kind in (0, 1):
+            flat = torch.from_numpy(buf[kind * (size_a + size_b) : (kind + 1) * (size_a + size_b)])
+            comps = flat[size_a:].view(h, d, s)
+            if m:  # undo the cross-head KLT: [H*m, H*m] @ [H*m, S]
+                comps[:, :m] = (tables.mix[kind, layer] @ flat[:size_a].view(h * m, s)).view(h, m, s)
+            out.append(torch.baddbmm(tables.mean[kind, layer].view(h, 1, d), comps.transpose(1, 2),
+                                     tables.decode_basis[kind, layer]).to(dtype))
+        return out[0], out[1]
 
-    def _parse_blob(self, blob: bytes, shared: _Shared, seq: int) -> tuple[np.ndarray, np.ndarray]:
+    def _parse_blob(self, blob: bytes, shared: _Shared, seq: int,
+                    n_symbols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         if len(blob) < _BLOB.size:
             raise ValueError(f"cachegen blob of {len(blob)} bytes is shorter than its header")
-        version, level, _, tag, blob_seq, n_esc, n_words = _BLOB.unpack_from(blob)
+        version, level, lanes, tag, blob_seq, n_esc, n_words = _BLOB.unpack_from(blob)
         if version != BLOB_FORMAT:
-            raise ValueError(f"cachegen blob format {version}, this kvrag reads {BLOB_FORMAT}")
+            raise ValueError(f"cachegen blob format {version}, this kvrag reads format {BLOB_FORMAT} "
+                             "(re-encode the index's chunks)")
+        if lanes != rans.LANES:
+            raise ValueError(f"cachegen blob has {lanes} rANS lanes, this kvrag decodes {rans.LANES}")
         if level != self.level:
             raise ValueError(f"cachegen blob is level {level}, this codec decodes level {self.level}")
         if tag != shared.tag:
             raise ValueError("cachegen blob was written with a different fitted codec state")
         if blob_seq != seq:
             raise ValueError(f"cachegen blob holds {blob_seq} tokens, header says {seq}")
-        esc_end = _BLOB.size + 2 * n_esc
-        words_start = esc_end + (-2 * n_esc) % 4
-        if words_start + 4 * n_words != len(blob):
+        esc_start = _BLOB.size + 4 * lanes
+        words_start = esc_start + 2 * n_esc
+        if words_start + 2 * n_words != len(blob):
             raise ValueError(f"cachegen blob of {len(blob)} bytes does not match its section lengths")
-        esc = np.frombuffer(blob, "<i2", n_esc, _BLOB.size).astype(np.float32)
-        words = np.frombuffer(blob, "<u4", n_words, words_start).astype(np.uint32)
-        return esc, words
-
-    def _decode_codes(
-        self, coder: Any, segments: list[_Segment], seq: int, esc: np.ndarray, used: int
-    ) -> tuple[np.ndarray, int, list[int]]:
-        """Decode one kind's codes ``[C, S]`` float32; also the escapes used and per-block rank."""
-        coeffs = np.empty((segments[-1].col1, seq), np.float32)
-        rank = [0] * (segments[-1].block + 1)
-        for seg in segments:
-            region = coeffs[seg.col0 : seg.col1].reshape(-1)
-            n_tuples, n_singles = seg.counts(seq)
-            split = n_tuples * seg.width
-            nonzero = escapes = False
-            for coding, n, out in ((seg.tuples, n_tuples, region[:split]), (seg.singles, n_singles, region[split:])):
-                if n == 0:
-                    continue
-                symbols = coder.decode(coding.model, n)
-                np.take(coding.lut, symbols, axis=0, out=out.reshape(n, -1))
-                escapes = escapes or bool(coding.has_escape[symbols].any())
-                nonzero = nonzero or bool((symbols != coding.zero).any())
-            if escapes:
-                hit = np.flatnonzero(region == _SENTINEL)
-                if used + hit.size > esc.size:
-                    raise ValueError("more escape symbols than escaped values")
-                region[hit] = esc[used : used + hit.size]
-                used += hit.size
-            if nonzero:
-                rank[seg.block] = max(rank[seg.block], seg.stop)
-        return coeffs, used, rank
-
-    def _reconstruct(
-        self, coeffs: np.ndarray, rank: list[int], kind: int, layer: int,
-        shape: tuple[int, int, int], tables: _LevelTables,
-    ) -> torch.Tensor:
-        """``x̂ = mean + coeffs @ (Δ Uᵀ)`` per head, skipping components that are zero in this chunk."""
-        h, s, d = shape
-        out = torch.empty((h, s, d), dtype=torch.float32)
-        coeffs_t = torch.from_numpy(coeffs)  # [C, S]
-        basis = tables.decode_basis[kind, layer]  # [n_blocks, b, b]
-        mean = tables.mean[kind, layer].view(h, d)
-        heads_per_block = basis.shape[-1] // d
-        for head in range(h):
-            blk, sub = divmod(head, heads_per_block)
-            r = rank[blk]
-            if r == 0 or s == 0:
-                out[head] = mean[head]
-                continue
-            b0 = blk * basis.shape[-1]
-            torch.addmm(mean[head], coeffs_t[b0 : b0 + r].t(), basis[blk, :r, sub * d : (sub + 1) * d],
-                        out=out[head])
-        return out
+        states = np.frombuffer(blob, "<u4", lanes, _BLOB.size).astype(np.uint32)
+        esc = np.frombuffer(blob, "<i2", n_esc, esc_start).astype(np.float32)
+        words = np.zeros(n_words + n_symbols + 1, np.uint16)  # padding for the branch-free refill
+        words[:n_words] = np.frombuffer(blob, "<u2", n_words, words_start)
+        return states, esc, words, n_words
 
     def with_level(self, level: int) -> CacheGenCodec:
         """A copy of the codec at another quality level, sharing the fitted state."""
@@ -398,4 +390,3 @@ class CacheGenCodec(Codec):
         if clone._shared is not None and level not in clone._shared.state.levels:
             raise ValueError(f"the fitted cachegen state has no level {level}")
         return clone
-

@@ -1,23 +1,28 @@
 """The fitted state of the ``cachegen`` codec: transforms and symbol distributions, fitted once per
 index on sample chunk caches and persisted as JSON + NPZ (no pickle).
 
-Per layer and per kind (K or V), on channels ``c = head * head_dim + dim``:
+Per layer and per kind (K or V), on channels ``c = head * head_dim + dim`` (``C`` channels):
 
 - ``mean`` ``[2, L, C]`` — the channel means (the shared "anchor" every token is coded against);
-- ``basis`` ``[2, L, n_blocks, b, b]`` — an orthonormal KLT (PCA) basis per block of ``b`` channels
-  (whole heads, ``b <= MAX_BLOCK``), columns sorted by decreasing variance;
+- ``basis`` ``[2, L, H, D, D]`` — an orthonormal KLT (PCA) basis per head, columns sorted by
+  decreasing variance (per head, so that decoding costs ``2 * head_dim`` flops per element);
+- ``mix`` ``[2, L, H*m, H*m]`` — a second KLT over the first ``m = mix_dims`` components of every
+  head (the strong ones, where heads correlate), columns sorted by decreasing variance;
 - ``scale`` ``[2, L]`` — the RMS of the centred channels; quantisation steps are multiples of it;
-- ``sigma`` ``[2, L, C]`` — the standard deviation of each KLT component (block-major order).
+- ``sigma`` ``[2, L, C]`` — the standard deviation of each *coded column*.
 
-Per quality level, the components of each block are cut into *segments* by their ``sigma / step``
-band; each segment has a clamp radius ``E``, a tuple width ``k`` and a fitted probability table over
-``2E + 2`` symbols (values ``-E..E`` and an escape). Segments are stored as rows of an int32 table
-``(kind, layer, block, start, stop, E, k)`` and their tables back to back in a float32 array.
+Coded columns, per token: ``[mix (H*m) | head 0 components m..D-1 | head 1 ... | head H-1 ...]``.
+Per quality level, the columns are cut into *segments* (contiguous columns of one group in one
+``sigma / step`` band): rows ``(kind, layer, col0, col1, band)`` of an int32 table. Each
+(kind, band) has one distribution shared by all layers, fitted on every layer's codes in that band:
+clamp radius ``E`` (``radius[kind, band]``) and probabilities over ``2E + 2`` symbols (values
+``-E..E`` then the escape) in ``probs[kind, band, :2E+2]``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,23 +33,25 @@ import torch
 
 from kvrag.atomic import atomic_write_bytes, atomic_write_json, read_json
 
-STATE_FORMAT = 1
-MAX_BLOCK = 256  # channels per KLT block: the decode matmul costs 2 * block flops per element
+STATE_FORMAT = 2
+MIX_DIMS = 16  # strong components per head that a second, cross-head KLT decorrelates
 MAX_FIT_TOKENS = 65536  # tokens per (layer, kind) used for fitting; more samples are subsampled
-MAX_TUPLE_ALPHABET = 4096  # k elements share one entropy-coder symbol while (2E+2)**k <= this
-ESCAPE_RATE = 1e-3  # the clamp radius E leaves at most this fraction of a segment's codes escaped
+ESCAPE_RATE = 1e-3  # the clamp radius E leaves at most this fraction of a band's codes escaped
 MAX_RADIUS = 127
-# Bands of sigma/step: components whose spread is within one band share a symbol distribution.
-BANDS = (16.0, 8.0, 4.0, 2.0, 1.0, 0.5, 0.25, 0.125, 0.0)
+# Bands of sigma/step (a factor sqrt(2) apart): columns whose spread is within one band share a
+# symbol distribution across layers.
+BANDS = tuple(2.0 ** (e / 2) for e in range(10, -9, -1)) + (0.0,)
+N_BANDS = len(BANDS)
 _JSON, _NPZ = "cachegen.json", "cachegen.npz"
 
 
 @dataclass
 class LevelModel:
-    """One level's segments ``[n, 7]`` (kind, layer, block, start, stop, E, k) and probability tables."""
+    """One level's segments ``[n, 5]`` (kind, layer, col0, col1, band) and band distributions."""
 
     segments: np.ndarray
-    probs: np.ndarray  # float32, the segments' tables back to back (2E + 2 entries each)
+    radius: np.ndarray  # int32 [2, N_BANDS]
+    probs: np.ndarray  # float32 [2, N_BANDS, 2 * MAX_RADIUS + 2]
 
 
 @dataclass
@@ -54,17 +61,14 @@ class CacheGenState:
     n_layers: int
     n_heads: int
     head_dim: int
-    heads_per_block: int
+    mix_dims: int
     steps: dict[int, tuple[tuple[float, float, float], tuple[float, float, float]]]
     mean: np.ndarray
     basis: np.ndarray
+    mix: np.ndarray
     scale: np.ndarray
     sigma: np.ndarray
     levels: dict[int, LevelModel] = field(default_factory=dict)
-
-    @property
-    def block(self) -> int:
-        return self.heads_per_block * self.head_dim
 
     @property
     def state_id(self) -> str:
@@ -77,21 +81,20 @@ class CacheGenState:
 
     def _meta(self) -> dict[str, Any]:
         return {"format": STATE_FORMAT, "codec": "cachegen", "n_layers": self.n_layers,
-                "n_heads": self.n_heads, "head_dim": self.head_dim,
-                "heads_per_block": self.heads_per_block,
+                "n_heads": self.n_heads, "head_dim": self.head_dim, "mix_dims": self.mix_dims,
                 "steps": {str(k): [list(v[0]), list(v[1])] for k, v in sorted(self.steps.items())}}
 
     def _arrays(self) -> dict[str, np.ndarray]:
-        arrays = {"mean": self.mean, "basis": self.basis, "scale": self.scale, "sigma": self.sigma}
+        arrays = {"mean": self.mean, "basis": self.basis, "mix": self.mix, "scale": self.scale,
+                  "sigma": self.sigma}
         for level, model in sorted(self.levels.items()):
             arrays[f"segments_{level}"] = model.segments
+            arrays[f"radius_{level}"] = model.radius
             arrays[f"probs_{level}"] = model.probs
         return arrays
 
     def save(self, directory: Path) -> None:
         """Write ``cachegen.npz`` then ``cachegen.json`` (which names the state id) atomically."""
-        import io
-
         directory.mkdir(parents=True, exist_ok=True)
         buf = io.BytesIO()
         np.savez(buf, **self._arrays())  # type: ignore[arg-type]  # numeric arrays only: no pickle
@@ -108,13 +111,15 @@ class CacheGenState:
         except (OSError, ValueError, KeyError) as exc:
             raise ValueError(f"cannot read cachegen codec state in {directory}: {exc}") from None
         if meta.get("format") != STATE_FORMAT or meta.get("codec") != "cachegen":
-            raise ValueError(f"{directory / _JSON}: not a cachegen state of format {STATE_FORMAT}")
+            raise ValueError(f"{directory / _JSON}: not a cachegen state of format {STATE_FORMAT} "
+                             f"(format {meta.get('format')}); rebuild the index's codec state")
         try:
             steps = {int(k): (tuple(v[0]), tuple(v[1])) for k, v in meta["steps"].items()}
             levels = {lv: LevelModel(arrays[f"segments_{lv}"].astype(np.int32),
+                                     arrays[f"radius_{lv}"].astype(np.int32),
                                      arrays[f"probs_{lv}"].astype(np.float32)) for lv in steps}
             state = cls(int(meta["n_layers"]), int(meta["n_heads"]), int(meta["head_dim"]),
-                        int(meta["heads_per_block"]), steps, arrays["mean"], arrays["basis"],
+                        int(meta["mix_dims"]), steps, arrays["mean"], arrays["basis"], arrays["mix"],
                         arrays["scale"], arrays["sigma"], levels)
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ValueError(f"malformed cachegen state in {directory}: {exc}") from None
@@ -125,26 +130,34 @@ class CacheGenState:
 
     def validate(self) -> None:
         """Check array shapes and probability tables; ValueError naming what is wrong."""
-        n_l, c, b = self.n_layers, self.n_heads * self.head_dim, self.block
-        expected = {"mean": (2, n_l, c), "scale": (2, n_l), "sigma": (2, n_l, c),
-                    "basis": (2, n_l, c // b if b and c % b == 0 else -1, b, b)}
+        n_l, h, d, m = self.n_layers, self.n_heads, self.head_dim, self.mix_dims
+        if not (n_l > 0 and h > 0 and d > 0 and 0 <= m <= d):
+            raise ValueError(f"cachegen state: invalid dimensions L={n_l} H={h} D={d} mix_dims={m}")
+        expected = {"mean": (2, n_l, h * d), "scale": (2, n_l), "sigma": (2, n_l, h * d),
+                    "basis": (2, n_l, h, d, d), "mix": (2, n_l, h * m, h * m)}
         for name, shape in expected.items():
             if getattr(self, name).shape != shape:
                 raise ValueError(f"cachegen state: {name} is {getattr(self, name).shape}, expected {shape}")
         for level, model in self.levels.items():
-            if model.segments.ndim != 2 or model.segments.shape[1] != 7:
+            if model.segments.ndim != 2 or model.segments.shape[1] != 5:
                 raise ValueError(f"cachegen state: level {level} segment table is {model.segments.shape}")
-            if not (np.isfinite(model.probs).all() and (model.probs > 0).all()):
+            if model.radius.shape != (2, N_BANDS) or model.probs.shape != (2, N_BANDS, 2 * MAX_RADIUS + 2):
+                raise ValueError(f"cachegen state: level {level} distributions have the wrong shape")
+            if not ((model.radius >= 1) & (model.radius <= MAX_RADIUS)).all():
+                raise ValueError(f"cachegen state: level {level} has a radius outside 1..{MAX_RADIUS}")
+            if not (np.isfinite(model.probs).all() and (model.probs >= 0).all()):
                 raise ValueError(f"cachegen state: level {level} has invalid probabilities")
+
+    def groups(self) -> list[tuple[int, int]]:
+        """Coded column ranges ``(start, stop)`` of the groups: the mix, then each head's rest."""
+        hm, rest = self.n_heads * self.mix_dims, self.head_dim - self.mix_dims
+        mix = [(0, hm)] if hm else []
+        return mix + [(hm + h * rest, hm + (h + 1) * rest) for h in range(self.n_heads) if rest]
 
 
 def layer_group(layer: int, n_layers: int) -> int:
     """Which third of the layers ``layer`` is in (0 early, 1 middle, 2 late): steps grow with it."""
     return min(2, 3 * layer // n_layers)
-
-
-def _heads_per_block(n_heads: int, head_dim: int) -> int:
-    return max([d for d in range(1, n_heads + 1) if n_heads % d == 0 and d * head_dim <= MAX_BLOCK] or [1])
 
 
 def _token_rows(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
@@ -178,47 +191,52 @@ def _gather(samples: list[tuple[torch.Tensor, torch.Tensor]], kind: int, layer: 
     return out
 
 
-def _klt(centred: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per block of channels: basis ``[n_blocks, b, b]`` and component variances ``[C]``."""
-    bases, variances = [], []
-    for start in range(0, centred.shape[1], block):
-        xb = centred[:, start : start + block]
-        cov = (xb.T @ xb).astype(np.float64) / max(1, xb.shape[0])
-        ev, vec = np.linalg.eigh(cov)
-        ev, vec = ev[::-1], vec[:, ::-1]
-        # Fix each column's sign (largest entry positive) so that the basis is reproducible.
-        signs = np.sign(vec[np.abs(vec).argmax(axis=0), np.arange(vec.shape[1])])
-        bases.append(vec * np.where(signs == 0, 1.0, signs))
-        variances.append(np.maximum(ev, 0.0))
-    return np.stack(bases), np.concatenate(variances)
+def _klt(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Orthonormal basis ``[n, n]`` (columns by decreasing variance) and variances ``[n]`` of ``x`` ``[N, n]``."""
+    cov = (x.T.astype(np.float64) @ x.astype(np.float64)) / max(1, x.shape[0])
+    ev, vec = np.linalg.eigh(cov)
+    ev, vec = ev[::-1], vec[:, ::-1]
+    # Fix each column's sign (largest entry positive) so that the basis is reproducible.
+    signs = np.sign(vec[np.abs(vec).argmax(axis=0), np.arange(vec.shape[1])])
+    return vec * np.where(signs == 0, 1.0, signs), np.maximum(ev, 0.0)
 
 
-def _segment_rows(sigma_over_step: np.ndarray, block: int) -> list[tuple[int, int, int]]:
-    """(block, start, stop) of the contiguous component ranges that fall into one band."""
+def coded_columns(x: np.ndarray, basis: np.ndarray, mix: np.ndarray, mix_dims: int) -> np.ndarray:
+    """Centred rows ``[N, C]`` → coded columns ``[N, C]`` (see the module docstring)."""
+    n, h, d = x.shape[0], basis.shape[0], basis.shape[1]
+    comps = np.einsum("nhd,hde->nhe", x.reshape(n, h, d), basis)  # [N, H, D] per-head KLT
+    top = comps[:, :, :mix_dims].reshape(n, h * mix_dims) @ mix
+    return np.concatenate([top, comps[:, :, mix_dims:].reshape(n, h * (d - mix_dims))], axis=1)
+
+
+def _segment_rows(sigma_over_step: np.ndarray, groups: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(col0, col1, band) of the contiguous column ranges of one group that fall into one band."""
     rows = []
-    for b, start in enumerate(range(0, len(sigma_over_step), block)):
-        band = np.searchsorted(-np.asarray(BANDS), -sigma_over_step[start : start + block], side="left")
-        cuts = [0, *np.flatnonzero(np.diff(band)) + 1, len(band)]
-        rows += [(b, lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:]) if hi > lo]
+    for g0, g1 in groups:
+        band = np.searchsorted(-np.asarray(BANDS), -sigma_over_step[g0:g1], side="left")
+        cuts = [0, *np.flatnonzero(np.diff(band)) + 1, g1 - g0]
+        rows += [(g0 + lo, g0 + hi, int(band[lo])) for lo, hi in zip(cuts[:-1], cuts[1:]) if hi > lo]
     return rows
 
 
-def _symbol_table(codes: np.ndarray) -> tuple[int, int, np.ndarray]:
-    """Clamp radius E, tuple width k and the fitted probabilities over ``-E..E`` and escape."""
-    flat = codes.ravel().astype(np.int64)
-    mags = np.bincount(np.minimum(np.abs(flat), MAX_RADIUS + 1), minlength=MAX_RADIUS + 2)
-    tail = 1.0 - np.cumsum(mags) / max(1, flat.size)  # tail[e] = P(|code| > e)
+def _distribution(hist: np.ndarray) -> tuple[int, np.ndarray]:
+    """Radius E and probabilities over ``-E..E`` and escape from a histogram of codes ``-R-1..R+1``."""
+    total = max(1.0, float(hist.sum()))
+    centre = MAX_RADIUS + 1
+    mags = hist[centre:].copy()
+    mags[1:] += hist[:centre][::-1]
+    tail = 1.0 - np.cumsum(mags) / total  # tail[e] = P(|code| > e)
     radius = int(np.clip(np.argmax(tail <= ESCAPE_RATE), 1, MAX_RADIUS))
-    alphabet = 2 * radius + 2
-    width = max(1, int(np.floor(np.log(MAX_TUPLE_ALPHABET) / np.log(alphabet) + 1e-9)))
-    symbols = np.where(np.abs(flat) > radius, alphabet - 1, flat + radius)
-    counts = np.bincount(symbols, minlength=alphabet).astype(np.float64) + 0.5
-    return radius, width, (counts / counts.sum()).astype(np.float32)
+    counts = np.concatenate([hist[centre - radius : centre + radius + 1],
+                             [hist.sum() - hist[centre - radius : centre + radius + 1].sum()]]) + 0.5
+    probs = np.zeros(2 * MAX_RADIUS + 2, np.float32)
+    probs[: 2 * radius + 2] = counts / counts.sum()
+    return radius, probs
 
 
 def fit_state(
     samples: list[tuple[torch.Tensor, torch.Tensor]], n_layers: int,
-    steps: dict[int, tuple[tuple[float, float, float], tuple[float, float, float]]],
+    steps: dict[int, tuple[tuple[float, float, float], tuple[float, float, float]]], mix_dims: int = MIX_DIMS,
 ) -> CacheGenState:
     """Fit means, KLT bases and per-level symbol tables on ``samples`` (each ``[L, H, S, D]`` K, V)."""
     if not samples:
@@ -231,35 +249,45 @@ def fit_state(
     if len(shape) != 4 or shape[0] != n_layers:
         raise ValueError(f"cachegen fit: samples are {shape}, expected [n_layers={n_layers}, H, S, D]")
     _, n_heads, _, head_dim = shape
-    hpb = _heads_per_block(n_heads, head_dim)
-    block, channels = hpb * head_dim, n_heads * head_dim
+    m, channels = min(mix_dims, head_dim), n_heads * head_dim
     mean = np.zeros((2, n_layers, channels), np.float32)
-    basis = np.zeros((2, n_layers, n_heads // hpb, block, block), np.float32)
+    basis = np.zeros((2, n_layers, n_heads, head_dim, head_dim), np.float32)
+    mix = np.zeros((2, n_layers, n_heads * m, n_heads * m), np.float32)
     scale, sigma = np.ones((2, n_layers), np.float32), np.zeros((2, n_layers, channels), np.float32)
     seg_rows: dict[int, list[list[int]]] = {lv: [] for lv in steps}
-    tables: dict[int, list[np.ndarray]] = {lv: [] for lv in steps}
+    hists = {lv: np.zeros((2, N_BANDS, 2 * MAX_RADIUS + 3), np.float64) for lv in steps}
     rows = _token_rows(samples)
     n_tokens = sum(int(t.numel()) for _, t in rows)
+    groups = CacheGenState(n_layers, n_heads, head_dim, m, {}, mean, basis, mix, scale, sigma).groups()
     for kind in (0, 1):
         x = np.empty((n_tokens, channels), np.float32)  # reused across layers
         for layer in range(n_layers):
             _gather(samples, kind, layer, rows, x)
             mean[kind, layer] = x.mean(axis=0, dtype=np.float64)
             x -= mean[kind, layer]
-            basis[kind, layer], var = _klt(x, block)
+            for h in range(n_heads):
+                basis[kind, layer, h] = _klt(x[:, h * head_dim : (h + 1) * head_dim])[0]
+            identity = np.eye(n_heads * m, dtype=np.float32)
+            top = coded_columns(x, basis[kind, layer], identity, m)[:, : n_heads * m]
+            mix[kind, layer] = _klt(top)[0] if m else identity
+            coeffs = coded_columns(x, basis[kind, layer], mix[kind, layer], m)  # [N, C]
+            var = (coeffs.astype(np.float64) ** 2).mean(axis=0)
             rms = float(np.sqrt(var.mean()))
             scale[kind, layer] = rms if rms > 1e-12 else 1.0
             sigma[kind, layer] = np.sqrt(var)
-            # [C, N] block-major components, so that a segment's codes are contiguous rows.
-            coeffs = np.concatenate([basis[kind, layer, b].T @ x[:, b * block : (b + 1) * block].T
-                                     for b in range(basis.shape[2])])
             for level, per_kind in steps.items():
                 step = per_kind[kind][layer_group(layer, n_layers)] * float(scale[kind, layer])
-                codes = np.rint(coeffs / step)
-                for b, lo, hi in _segment_rows(sigma[kind, layer] / step, block):
-                    radius, width, probs = _symbol_table(codes[b * block + lo : b * block + hi])
-                    seg_rows[level].append([kind, layer, b, lo, hi, radius, width])
-                    tables[level].append(probs)
-    levels = {lv: LevelModel(np.asarray(seg_rows[lv], np.int32).reshape(-1, 7),
-                             np.concatenate(tables[lv]).astype(np.float32)) for lv in steps}
-    return CacheGenState(n_layers, n_heads, head_dim, hpb, dict(steps), mean, basis, scale, sigma, levels)
+                codes = np.clip(np.rint(coeffs / step), -MAX_RADIUS - 1, MAX_RADIUS + 1).astype(np.int64)
+                for col0, col1, band in _segment_rows(sigma[kind, layer] / step, groups):
+                    seg_rows[level].append([kind, layer, col0, col1, band])
+                    hists[level][kind, band] += np.bincount(codes[:, col0:col1].ravel() + MAX_RADIUS + 1,
+                                                            minlength=2 * MAX_RADIUS + 3)
+    levels = {}
+    for lv in steps:
+        radius = np.ones((2, N_BANDS), np.int32)
+        probs = np.zeros((2, N_BANDS, 2 * MAX_RADIUS + 2), np.float32)
+        for kind in (0, 1):
+            for band in range(N_BANDS):
+                radius[kind, band], probs[kind, band] = _distribution(hists[lv][kind, band])
+        levels[lv] = LevelModel(np.asarray(seg_rows[lv], np.int32).reshape(-1, 5), radius, probs)
+    return CacheGenState(n_layers, n_heads, head_dim, m, dict(steps), mean, basis, mix, scale, sigma, levels)

@@ -1,0 +1,190 @@
+"""An interleaved rANS entropy coder with static, fitted distributions (numba kernels).
+
+The coder knows nothing about KV caches: it turns a sequence of symbols (each ``< 256``), cut into
+*runs* that share one distribution, into a stream of 16-bit words plus ``LANES`` final states, and
+back. It is built so that a GPU decoder with one thread per lane is direct:
+
+- **Lanes.** Symbol ``i`` belongs to lane ``i % LANES`` (``LANES = 32``); every lane is an rANS
+  state of 32 bits, normalised to ``[2**16, 2**32)``.
+- **Distributions.** Frequencies are integers summing to ``2**PROB_BITS`` (``PROB_BITS = 12``),
+  every symbol at least 1. Decoding symbol ``s`` with frequency ``f`` and cumulative start ``c``
+  from state ``x``: ``slot = x & 4095``, ``s`` = the symbol whose range holds ``slot``,
+  ``x = f * (x >> 12) + slot - c``.
+- **Renormalisation.** After decoding a symbol, if ``x < 2**16`` the lane reads the next word:
+  ``x = (x << 16) | words[p]; p += 1``. The words of all lanes form one stream in symbol order:
+  within a step of ``LANES`` symbols, lanes read in increasing lane order (on a GPU: a prefix sum
+  of the lanes' read flags gives each lane its word). At most one word per symbol.
+- **Stream.** ``u32 states[LANES]`` (the lanes' states before symbol 0) then ``u16 words[n]``. The
+  encoder starts every lane at ``2**16``, so after the last symbol a correct decode leaves every
+  lane at ``2**16`` with every word consumed: a built-in integrity check.
+
+The decoder also dequantises: each symbol indexes a row of up to 4 int8 values (a tuple of codes)
+written as float32 to the segment's destination, and a row value equal to `ESCAPE` is replaced by
+the next value of a side list. `decode` and `encode` are the kernels; `decode_reference` is a plain Python
+decoder of the same format, for tests and as the specification of the GPU decoder.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+LANES = 32
+PROB_BITS = 12
+PROB_SCALE = 1 << PROB_BITS
+RANS_L = 1 << 16
+MAX_ALPHABET = 256
+TUPLE = 4  # float32 values per symbol row (a symbol codes 1..4 values)
+ESCAPE = -128  # a row value (int8) that stands for "the next escaped value"
+# Kernel status codes.
+OK, BAD_SYMBOL, TOO_MANY_ESCAPES, BAD_STREAM = 0, 1, 2, 3
+
+
+def quantise_frequencies(probs: np.ndarray) -> np.ndarray:
+    """Integer frequencies summing to ``PROB_SCALE``, each >= 1, close to ``probs`` (2..256 entries)."""
+    p = np.asarray(probs, np.float64)
+    if not 2 <= p.size <= MAX_ALPHABET or not (np.isfinite(p).all() and (p >= 0).all() and p.sum() > 0):
+        raise ValueError(f"rans: invalid distribution of {p.size} probabilities")
+    freq = np.maximum(1, np.round(p / p.sum() * PROB_SCALE)).astype(np.int64)
+    while freq.sum() != PROB_SCALE:  # fix the rounding on the symbols that lose the least
+        excess = int(freq.sum() - PROB_SCALE)
+        order = np.argsort(-freq) if excess > 0 else np.argsort(-p)
+        for s in order[: abs(excess)]:
+            if excess < 0 or freq[s] > 1:
+                freq[s] -= np.sign(excess)
+    return freq.astype(np.uint32)
+
+
+def decode_table(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(u8 [PROB_SCALE]`` symbol of every slot, ``u32 [MAX_ALPHABET]`` ``freq << 16 | start)``."""
+    sym = np.repeat(np.arange(freq.size), freq.astype(np.int64)).astype(np.uint8)
+    info = np.zeros(MAX_ALPHABET, np.uint32)
+    info[: freq.size] = (freq.astype(np.uint32) << np.uint32(16)) | starts(freq)
+    return sym, info
+
+
+def starts(freq: np.ndarray) -> np.ndarray:
+    """Cumulative starts of ``freq`` (u32)."""
+    return np.concatenate([[0], np.cumsum(freq)[:-1]]).astype(np.uint32)
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def encode(symbols: np.ndarray, run_len: np.ndarray, run_dist: np.ndarray, freq: np.ndarray,
+           start: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """Symbols (runs of ``run_len`` with distribution ``run_dist``) → (words u16, states u32, status).
+
+    ``freq``/``start``: ``u32 [n_dist, MAX_ALPHABET]``; a symbol of frequency 0 is `BAD_SYMBOL`.
+    """
+    n = symbols.size
+    out = np.empty(n + 1, np.uint16)
+    x = np.full(LANES, RANS_L, np.uint64)
+    p = out.size
+    r = run_len.size - 1
+    run_start = n
+    if r >= 0:
+        run_start = n - run_len[r]
+    for i in range(n - 1, -1, -1):
+        while i < run_start:
+            r -= 1
+            run_start -= run_len[r]
+        d, s = run_dist[r], symbols[i]
+        f = np.uint64(freq[d, s])
+        if f == 0:
+            return out[:0], x.astype(np.uint32), BAD_SYMBOL
+        lane = i % LANES
+        v = x[lane]
+        if v >= (f << np.uint64(32 - PROB_BITS)):
+            p -= 1
+            out[p] = np.uint16(v & np.uint64(0xFFFF))
+            v >>= np.uint64(16)
+        x[lane] = ((v // f) << np.uint64(PROB_BITS)) + (v % f) + np.uint64(start[d, s])
+    return out[p:].copy(), x.astype(np.uint32), OK
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def decode(words: np.ndarray, n_words: int, states: np.ndarray, seg_n: np.ndarray, seg_k: np.ndarray,
+           seg_dist: np.ndarray, seg_base: np.ndarray, slot_sym: np.ndarray, sym_info: np.ndarray,
+           rows: np.ndarray, has_escape: np.ndarray, escapes: np.ndarray, out: np.ndarray) -> int:
+    """Decode and dequantise every segment; returns a status code (`OK` when the stream is exact).
+
+    Segment ``j`` holds ``seg_n[j]`` values, written to ``out[seg_base[j]:][:seg_n[j]]``, coded
+    ``seg_k[j]`` per symbol with distribution ``seg_dist[j]`` (then the ``seg_n % seg_k`` leftovers
+    one per symbol with distribution ``seg_dist[j] + 1``). Each symbol writes ``TUPLE`` floats, so
+    the ``TUPLE - 1`` floats after a segment may be overwritten (later segments overwrite them).
+    ``words[:n_words]`` is the stream, followed by at least one padding word per symbol (so that the
+    branch-free refill never reads out of bounds). Per distribution (`decode_table`): ``slot_sym``
+    ``u8 [n_dist, PROB_SCALE]``, ``sym_info`` ``u32 [n_dist, MAX_ALPHABET]``; ``rows`` ``i8 [n_dist,
+    MAX_ALPHABET * TUPLE]`` the values of each symbol, ``has_escape`` ``bool [n_dist, MAX_ALPHABET]``.
+    """
+    # Hot indices are unsigned: numba then skips its negative-index wrap-around (~20% faster).
+    x = states.copy()
+    p = np.uint64(0)
+    used = 0
+    i = 0
+    mask = np.uint32(PROB_SCALE - 1)
+    for j in range(seg_n.size):
+        n_sym, k, o = seg_n[j] // seg_k[j], seg_k[j], seg_base[j]
+        for part in range(2):
+            if part == 1:
+                n_sym, k = seg_n[j] - n_sym * seg_k[j], 1
+            d = seg_dist[j] + part
+            tab, info, row, esc = slot_sym[d], sym_info[d], rows[d], has_escape[d]
+            for _ in range(n_sym):
+                lane = np.uint64(i & (LANES - 1))
+                v = x[lane]
+                slot = v & mask
+                sym = np.uint64(tab[slot])
+                fs = info[sym]
+                v = (fs >> np.uint32(16)) * (v >> np.uint32(PROB_BITS)) + slot - (fs & np.uint32(0xFFFF))
+                refill = np.uint32(v < np.uint32(RANS_L))
+                x[lane] = (v << (refill * np.uint32(16))) | (np.uint32(words[p]) & (np.uint32(0) - refill))
+                p += np.uint64(refill)
+                s = sym * np.uint64(TUPLE)
+                ou = np.uint64(o)
+                out[ou] = row[s]
+                out[ou + np.uint64(1)] = row[s + np.uint64(1)]
+                out[ou + np.uint64(2)] = row[s + np.uint64(2)]
+                out[ou + np.uint64(3)] = row[s + np.uint64(3)]
+                if esc[sym]:
+                    for q in range(k):
+                        if row[s + np.uint64(q)] == ESCAPE:
+                            if used >= escapes.size:
+                                return TOO_MANY_ESCAPES
+                            out[ou + np.uint64(q)] = escapes[used]
+                            used += 1
+                o += k
+                i += 1
+    if p != np.uint64(n_words) or used != escapes.size:
+        return BAD_STREAM
+    for lane in range(LANES):
+        if x[lane] != RANS_L:
+            return BAD_STREAM
+    return OK
+
+
+def decode_reference(words: np.ndarray, states: np.ndarray, segments: list[tuple[int, int, int]],
+                     freqs: list[np.ndarray], rows: np.ndarray) -> list[np.ndarray]:
+    """Plain-Python decoder (slow; the format's specification).
+
+    Returns, per segment ``(n, k, dist)``, its symbols' row values ``[n]`` (escapes left as
+    `ESCAPE`); ``freqs[d]`` are the frequencies of distribution ``d``, ``words`` has no padding.
+    """
+    x, p, i, out = [int(s) for s in states], 0, 0, []
+    for n, k, dist in segments:
+        values: list[float] = []
+        for part, count in ((0, n // k), (1, n - (n // k) * k)):
+            f = freqs[dist + part].astype(np.int64)
+            cum = np.concatenate([[0], np.cumsum(f)])
+            for _ in range(count):
+                lane, slot = i % LANES, x[i % LANES] & (PROB_SCALE - 1)
+                s = int(np.searchsorted(cum, slot, side="right") - 1)
+                x[lane] = int(f[s]) * (x[lane] >> PROB_BITS) + slot - int(cum[s])
+                if x[lane] < RANS_L:
+                    x[lane] = (x[lane] << 16) | int(words[p])
+                    p += 1
+                values += [float(v) for v in rows[dist + part][s * TUPLE : s * TUPLE + (k if part == 0 else 1)]]
+                i += 1
+        out.append(np.asarray(values, np.float32))
+    if p != len(words) or any(v != RANS_L for v in x):
+        raise ValueError("rans: stream does not end cleanly")
+    return out

@@ -13,9 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvrag.codec import make_codec
+from kvrag.codec import make_codec, rans
 from kvrag.codec.base import Codec, CodecNotFittedError
-from kvrag.codec.cachegen import CacheGenCodec
+from kvrag.codec.cachegen import BLOB_FORMAT, CacheGenCodec
 
 L, H, D = 4, 2, 16
 
@@ -140,6 +140,109 @@ def test_cachegen_short_chunks(fitted: CacheGenCodec, seq: int) -> None:
     keys, values = synthetic_kv(104, seq=seq)
     k, v, _ = roundtrip(fitted, keys, values)
     assert k.shape == keys.shape and v.shape == values.shape
+
+
+@pytest.mark.parametrize("mix_dims", [0, 4])
+def test_cachegen_mix_dims_within_bound(mix_dims: int) -> None:
+    """Per-head components outside the cross-head mix (and no mix at all) decode within the bound."""
+    codec = CacheGenCodec(mix_dims=mix_dims)
+    codec.fit([synthetic_kv(i, seq=40 + i) for i in range(6)], n_layers=L)
+    for level in CacheGenCodec.levels():
+        c = codec.with_level(level)
+        keys, values = synthetic_kv(109, seq=50)
+        k, v, _ = roundtrip(c, keys, values)
+        assert_within_bound(c, keys, k, 0)
+        assert_within_bound(c, values, v, 1)
+
+
+def test_cachegen_long_sequence(fitted: CacheGenCodec) -> None:
+    """Thousands of tokens: every lane codes many symbols and the stream holds many words."""
+    keys, values = synthetic_kv(110, seq=3001, layers=1)
+    blob = fitted.encode_layer(keys[0], values[0], 0)
+    k, v = fitted.decode_layer(blob, 0, (H, 3001, D), torch.float32)
+    assert_within_bound(fitted, keys, k[None], 0)
+    assert_within_bound(fitted, values, v[None], 1)
+
+
+def test_cachegen_old_or_foreign_blob_format_is_refused(fitted: CacheGenCodec) -> None:
+    keys, values = synthetic_kv(111)
+    blob = bytearray(fitted.encode_layer(keys[0], values[0], 0))
+    assert blob[0] == BLOB_FORMAT == 2
+    old = bytes([1]) + bytes(blob[1:])
+    with pytest.raises(ValueError, match="format 1"):
+        fitted.decode_layer(old, 0, (H, 37, D), torch.float32)
+    lanes = bytes(blob[:2]) + (64).to_bytes(2, "little") + bytes(blob[4:])
+    with pytest.raises(ValueError, match="lanes"):
+        fitted.decode_layer(lanes, 0, (H, 37, D), torch.float32)
+    for cut in (len(blob) - 2, len(blob) - 1, 24, 10):
+        with pytest.raises(ValueError):
+            fitted.decode_layer(bytes(blob[:cut]), 0, (H, 37, D), torch.float32)
+
+
+def _random_model(rng: np.random.Generator, alphabet: int) -> np.ndarray:
+    probs = rng.dirichlet(np.full(alphabet, 0.3))
+    return rans.quantise_frequencies(probs)
+
+
+@pytest.mark.parametrize("n_symbols", [0, 1, 31, 32, 33, 64, 1000, 20011])
+def test_rans_kernels_match_the_reference_decoder(n_symbols: int) -> None:
+    """Encode random runs; the numba decoder, the plain reference and the input agree exactly."""
+    rng = np.random.default_rng(n_symbols)
+    n_dist = 6  # three (tuple, single) pairs
+    freqs = [_random_model(rng, int(a)) for a in rng.integers(2, 257, n_dist)]
+    freq = np.zeros((n_dist, rans.MAX_ALPHABET), np.uint32)
+    for d, f in enumerate(freqs):
+        freq[d, : f.size] = f
+    start = np.stack([rans.starts(f) for f in freq])
+    tables = [rans.decode_table(f) for f in freqs]
+    rows = rng.integers(-127, 128, (n_dist, rans.MAX_ALPHABET * rans.TUPLE)).astype(np.int8)
+    rows[rows == rans.ESCAPE] = 0
+    # segments: (values, k, dist); values split between tuples (k each) and singles
+    cuts = np.sort(rng.integers(0, n_symbols + 1, 2))
+    counts = np.diff([0, *cuts, n_symbols])
+    segments = [(int(c) * 2 + (1 if c % 2 else 0), 2, 2 * j) for j, c in enumerate(counts)]
+    symbols, run_len, run_dist, expect = [], [], [], []
+    for n, k, dist in segments:
+        for part, count in ((0, n // k), (1, n - (n // k) * k)):
+            d = dist + part
+            sym = rng.choice(freqs[d].size, size=count, p=freqs[d] / freqs[d].sum())
+            symbols.append(sym)
+            run_len.append(count)
+            run_dist.append(d)
+            width = k if part == 0 else 1
+            expect.append(rows[d].reshape(-1, rans.TUPLE)[sym, :width].ravel())
+    words, states, status = rans.encode(np.concatenate(symbols).astype(np.int32), np.asarray(run_len, np.int64),
+                                        np.asarray(run_dist, np.int64), freq, start)
+    assert status == rans.OK and states.dtype == np.uint32 and states.size == rans.LANES
+    if n_symbols == 0:
+        assert words.size == 0 and (states == rans.RANS_L).all()
+    assert [v.astype(np.float32).tolist() for v in rans.decode_reference(words, states, segments, freqs, rows)] \
+        == [np.concatenate(expect[2 * j : 2 * j + 2]).astype(np.float32).tolist() for j in range(len(segments))]
+    n_vals = np.array([n for n, _, _ in segments], np.int64)
+    out = np.full(int(n_vals.sum()) + rans.TUPLE, np.nan, np.float32)
+    base = np.concatenate([[0], np.cumsum(n_vals)[:-1]]).astype(np.int64)
+    padded = np.zeros(words.size + n_symbols + 1, np.uint16)
+    padded[: words.size] = words
+    has_escape = np.zeros((n_dist, rans.MAX_ALPHABET), bool)
+    args = (padded, words.size, states, n_vals, np.array([k for _, k, _ in segments], np.int64),
+            np.array([d for _, _, d in segments], np.int64), base, np.stack([t[0] for t in tables]),
+            np.stack([t[1] for t in tables]), rows, has_escape, np.zeros(0, np.float32), out)
+    assert rans.decode(*args) == rans.OK
+    assert np.array_equal(out[: n_vals.sum()], np.concatenate(expect).astype(np.float32))
+    if words.size:  # a flipped word never passes unnoticed
+        padded[rng.integers(0, words.size)] ^= 1 << int(rng.integers(0, 16))
+        assert rans.decode(*args) == rans.BAD_STREAM
+
+
+def test_rans_rejects_symbols_without_frequency() -> None:
+    freq = np.zeros((1, rans.MAX_ALPHABET), np.uint32)
+    freq[0, :2] = rans.quantise_frequencies(np.array([0.5, 0.5]))
+    start = rans.starts(freq[0])[None]
+    _, _, status = rans.encode(np.array([0, 5], np.int32), np.array([2], np.int64), np.array([0], np.int64),
+                               freq, start)
+    assert status == rans.BAD_SYMBOL
+    with pytest.raises(ValueError, match="distribution"):
+        rans.quantise_frequencies(np.ones(300))
 
 
 def test_cachegen_rejects_bad_input(fitted: CacheGenCodec) -> None:

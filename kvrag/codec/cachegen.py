@@ -53,7 +53,7 @@ import torch
 
 from kvrag.codec import rans
 from kvrag.codec.base import Codec, CodecNotFittedError, register_codec
-from kvrag.codec.cachegen_state import N_BANDS, CacheGenState, fit_state, layer_group
+from kvrag.codec.cachegen_state import MIX_DIMS, N_BANDS, CacheGenState, fit_state, layer_group
 
 BLOB_FORMAT = 2
 MAX_TUPLE_ALPHABET = 256
@@ -105,10 +105,11 @@ class _LevelTables:
     models: _Models
     plans: list[_LayerPlan]
     encode_basis: torch.Tensor  # [2, L, H, D, D]: U / Δ
-    decode_basis: torch.Tensor  # [2, L, H, D, D]: Δ * Uᵀ
     mix: torch.Tensor  # [2, L, H*m, H*m]
-    mix_t: torch.Tensor  # [2, L, H*m, H*m]
     mean: torch.Tensor  # [2, L, C]
+    decode_basis: torch.Tensor  # [L, 2H, D, D]: Δ * Uᵀ (K heads then V heads)
+    decode_mix: torch.Tensor  # [L, 2, H*m, H*m]
+    decode_mean: torch.Tensor  # [L, 2H, 1, D]
 
 
 def _tuple_rows(radius: int, width: int) -> np.ndarray:
@@ -178,10 +179,11 @@ def _build_tables(state: CacheGenState, level: int) -> _LevelTables:
     step = torch.tensor([[state.steps[level][kind][t] for t in third] for kind in (0, 1)])
     step = (step * torch.from_numpy(state.scale).float())[..., None, None, None]  # [2, L, 1, 1, 1]
     basis = torch.from_numpy(state.basis).float()  # [2, L, H, D, D]
-    mix = torch.from_numpy(state.mix).float()
-    return _LevelTables(models, _plans(state, level, models), basis / step,
-                        (basis * step).transpose(-1, -2).contiguous(), mix, mix.transpose(-1, -2).contiguous(),
-                        torch.from_numpy(state.mean).float())
+    mix, mean = torch.from_numpy(state.mix).float(), torch.from_numpy(state.mean).float()
+    n_l, h, d = state.n_layers, state.n_heads, state.head_dim
+    decode_basis = (basis * step).transpose(-1, -2).transpose(0, 1).reshape(n_l, 2 * h, d, d).contiguous()
+    return _LevelTables(models, _plans(state, level, models), basis / step, mix, mean, decode_basis,
+                        mix.transpose(0, 1).contiguous(), mean.transpose(0, 1).reshape(n_l, 2 * h, 1, d).contiguous())
 
 
 class _Shared:
@@ -222,11 +224,14 @@ class CacheGenCodec(Codec):
 
     needs_fit = True
 
-    def __init__(self, level: int | None = None, steps: Steps | None = None) -> None:
+    def __init__(self, level: int | None = None, steps: Steps | None = None, mix_dims: int = MIX_DIMS) -> None:
         super().__init__(level)
         if self.level not in self.levels():
             raise ValueError(f"cachegen has levels {self.levels()}, got level={self.level}")
+        if mix_dims < 0:
+            raise ValueError(f"cachegen: mix_dims must be >= 0, got {mix_dims}")
         self.steps = dict(DEFAULT_STEPS if steps is None else steps)
+        self.mix_dims = mix_dims  # used by fit(); a loaded state carries its own
         self._shared: _Shared | None = None
 
     @classmethod
@@ -248,7 +253,7 @@ class CacheGenCodec(Codec):
         return params
 
     def fit(self, samples: list[tuple[torch.Tensor, torch.Tensor]], n_layers: int) -> None:
-        self._shared = _Shared(fit_state(samples, n_layers, self.steps))
+        self._shared = _Shared(fit_state(samples, n_layers, self.steps, self.mix_dims))
 
     def save_state(self, directory: Path) -> None:
         self._require_fit("save_state").state.save(Path(directory))
@@ -258,7 +263,7 @@ class CacheGenCodec(Codec):
         if self.level not in shared.state.levels:
             raise ValueError(f"cachegen state in {directory} has levels {sorted(shared.state.levels)}, "
                              f"not level {self.level}")
-        self._shared, self.steps = shared, dict(shared.state.steps)
+        self._shared, self.steps, self.mix_dims = shared, dict(shared.state.steps), shared.state.mix_dims
 
     def step(self, layer: int, kind: int) -> float:
         """The quantisation step Δ of ``layer`` for keys (``kind=0``) or values (1) at this level.
@@ -338,24 +343,24 @@ class CacheGenCodec(Codec):
         if min_bits > 16 * n_words + 32 * rans.LANES:
             raise ValueError(f"cachegen layer {layer}: {n_words} words cannot hold {s} tokens")
         m = tables.mix.shape[-1] // h
-        # Per kind, component-major: mix columns [H*m, S], then each head's components [H, D, S].
-        size_a, size_b = h * m * s, h * d * s
-        base = plan.kind * (size_a + size_b) + s * np.where(plan.head < 0, plan.col0, h * m + plan.head * d + plan.dim0)
-        buf = np.empty(2 * (size_a + size_b) + rans.TUPLE, np.float32)
+        # Component-major codes: mix columns of K, of V ([H*m, S] each, then TUPLE floats that the
+        # decoder may overwrite), then the heads of K and V ([2H, D, S]).
+        size_a, size_b, pad = h * m * s, h * d * s, rans.TUPLE
+        base = np.where(plan.head < 0, plan.kind * (size_a + pad) + s * plan.col0,
+                        2 * (size_a + pad) + plan.kind * size_b + s * (plan.head * d + plan.dim0))
+        buf = np.empty(2 * (size_a + pad + size_b) + pad, np.float32)
         status = rans.decode(words, n_words, states, n, plan.k, plan.dist, base, models.slot_sym, models.sym_info,
                              models.rows, models.has_escape, esc, buf)
         if status != rans.OK:
             raise ValueError(f"cachegen layer {layer}: entropy decoding failed (status {status}): the stream, "
                              "its escapes and its header do not match")
-        out = []
-        for kind in (0, 1):
-            flat = torch.from_numpy(buf[kind * (size_a + size_b) : (kind + 1) * (size_a + size_b)])
-            comps = flat[size_a:].view(h, d, s)
-            if m:  # undo the cross-head KLT: [H*m, H*m] @ [H*m, S]
-                comps[:, :m] = (tables.mix[kind, layer] @ flat[:size_a].view(h * m, s)).view(h, m, s)
-            out.append(torch.baddbmm(tables.mean[kind, layer].view(h, 1, d), comps.transpose(1, 2),
-                                     tables.decode_basis[kind, layer]).to(dtype))
-        return out[0], out[1]
+        flat = torch.from_numpy(buf)
+        comps = flat[2 * (size_a + pad) : 2 * (size_a + pad) + 2 * size_b].view(2 * h, d, s)
+        if m:  # undo the cross-head KLT: [H*m, H*m] @ [H*m, S] per kind
+            top = flat[: 2 * (size_a + pad)].view(2, size_a + pad)[:, :size_a].view(2, h * m, s)
+            comps.view(2, h, d, s)[:, :, :m] = torch.bmm(tables.decode_mix[layer], top).view(2, h, m, s)
+        out = torch.baddbmm(tables.decode_mean[layer], comps.transpose(1, 2), tables.decode_basis[layer])
+        return out[:h].to(dtype), out[h:].to(dtype)  # [H, S, D] each
 
     def _parse_blob(self, blob: bytes, shared: _Shared, seq: int,
                     n_symbols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
@@ -385,7 +390,7 @@ class CacheGenCodec(Codec):
 
     def with_level(self, level: int) -> CacheGenCodec:
         """A copy of the codec at another quality level, sharing the fitted state."""
-        clone = CacheGenCodec(level, self.steps)
+        clone = CacheGenCodec(level, self.steps, self.mix_dims)
         clone._shared = self._shared
         if clone._shared is not None and level not in clone._shared.state.levels:
             raise ValueError(f"the fitted cachegen state has no level {level}")

@@ -23,6 +23,12 @@ Per layer, separately for pre-RoPE K and for V, on the ``C = kv_heads * head_dim
    (`kvrag.codec.rans`: 32 lanes, 12-bit probabilities, 16-bit words), whose numba decoder writes
    the dequantised codes straight into the matrices that two batched matmuls turn back into K/V.
 
+Measured on SmolLM2-135M (60 chunks of <= 256 tokens, fitted on 120 others, one core of a shared
+2-core EPYC): level 1 takes 2.61 bits/element (6.1× smaller than bf16, container included) and
+decodes at ~0.25 GB/s of bf16 output (format 1 with constriction: 2.40 bits, 0.064 GB/s). Decode
+time is ~45% the rANS kernel (~0.58 symbols per element), ~35% the per-head matmul, the rest the
+cross-head matmul and glue; ``mix_dims`` 8 / 24 give 2.65 / 2.57 bits at about the same speed.
+
 Levels 0–3 (higher = finer steps, larger blobs); `default_level` is 1. ``params()`` records the
 level, the blob format and the fitted state's id; a blob of another level, state or format raises
 ValueError on decode (the container turns it into `CorruptChunkError`). Decoding is thread-safe and

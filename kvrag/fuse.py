@@ -235,22 +235,55 @@ def _place_layer(layer: hf_compat.ScatterLayer, kv: tuple[torch.Tensor, torch.Te
     values[0, :, start:stop] = kv[1].to(values.dtype)
 
 
-def _attention_mask(sel: torch.Tensor, total: int, dtype: torch.dtype, window: int | None,
-                    causal_ok: bool = False) -> torch.Tensor | None:
-    """Additive mask ``[1, 1, n_sel, N]``: selected token i sees positions j <= pos_i (within window).
-
-    None when every position is selected and the attention kernel applies the causal mask itself
-    (``causal_ok``): a plain causal prefill, which SDPA runs with its flash kernel.
-    """
-    if causal_ok and sel.numel() == total and (window is None or total <= window):
-        return None
+def _attention_mask(sel: torch.Tensor, total: int, dtype: torch.dtype, window: int | None) -> torch.Tensor:
+    """Additive mask ``[1, 1, n_sel, total]``: selected token i sees positions j <= pos_i (within window)."""
     cols = torch.arange(total, device=sel.device)
     allowed = cols[None, :] <= sel[:, None]
-    if window is not None and total > window:
+    if window is not None:
         allowed &= cols[None, :] > sel[:, None] - window
     mask = torch.zeros(allowed.shape, dtype=dtype, device=sel.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
+
+
+ATTENTION_BLOCKS = 4  # selected tokens run through a layer in up to this many position-ordered blocks
+MIN_BLOCK_TOKENS = 64
+Block = tuple[slice, int, "torch.Tensor | None"]  # (part of the selection, keys it attends to, mask)
+
+
+def _blocks(sel: torch.Tensor, total: int, dtype: torch.dtype, window: int | None, causal_ok: bool) -> list[Block]:
+    """How the selected tokens run through each layer.
+
+    Every position selected and a kernel that masks causally by itself (``causal_ok``): one block,
+    no mask — a plain causal prefill, which SDPA runs with its flash kernel. Otherwise the selection
+    (sorted by position) is cut into blocks run in order; a block attends only to the positions up to
+    its last token, so attention costs about half as much as with every key (causal, like a prefill).
+    Exact: a block sees the fresh rows written by the blocks before it, and no row after it.
+    """
+    n = int(sel.numel())
+    if causal_ok and n == total and (window is None or total <= window):
+        return [(slice(0, n), total, None)]
+    count = max(1, min(ATTENTION_BLOCKS, n // MIN_BLOCK_TOKENS))
+    bounds = [round(i * n / count) for i in range(count + 1)]
+    limits = sel[[b - 1 for b in bounds[1:]]].tolist()
+    blocks: list[Block] = []
+    for a, b, last in zip(bounds, bounds[1:], limits):
+        limit = int(last) + 1
+        within = window if window is not None and limit > window else None
+        blocks.append((slice(a, b), limit, _attention_mask(sel[a:b], limit, dtype, within)))
+    return blocks
+
+
+def _run_layer(lm: LoadedModel, layer_idx: int, hidden: torch.Tensor, sel: torch.Tensor, blocks: list[Block],
+               cache: hf_compat.ScatterCache) -> torch.Tensor:
+    """One decoder layer over the selected tokens, block by block; the layer's output hidden states."""
+    scatter = cache.layer(layer_idx)
+    outs = []
+    for part, limit, mask in blocks:
+        scatter.rows, scatter.limit = sel[part], limit
+        outs.append(hf_compat.run_decoder_layer(lm.model, layer_idx, hidden[:, part], mask, sel[part], cache))
+    scatter.rows, scatter.limit = sel, None
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 def _token_scores(
@@ -326,17 +359,20 @@ def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig) -> FusionResult:
                 positions = torch.arange(seg.prefix_len, seg.suffix_start, device=device)
                 cos, sin = rope_at(lm.model, positions, layers[0][0])
             hidden = hf_compat.embed_tokens(lm.model, ids[sel])[None]  # [1, n_sel, hidden]
-            mask = _attention_mask(sel, seg.total, hidden.dtype, window, causal_ok)
+            blocks = _blocks(sel, seg.total, hidden.dtype, window, causal_ok)
             n_selected = []
             for layer_idx in range(lm.spec.n_layers):
                 scatter = cache.layer(layer_idx)
                 if feed is not None:
                     _place_layer(scatter, feed.layer(layer_idx), seg, cos, sin)
-                scatter.rows, scatter.keep_old = sel, selector.checks(layer_idx)
+                check = selector.checks(layer_idx)
+                if check:  # the stored rows, to measure how far the fresh ones deviate
+                    keys, values, _ = scatter.full()
+                    scatter.old_keys, scatter.old_values = keys[:, :, sel], values[:, :, sel]
                 n_selected.append(int(sel.numel()))
                 hidden_in = hidden
-                hidden = hf_compat.run_decoder_layer(lm.model, layer_idx, hidden, mask, sel, cache)
-                if not scatter.keep_old:
+                hidden = _run_layer(lm, layer_idx, hidden, sel, blocks, cache)
+                if not check:
                     continue
                 dev = _token_scores(lm, config.score, layer_idx, hidden_in, sel, scatter, seg)
                 keep = selector.narrow(layer_idx, sel.cpu(), dev.cpu(), seg)
@@ -344,7 +380,7 @@ def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig) -> FusionResult:
                 if keep is not None and keep.numel() < sel.numel():
                     keep = keep.to(device)
                     sel, hidden = sel[keep], hidden[:, keep]
-                    mask = _attention_mask(sel, seg.total, hidden.dtype, window, causal_ok)
+                    blocks = _blocks(sel, seg.total, hidden.dtype, window, causal_ok)
             logits = hf_compat.final_logits(lm.model, hidden[:, -1:])[0, -1]
     finally:
         if feed is not None:

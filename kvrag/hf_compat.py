@@ -90,9 +90,10 @@ class ScatterLayer(DynamicLayer):
     """A cache layer over the full K/V of a sequence that writes fresh rows for selected positions.
 
     Before the decoder layer runs, `rows` is set to the sequence positions of the selected tokens;
-    `update` writes the fresh keys/values there and returns the full tensors, so the selected
-    tokens attend to the whole (partly stored, partly fresh) sequence. The previous rows are kept
-    in `old_keys`/`old_values` so a selector can measure the deviation.
+    `update` writes the fresh keys/values there and returns the full tensors (or their first `limit`
+    positions, when the selected tokens attend no further), so the selected tokens attend to the
+    whole (partly stored, partly fresh) sequence. A selector measuring the deviation of fresh rows
+    from stored ones keeps the stored rows in `old_keys`/`old_values`.
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -101,7 +102,7 @@ class ScatterLayer(DynamicLayer):
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
         self.rows: torch.Tensor | None = None
-        self.keep_old = False
+        self.limit: int | None = None
         self.old_keys: torch.Tensor | None = None
         self.old_values: torch.Tensor | None = None
 
@@ -110,10 +111,10 @@ class ScatterLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values, rows = self.full()
         assert rows is not None and key_states.shape[-2] == rows.numel()
-        if self.keep_old:
-            self.old_keys, self.old_values = keys[:, :, rows], values[:, :, rows]
         keys[:, :, rows] = key_states.to(self.dtype)
         values[:, :, rows] = value_states.to(self.dtype)
+        if self.limit is not None and self.limit < keys.shape[2]:
+            return keys[:, :, : self.limit], values[:, :, : self.limit]
         return keys, values
 
     def full(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

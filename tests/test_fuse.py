@@ -177,3 +177,43 @@ def test_suffix_attention_matches_the_models_attention_weights(arch):
             ours = suffix_attention(lm, idx, out.hidden_states[idx], sel, scatter, seg)
         ref = out.attentions[idx][0, :, -suffix.numel():].sum(dim=(0, 1))
         assert (ours - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("config", [FuseConfig(mode="cacheblend", ratio=0.3), FuseConfig(mode="attnlink", link_tokens=5),
+                                    FuseConfig(mode="prefix")])
+def test_selected_tokens_run_in_causal_blocks_exactly(monkeypatch, arch, config):
+    """Blocks of selected tokens that attend only up to their last position change nothing."""
+    import kvrag.fuse as fuse_mod
+
+    lm, prefix, chunks, kv, suffix = _setup(arch, seed=5)
+    monkeypatch.setattr(fuse_mod, "ATTENTION_BLOCKS", 1)
+    one = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
+    monkeypatch.setattr(fuse_mod, "ATTENTION_BLOCKS", 4)
+    monkeypatch.setattr(fuse_mod, "MIN_BLOCK_TOKENS", 4)
+    assert len(fuse_mod._blocks(one.selected, one.n_tokens, torch.float32, None, False)) == 4
+    blocked = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
+    assert (blocked.logits - one.logits).abs().max().item() <= 1e-4
+    assert torch.equal(blocked.selected, one.selected)
+    for (k, v), (rk, rv) in zip(hf_compat.cache_layers(blocked.cache), hf_compat.cache_layers(one.cache)):
+        assert (k - rk).abs().max().item() <= 1e-4 and (v - rv).abs().max().item() <= 1e-4
+
+
+def test_blocks_with_every_token_selected_equal_full_prefill_under_a_sliding_window(monkeypatch):
+    import transformers as tf
+
+    import kvrag.fuse as fuse_mod
+    from conftest import _COMMON
+
+    torch.manual_seed(0)
+    cfg = tf.MistralConfig(vocab_size=300, sliding_window=16, **_COMMON)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").eval()
+    lm = wrap_model(model, None, "mistral-window")
+    gen = torch.Generator().manual_seed(1)
+    prefix = prefix_cache(lm, torch.randint(3, 300, (6,), generator=gen).tolist())
+    chunks = [torch.randint(3, 300, (n,), generator=gen) for n in (20, 25)]
+    suffix = torch.randint(3, 300, (7,), generator=gen)
+    monkeypatch.setattr(fuse_mod, "MIN_BLOCK_TOKENS", 4)
+    result = fuse(lm, FusionInput(prefix, chunks, [None, None], suffix), FuseConfig(mode="full"))
+    ids = torch.cat([prefix.ids, *chunks, suffix])
+    assert (result.logits - _reference_logits(lm, ids)).abs().max().item() <= 1e-4

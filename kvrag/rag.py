@@ -278,8 +278,9 @@ class KVRag:
         self.kvstore.put(chunk.key, kv[0].cpu(), kv[1].cpu())
         return kv
 
-    def _fusion_input(self, question: str, chunks: list[RetrievedChunk], mode: str) -> FusionInput:
-        """The fusion input; stored caches come through a `StoreFeed` that loads layers during fusion."""
+    def _fusion_input(self, question: str, chunks: list[RetrievedChunk], mode: str,
+                      caches: Sequence[KV | None] | None = None) -> FusionInput:
+        """The fusion input: ``caches`` when given, else the stored caches through a `StoreFeed`."""
         suffix = suffix_token_ids(self.lm.tokenizer, self.layout, question)
         chunk_ids = [torch.tensor(chunk_token_ids(self.lm.tokenizer, c.text)) for c in chunks]
         total = self.prefix.length + sum(int(c.numel()) for c in chunk_ids) + len(suffix)
@@ -289,18 +290,25 @@ class KVRag:
                 f"{self.lm.spec.max_position}; use fewer or smaller chunks (k) or a shorter question")
         if mode == "full":
             return FusionInput(self.prefix, chunk_ids, [None] * len(chunks), torch.tensor(suffix))
+        if caches is not None:
+            return FusionInput(self.prefix, chunk_ids, list(caches), torch.tensor(suffix))
         feed = StoreFeed(self.kvstore, [c.key for c in chunks], [int(c.numel()) for c in chunk_ids],
                          self.lm.spec.n_layers, self.lm.device, self.prefix.kv[0][0].dtype,
                          recover=lambda j: self._recompute_chunk(chunks[j]))
         return FusionInput(self.prefix, chunk_ids, feed, torch.tensor(suffix))
 
     def _prepare(self, question: str, k: int, chunks: Sequence[str | RetrievedChunk] | None,
-                 fuse_config: FuseConfig) -> tuple[list[RetrievedChunk], FusionInput, FusionResult, dict[str, float]]:
+                 fuse_config: FuseConfig, caches: Sequence[KV | None] | None = None,
+                 ) -> tuple[list[RetrievedChunk], FusionInput, FusionResult, dict[str, float]]:
         _check_question(question)
+        if caches is not None and chunks is None:
+            raise ValueError("caches= needs chunks= (one cache per chunk, in the same order)")
         t0 = time.perf_counter()
         used = self.retrieve(question, k) if chunks is None else self.resolve_chunks(chunks)
+        if caches is not None and len(caches) != len(used):
+            raise ValueError(f"caches has {len(caches)} entries but chunks has {len(used)}; give one per chunk")
         t1 = time.perf_counter()
-        inp = self._fusion_input(question, used, fuse_config.mode)
+        inp = self._fusion_input(question, used, fuse_config.mode, caches)
         t2 = time.perf_counter()
         fused = fuse(self.lm, inp, fuse_config)
         # Layers load while fusion runs: load_s is opening the chunk files plus the time fusion waited
@@ -313,7 +321,8 @@ class KVRag:
                chunks: Sequence[str | RetrievedChunk] | None = None, max_new_tokens: int = 64,
                temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] = (),
                seed: int | None = None, fuse_config: FuseConfig | None = None,
-               score_ids: Sequence[int] | None = None) -> Iterator[str]:
+               score_ids: Sequence[int] | None = None,
+               caches: Sequence[KV | None] | None = None) -> Iterator[str]:
         """Yield the answer's text as it is generated; `last_answer` holds the full `Answer` after.
 
         Args mirror `answer`.
@@ -321,7 +330,7 @@ class KVRag:
         fcfg = fuse_config or FuseConfig(mode=mode, ratio=ratio)
         gcfg = GenerateConfig(max_new_tokens, temperature, top_p, tuple(stop), seed)
         t0 = time.perf_counter()
-        used, inp, fused, timings = self._prepare(question, k, chunks, fcfg)
+        used, inp, fused, timings = self._prepare(question, k, chunks, fcfg, caches)
         answer = Answer("", fcfg.mode, fcfg.ratio, math.nan, used, timings,
                         n_prompt_tokens=fused.n_tokens, recompute_fraction=fused.recompute_fraction)
         self.last_answer = answer
@@ -334,7 +343,8 @@ class KVRag:
                chunks: Sequence[str | RetrievedChunk] | None = None, max_new_tokens: int = 64,
                temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] = (),
                seed: int | None = None, fuse_config: FuseConfig | None = None,
-               score_ids: Sequence[int] | None = None) -> Answer:
+               score_ids: Sequence[int] | None = None,
+               caches: Sequence[KV | None] | None = None) -> Answer:
         """Retrieve ``k`` chunks (or use ``chunks``), fuse their caches and generate an answer.
 
         Args:
@@ -347,13 +357,19 @@ class KVRag:
             fuse_config: full control over fusion (overrides ``mode`` and ``ratio``).
             score_ids: token ids whose teacher-forced NLL under this same fusion is measured after
                 decoding (``Answer.score_nll``; equals `nll` without fusing a second time).
+            caches: one entry per chunk of ``chunks``: pre-RoPE ``(keys, values)``, each ``[L, H, n, D]``,
+                fused instead of the stored cache (e.g. caches round-tripped through a codec, or produced
+                elsewhere), or None to recompute that chunk; ``full`` recomputes every chunk anyway.
 
         Returns:
             `Answer` with the text, TTFT and its breakdown, and the chunks used.
+
+        Raises:
+            ValueError: ``caches`` without ``chunks``, or not one entry per chunk.
         """
         for _ in self.stream(question, k, mode, ratio, chunks=chunks, max_new_tokens=max_new_tokens,
                              temperature=temperature, top_p=top_p, stop=stop, seed=seed,
-                             fuse_config=fuse_config, score_ids=score_ids):
+                             fuse_config=fuse_config, score_ids=score_ids, caches=caches):
             pass
         assert self.last_answer is not None
         return self.last_answer

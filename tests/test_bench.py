@@ -109,7 +109,7 @@ def test_bench_speed_skips_lengths_over_the_window(tmp_path: Path) -> None:
     assert any("200000" in n for n in payload["notes"])
 
 
-def test_bench_quality_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
+def _qa_file(path: Path) -> Path:
     items = [
         {
             "id": f"q{i}",
@@ -123,8 +123,12 @@ def test_bench_quality_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
         }
         for i in range(3)
     ]
-    data = tmp_path / "q.jsonl"
-    data.write_text("".join(json.dumps(x) + "\n" for x in items))
+    path.write_text("".join(json.dumps(x) + "\n" for x in items))
+    return path
+
+
+def test_bench_quality_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
+    data = _qa_file(tmp_path / "q.jsonl")
     out = tmp_path / "out"
     rc = main(
         [
@@ -159,3 +163,37 @@ def test_bench_quality_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
     for row in payload["rows"]:
         assert 0.0 <= row["f1"] <= 1.0 and 0.0 <= row["agreement"] <= 1.0 and row["ttft_s"] > 0
         assert 0.0 < row["recompute_fraction"] <= 1.0
+
+
+def test_bench_codec_answer_effect_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from kvrag import KVRag, SplitConfig
+    from kvrag.bench.quality import load_questions, passage_documents
+
+    data = _qa_file(tmp_path / "q.jsonl")
+    split = SplitConfig(mode="document", max_tokens=2048, min_tokens=0)
+    KVRag.build(passage_documents(load_questions(data, 3)), tmp_path / "idx", model=str(tiny_model_dir),
+                split=split, device="cpu", show_progress=False).close()
+    out = tmp_path / "out"
+    rc = main(["bench", "codec", "--index", str(tmp_path / "idx"), "--codecs", "raw,int8,cachegen", "--levels",
+               "0,1", "--fit-chunks", "2", "--n-chunks", "3", "--repeats", "1", "--qa", str(data), "--qa-n", "2",
+               "--max-new-tokens", "4", "--json", str(out / "codec.json"), "--markdown", str(out / "codec.md")])
+    assert rc == 0
+    payload = json.loads((out / "codec.json").read_text())
+    effect = payload["answer_effect"]
+    assert effect["questions"] == 2 and effect["modes"] == ["reuse", "cacheblend@0.15"]
+    assert effect["fit_chunks_in_qa"] == 1  # 5 chunks, 4 of them the two questions' passages
+    summary = {(r["codec"], r["level"], r["mode"]): r for r in effect["summary"]}
+    variants = [("uncompressed", None), ("raw", 0), ("int8", 0), ("cachegen", 0), ("cachegen", 1)]
+    assert list(summary) == [(c, lv, m) for c, lv in variants for m in effect["modes"]]
+    assert len(effect["rows"]) == 2 * len(summary) and all(r["n"] == 2 for r in summary.values())
+    for (codec, level, mode), r in summary.items():
+        for key in ("first_token_agreement", "agreement", "identical", "first_token_agreement_full", "agreement_full"):
+            assert 0.0 <= r[key] <= 1.0, (codec, level, mode, key)
+        assert r["nll"] > 0 and r["payload_bits_per_element"] > 0
+        if codec in ("uncompressed", "raw"):  # lossless: the very same answers and scores
+            assert r["first_token_agreement"] == r["agreement"] == r["identical"] == 1.0 and r["delta_nll"] == 0.0
+            assert r["agreement_full"] == summary["uncompressed", None, mode]["agreement_full"]
+    assert summary["cachegen", 0, "reuse"]["payload_bits_per_element"] < summary["raw", 0, "reuse"][
+        "payload_bits_per_element"]
+    md = (out / "codec.md").read_text()
+    assert "## Effect on answers" in md and "| cachegen | 1 | cacheblend@0.15 |" in md

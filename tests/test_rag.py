@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvrag import FuseConfig, KVRag, SplitConfig
 from kvrag.errors import CorruptChunkError, IndexMismatchError, IndexNotFoundError, InputError
@@ -85,6 +86,31 @@ def test_scoring_during_an_answer_equals_nll_and_greedy_logprobs_score_the_answe
     assert scored.score_nll == pytest.approx(rag.nll("Where is sediment?", full.token_ids, keys, mode=mode),
                                              abs=1e-4)
     assert math.isnan(rag.answer("Where is sediment?", chunks=keys, mode=mode, max_new_tokens=2).score_nll)
+
+
+def test_answer_from_given_caches_equals_the_stored_ones_and_counts_are_checked(built):
+    rag, _ = built
+    keys = [r.key for r in rag.index.records()[:3]]
+    q = "Who commands beta station?"
+    caches = [rag.kvstore.load(k) for k in keys]
+    for mode in ("reuse", "cacheblend"):
+        stored = rag.answer(q, chunks=keys, mode=mode, max_new_tokens=5)
+        given = rag.answer(q, chunks=keys, mode=mode, max_new_tokens=5, caches=caches,
+                           score_ids=stored.token_ids)
+        assert given.token_ids == stored.token_ids
+        assert given.token_logprobs == pytest.approx(stored.token_logprobs, abs=1e-6)
+        zeroed = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in caches]
+        other = rag.answer(q, chunks=keys, mode=mode, max_new_tokens=1, caches=zeroed, score_ids=stored.token_ids)
+        assert other.score_nll != pytest.approx(given.score_nll, abs=1e-4)  # the given caches are the ones fused
+    reuse = rag.answer(q, chunks=keys, mode="reuse", max_new_tokens=1, caches=caches)
+    one_recomputed = rag.answer(q, chunks=keys, mode="reuse", max_new_tokens=1, caches=[None, *caches[1:]])
+    assert one_recomputed.recompute_fraction > reuse.recompute_fraction
+    with pytest.raises(ValueError, match="caches has 2 entries but chunks has 3"):
+        rag.answer(q, chunks=keys, caches=caches[:2])
+    with pytest.raises(ValueError, match="caches= needs chunks="):
+        rag.answer(q, k=2, caches=caches[:2])
+    with pytest.raises(ValueError, match="does not fit"):
+        rag.answer(q, chunks=keys, mode="reuse", caches=[caches[1], caches[0], caches[2]])
 
 
 def test_rebuild_with_one_more_document_computes_only_its_chunks(built, tiny_model_dir):

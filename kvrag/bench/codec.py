@@ -9,8 +9,15 @@ so errors are out-of-sample, as for chunks added to an index after its codec was
 
 Mounted as ``kvrag bench codec --index DIR [--json OUT] [--markdown OUT] [--n-chunks N]``: the chunk
 caches come from an existing index (decoded with the index's own codec — build the index with
-``--codec raw`` to measure against exact caches). Agreement with uncompressed caches on the real
-model is measured separately (``quality_rows``, wired by the quality benchmark).
+``--codec raw`` to measure against exact caches).
+
+With ``--qa FILE`` it also measures the effect on answers (`answer_effect`): the first questions of a
+QA JSONL, whose passages are chunks of the index (an index from ``kvrag bench quality --index DIR``),
+are answered from their uncompressed caches and from the same caches round-tripped through every
+codec level, with the index's model and greedy decoding. Per (codec, level, mode) it reports
+first-token and answer agreement (token F1) with the uncompressed answer in that mode and with
+``full``'s answer, and ΔNLL: the NLL of the uncompressed answer under the round-tripped caches minus
+under the uncompressed ones (both teacher-forced on the fused cache, so a lossless codec gives 0).
 """
 
 from __future__ import annotations
@@ -59,15 +66,42 @@ def _measure(codec: Any, samples: Sequence[KV], repeats: int) -> dict[str, float
             "max_abs_err_v": err["max_v"]}
 
 
+def fit_codecs(names: Sequence[str], fit_samples: Sequence[KV], fitted: Sequence[Any] = ()) -> list[Any]:
+    """A `Codec` per name, fitted on ``fit_samples`` when it needs it.
+
+    A codec in ``fitted`` (e.g. an index's own) is used as it is for its name.
+    """
+    from kvrag.codec import make_codec
+
+    own = {c.name: c for c in fitted}
+    out = []
+    for name in names:
+        codec = own[name] if name in own else make_codec(name)
+        if codec.needs_fit and name not in own:
+            if not fit_samples:
+                raise ValueError(f"codec {name!r} needs fitting but there are no fit samples")
+            t0 = time.perf_counter()
+            codec.fit(list(fit_samples), int(fit_samples[0][0].shape[0]))
+            log.info("fitted %s on %d chunks in %.1f s", name, len(fit_samples), time.perf_counter() - t0)
+        out.append(codec)
+    return out
+
+
+def codec_levels(base: Any, levels: Sequence[int] | None) -> list[Any]:
+    """``base`` at each of its levels in ``levels`` (all of them when None or when it has none of those)."""
+    chosen = [lv for lv in base.levels() if levels is None or lv in levels] or list(base.levels())
+    return [base.with_level(lv) for lv in chosen]
+
+
 def run_codec_bench(
-    samples: Sequence[KV], codecs: Sequence[str] = ("raw", "int8", "cachegen"),
+    samples: Sequence[KV], codecs: Sequence[Any] = ("raw", "int8", "cachegen"),
     levels: Sequence[int] | None = None, *, fit_samples: Sequence[KV] | None = None, repeats: int = 3,
 ) -> list[dict[str, Any]]:
     """Measure every codec at every level (``levels`` restricts them) on ``samples``.
 
     Args:
         samples: chunk caches ``(keys, values)``, each ``[L, H, S, D]`` with keys pre-RoPE.
-        codecs: codec names for `make_codec`.
+        codecs: codec names for `make_codec`, or codecs (fitted already where they need it).
         levels: quality levels to measure (each codec measures those it has; all when None).
         fit_samples: caches to fit codecs that need it; by default the first half of ``samples`` (and
             only the second half is measured).
@@ -85,8 +119,6 @@ def run_codec_bench(
     """
     import torch
 
-    from kvrag.codec import make_codec
-
     samples = list(samples)
     if fit_samples is None:
         fit_samples, samples = samples[: len(samples) // 2], samples[len(samples) // 2 :]
@@ -96,19 +128,13 @@ def run_codec_bench(
     torch.set_num_threads(1)
     rows = []
     try:
-        for name in codecs:
-            base = make_codec(name)
-            if base.needs_fit:
-                if not fit_samples:
-                    raise ValueError(f"codec {name!r} needs fitting but there are no fit samples")
-                t0 = time.perf_counter()
-                base.fit(list(fit_samples), int(fit_samples[0][0].shape[0]))
-                log.info("fitted %s on %d chunks in %.1f s", name, len(fit_samples), time.perf_counter() - t0)
-            for level in [lv for lv in base.levels() if levels is None or lv in levels] or base.levels():
-                codec = base.with_level(level)
-                row = {"codec": name, "level": level, "default": level == base.default_level(),
+        names = [c for c in codecs if isinstance(c, str)]
+        fitted = iter(fit_codecs(names, fit_samples))
+        for base in [next(fitted) if isinstance(c, str) else c for c in codecs]:
+            for codec in codec_levels(base, levels):
+                row = {"codec": base.name, "level": codec.level, "default": codec.level == base.default_level(),
                        **_measure(codec, samples, repeats)}
-                log.info("%s level %d: %.3f bits/element", name, level, row["bits_per_element"])
+                log.info("%s level %d: %.3f bits/element", base.name, codec.level, row["bits_per_element"])
                 rows.append(row)
     finally:
         torch.set_num_threads(threads)
@@ -129,17 +155,132 @@ def to_markdown(rows: Sequence[dict[str, Any]]) -> str:
         "(CPU): per second of process CPU time.")
 
 
-def load_index_samples(index: Path, n_chunks: int) -> tuple[list[KV], str]:
-    """Up to ``n_chunks`` chunk caches of an index (in insertion order) and the index's codec name."""
-    from kvrag.rag import KVRag
+def roundtrip(codec: Any, kv: KV) -> tuple[KV, int]:
+    """``kv`` (``[L, H, S, D]`` keys, values) encoded and decoded layer by layer in memory, and its bytes.
 
-    rag = KVRag.open(index)
-    try:
-        keys = [r.key for r in rag.index.records()[:n_chunks]]
-        samples = [rag.kvstore.load(k) for k in keys]
-        return samples, rag.kvstore.codec.name
-    finally:
-        rag.close()
+    The container adds only lossless framing, so this is what storing the chunk would give.
+    """
+    import torch
+
+    keys, values = kv
+    shape = tuple(int(d) for d in keys.shape[1:])
+    blobs = [codec.encode_layer(keys[i], values[i], i) for i in range(keys.shape[0])]
+    layers = [codec.decode_layer(b, i, shape, keys.dtype) for i, b in enumerate(blobs)]
+    return (torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers])), sum(map(len, blobs))
+
+
+_EFFECT_KEYS = ("payload_bits_per_element", "first_token_agreement", "agreement", "identical",
+                "first_token_agreement_full", "agreement_full", "nll", "delta_nll")
+
+
+def _effect_row(qid: str, codec: str, level: int | None, mode: str, ans: Any, ref: Any, full: Any,
+                nll: float, ref_nll: float, bits: float) -> dict[str, Any]:
+    from kvrag.bench import metrics
+
+    return {"id": qid, "codec": codec, "level": level, "mode": mode, "answer": ans.text,
+            "payload_bits_per_element": bits,
+            "first_token_agreement": metrics.first_token_agreement(ans.token_ids, ref.token_ids),
+            "agreement": metrics.agreement(ans.text, ref.text), "identical": float(ans.token_ids == ref.token_ids),
+            "first_token_agreement_full": metrics.first_token_agreement(ans.token_ids, full.token_ids),
+            "agreement_full": metrics.agreement(ans.text, full.text), "nll": nll, "delta_nll": nll - ref_nll}
+
+
+def _question_effect(rag: Any, item: dict[str, Any], codecs: Sequence[Any], specs: Sequence[Any],
+                     max_new_tokens: int, step: Any) -> list[dict[str, Any]]:
+    """Rows of one question: the uncompressed caches per mode, then every codec level per mode."""
+    from kvrag.bench.quality import passage_keys
+    from kvrag.config import FuseConfig
+
+    keys = passage_keys(rag, item)
+    raw = {k: rag.kvstore.load(k) for k in dict.fromkeys(keys)}  # a repeated passage is one chunk
+    elements = sum(2 * kv[0].numel() for kv in raw.values())
+
+    def ask(cfg: Any, caches: Any = None, score_ids: Any = None, n: int = max_new_tokens) -> Any:
+        return rag.answer(item["question"], chunks=keys, fuse_config=cfg, max_new_tokens=n, caches=caches,
+                          score_ids=score_ids or None)
+
+    full = ask(FuseConfig(mode="full"))
+    base = {s.label: ask(s.config, [raw[k] for k in keys]) for s in specs}
+    # the reference NLL is teacher-forced like the codecs' own, so a lossless codec gives ΔNLL = 0 exactly
+    base_nll = {s.label: ask(s.config, [raw[k] for k in keys], base[s.label].token_ids, 1).score_nll
+                for s in specs}
+    bits = 8.0 * next(iter(raw.values()))[0].element_size()
+    rows = [_effect_row(item["id"], "uncompressed", None, s.label, base[s.label], base[s.label], full,
+                        base_nll[s.label], base_nll[s.label], bits) for s in specs]
+    step()
+    for codec in codecs:
+        decoded = {k: roundtrip(codec, kv) for k, kv in raw.items()}
+        bits = sum(n for _, n in decoded.values()) * 8 / elements
+        for s in specs:
+            ref = base[s.label]
+            ans = ask(s.config, [decoded[k][0] for k in keys], ref.token_ids)
+            rows.append(_effect_row(item["id"], codec.name, codec.level, s.label, ans, ref, full, ans.score_nll,
+                                    base_nll[s.label], bits))
+        step()
+    return rows
+
+
+def _mean(values: Sequence[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+def summarise_effect(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (codec, level, mode), in first-seen order: the mean of each measure over the questions."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["codec"], r["level"], r["mode"]), []).append(r)
+    return [{"codec": c, "level": lv, "mode": m, "n": len(rs), **{k: _mean([r[k] for r in rs]) for k in _EFFECT_KEYS}}
+            for (c, lv, m), rs in groups.items()]
+
+
+def answer_effect(rag: Any, items: Sequence[dict[str, Any]], codecs: Sequence[Any], specs: Sequence[Any],
+                  max_new_tokens: int = 16) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The effect of each codec level on the answers of ``rag``'s model (greedy decoding).
+
+    Each question is answered over its own passages (chunks of ``rag``'s index, in dataset order) with
+    ``full``, then per mode from the stored caches, then per codec level and mode from those caches
+    round-tripped in memory (`roundtrip`), scoring the uncompressed answer on the same fused cache.
+
+    Args:
+        rag: an open `KVRag` whose index holds every passage as one chunk.
+        items: QA items (`kvrag.bench.quality.load_questions`).
+        codecs: codecs at the levels to measure (fitted where they need it).
+        specs: `kvrag.bench.common.ModeSpec`s of the fusion modes (not ``full``: it uses no cache).
+        max_new_tokens: answer length.
+
+    Returns:
+        ``(summary, rows)``: per (codec, level, mode) the means over questions, and per question the
+        same measures: ``first_token_agreement`` / ``agreement`` (token F1) / ``identical`` with the
+        uncompressed answer in that mode, ``*_full`` with ``full``'s answer, ``nll`` and ``delta_nll``
+        of the uncompressed answer, ``payload_bits_per_element`` (codec bytes, no container framing).
+        Rows with codec ``uncompressed`` are the stored caches themselves.
+    """
+    from tqdm.auto import tqdm
+
+    if any(s.config.mode == "full" for s in specs):
+        raise ValueError("full recomputes every chunk, so no codec changes its answer; it is the reference already")
+    rows: list[dict[str, Any]] = []
+    with tqdm(total=len(items) * (1 + len(codecs)), desc="codec answers", unit="step", disable=None) as bar:
+        for item in items:
+            rows += _question_effect(rag, item, codecs, specs, max_new_tokens, lambda: bar.update(1))
+    return summarise_effect(rows), rows
+
+
+def effect_markdown(summary: Sequence[dict[str, Any]]) -> str:
+    """The summary of `answer_effect` as a Markdown table."""
+    from kvrag.bench.common import markdown_table
+
+    headers = ["codec", "level", "mode", "bits/elem", "first-token", "agreement", "identical",
+               "first-token vs full", "agreement vs full", "ΔNLL"]
+    table = [[r["codec"], "–" if r["level"] is None else r["level"], r["mode"], r["payload_bits_per_element"],
+              r["first_token_agreement"], r["agreement"], r["identical"], r["first_token_agreement_full"],
+              r["agreement_full"], r["delta_nll"]] for r in summary]
+    return markdown_table(headers, table) + (
+        "\n\nMeans over questions. first-token / agreement (token F1) / identical: against the answer from the "
+        "uncompressed caches in the same mode; vs full: against full prefill's answer. ΔNLL: NLL of the "
+        "uncompressed answer under the round-tripped caches minus under the uncompressed ones. bits/elem: "
+        "codec payload, no container framing.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -150,33 +291,78 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--codecs", default="raw,int8,cachegen", help="comma list of codec names")
     parser.add_argument("--levels", default=None, help="comma list of levels (default: every level)")
     parser.add_argument("--repeats", type=int, default=3, help="decode passes; the fastest counts")
+    parser.add_argument("--qa", default=None,
+                        help="QA JSONL whose first --qa-n questions' passages are chunks of the index: "
+                             "also measure the effect of each codec level on their answers")
+    parser.add_argument("--qa-n", type=int, default=6, help="questions for --qa (default 6)")
+    parser.add_argument("--qa-modes", default="reuse,cacheblend@0.15",
+                        help="comma list of fusion modes for --qa (default reuse,cacheblend@0.15)")
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="answer length for --qa (default 16)")
     parser.add_argument("--json", default=None, help="write the rows (and run stamp) as JSON here")
     parser.add_argument("--markdown", default=None, help="write the Markdown table here")
 
 
+def index_samples(rag: Any, fit_chunks: int, n_chunks: int, avoid: set[str]) -> tuple[list[KV], int, int]:
+    """Chunk caches of ``rag``'s index: fit samples then measured ones, chunks not in ``avoid`` first.
+
+    Returns:
+        ``(samples, fit, overlap)``: ``samples[:fit]`` fit the codecs, the rest are measured; ``overlap``
+        fit samples are in ``avoid`` (the index has too few other chunks).
+    """
+    records = rag.index.records()
+    keys = [r.key for r in records if r.key not in avoid] + [r.key for r in records if r.key in avoid]
+    keys = keys[: fit_chunks + n_chunks]
+    if len(keys) < 2:
+        raise ValueError(f"index {rag.path} holds {len(keys)} chunk(s); the codec bench needs at least 2")
+    fit = fit_chunks if len(keys) == fit_chunks + n_chunks else min(fit_chunks, len(keys) // 2)
+    return [rag.kvstore.load(k) for k in keys], fit, sum(k in avoid for k in keys[:fit])
+
+
 def run(args: argparse.Namespace) -> int:
     from kvrag.bench import common
+    from kvrag.bench.quality import load_questions, passage_keys
+    from kvrag.rag import KVRag
 
-    if args.n_chunks < 1 or args.fit_chunks < 1:
-        raise ValueError("--n-chunks and --fit-chunks must be >= 1")
-    samples, source = load_index_samples(Path(args.index), args.fit_chunks + args.n_chunks)
-    if len(samples) < 2:
-        raise ValueError(f"index {args.index} holds {len(samples)} chunk(s); the codec bench needs at least 2")
-    if source != "raw":
-        log.warning("index %s stores caches with the lossy codec %r: errors are relative to those", args.index,
-                    source)
-    fit = min(args.fit_chunks, len(samples) // 2) if len(samples) < args.fit_chunks + args.n_chunks \
-        else args.fit_chunks
+    if args.n_chunks < 1 or args.fit_chunks < 1 or args.qa_n < 1:
+        raise ValueError("--n-chunks, --fit-chunks and --qa-n must be >= 1")
+    specs = [common.parse_mode(t) for t in args.qa_modes.split(",") if t.strip()]
     levels = [int(t) for t in args.levels.split(",") if t.strip()] if args.levels else None
-    rows = run_codec_bench(samples[fit:], [c.strip() for c in args.codecs.split(",") if c.strip()], levels,
-                           fit_samples=samples[:fit], repeats=args.repeats)
+    with KVRag.open(Path(args.index)) as rag:
+        items = load_questions(Path(args.qa), args.qa_n) if args.qa else []
+        qa_keys = {k for item in items for k in passage_keys(rag, item)}
+        samples, fit, overlap = index_samples(rag, args.fit_chunks, args.n_chunks, qa_keys)
+        source = rag.kvstore.codec.name
+        if source != "raw":
+            log.warning("index %s stores caches with the lossy codec %r: errors are relative to those",
+                        args.index, source)
+        if overlap:
+            log.warning("%d of the %d fit chunks are passages of the --qa questions (the index has too few "
+                        "other chunks): their answer effect is in-sample", overlap, fit)
+        own = [rag.kvstore.codec] if rag.kvstore.codec.needs_fit else []
+        codecs = fit_codecs([c.strip() for c in args.codecs.split(",") if c.strip()], samples[:fit], own)
+        rows = run_codec_bench(samples[fit:], codecs, levels, fit_samples=samples[:fit], repeats=args.repeats)
+        measured, samples = len(samples) - fit, []
+        effect = answer_effect(rag, items, [c for base in codecs for c in codec_levels(base, levels)], specs,
+                               args.max_new_tokens) if items else None
+        model = rag.manifest["model"]["source"]
+    fitted = {c.name: ("index state" if c in own else f"{fit} chunks") for c in codecs if c.needs_fit}
     table = to_markdown(rows)
+    text = f"{measured} chunks of `{args.index}` (codecs fitted on {fit} others; stored with `{source}`)\n\n{table}\n"
+    payload = {**common.stamp(args), "source_codec": source, "fit_chunks": fit, "codec_fit": fitted, "rows": rows}
+    if effect is not None:
+        summary, qrows = effect
+        payload["answer_effect"] = {"data": args.qa, "model": model, "questions": len(items),
+                                    "modes": [s.label for s in specs], "max_new_tokens": args.max_new_tokens,
+                                    "fit_chunks_in_qa": overlap, "summary": summary, "rows": qrows}
+        etable = effect_markdown(summary)
+        table += f"\n\n{etable}"
+        note = f"; {overlap} of the fit chunks are among their passages" if overlap else ""
+        text += (f"\n## Effect on answers\n\n{len(items)} questions of `{Path(args.qa).name}`, model `{model}`, "
+                 f"greedy, {args.max_new_tokens} new tokens{note}\n\n{etable}\n")
     if args.json:
-        common.write_json(Path(args.json), {**common.stamp(args), "source_codec": source, "fit_chunks": fit,
-                                            "rows": rows})
+        common.write_json(Path(args.json), payload)
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(f"# kvrag bench codec\n\n{len(samples) - fit} chunks of `{args.index}` "
-                                       f"(codecs fitted on {fit} others; stored with `{source}`)\n\n{table}\n")
+        Path(args.markdown).write_text(f"# kvrag bench codec\n\n{text}")
     print(table)
     return 0

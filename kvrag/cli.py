@@ -19,8 +19,9 @@ def _index(args: argparse.Namespace) -> int:
     docs = [Path(p) for p in args.paths]
     split = SplitConfig(mode=args.split, max_tokens=args.max_tokens, min_tokens=min(args.min_tokens, args.max_tokens))
     rag = KVRag.build(docs, args.index, model=args.model, embedder=args.embedder, split=split,
-                      codec=args.codec, index_kind=args.index_kind, dtype=args.dtype, device=args.device,
-                      batch_tokens=args.batch_tokens, show_progress=not args.quiet)
+                      codec=args.codec, codec_level=args.codec_level, index_kind=args.index_kind,
+                      dtype=args.dtype, device=args.device, batch_tokens=args.batch_tokens,
+                      show_progress=not args.quiet)
     print(f"{args.index}: {len(rag.index)} chunks")
     rag.close()
     return 0
@@ -84,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index", required=True, help="index directory")
     p.add_argument("--model", default="smollm2", help="HF id/folder, .gguf file, or 'smollm2'")
     p.add_argument("--embedder", default=None, help="sentence-transformers model (default all-MiniLM-L6-v2)")
-    p.add_argument("--codec", default="raw")
+    p.add_argument("--codec", default="raw", help="chunk-cache codec: raw (lossless), int8, cachegen")
+    p.add_argument("--codec-level", type=int, default=None, help="codec quality level (cachegen: 0-3, default 1)")
     p.add_argument("--split", default="semantic", choices=["semantic", "fixed", "document"])
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--min-tokens", type=int, default=64)

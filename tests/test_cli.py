@@ -29,3 +29,17 @@ def test_index_then_ask_json(tiny_model_dir: Path, tmp_path: Path, capsys):
 def test_errors_are_reported_not_raised(tmp_path: Path, capsys):
     assert main(["ask", str(tmp_path / "missing"), "q?"]) == 2
     assert "no kvrag index" in capsys.readouterr().err
+
+
+def test_index_with_a_compressed_codec_and_level(tiny_model_dir: Path, tmp_path: Path, capsys):
+    docs = tmp_path / "docs.txt"
+    docs.write_text("Gamma labs moved to Lisbon in 2011. " * 6 + "\n\nDelta works on tides. " * 6)
+    idx = tmp_path / "idx"
+    assert main(["index", str(docs), "--index", str(idx), "--model", str(tiny_model_dir), "-q", "--codec", "cachegen",
+                 "--codec-level", "2", "--max-tokens", "32", "--min-tokens", "4"]) == 0
+    capsys.readouterr()
+    assert main(["info", str(idx)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["manifest"]["codec"]["name"] == "cachegen" and info["manifest"]["codec"]["level"] == 2
+    assert main(["ask", str(idx), "Where did Gamma labs move?", "--k", "2", "--max-new-tokens", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ttft_s"] > 0

@@ -197,3 +197,4 @@ def test_bench_codec_answer_effect_tiny(tmp_path: Path, tiny_model_dir: Path) ->
         "payload_bits_per_element"]
     md = (out / "codec.md").read_text()
     assert "## Effect on answers" in md and "| cachegen | 1 | cacheblend@0.15 |" in md
+    assert main(["bench", "codec", "--index", str(tmp_path / "idx"), "--qa", str(data), "--qa-modes", "full"]) == 2

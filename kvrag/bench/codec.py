@@ -234,6 +234,12 @@ def summarise_effect(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             for (c, lv, m), rs in groups.items()]
 
 
+def _check_modes(specs: Sequence[Any]) -> None:
+    if any(s.config.mode == "full" for s in specs):
+        raise ValueError("--qa-modes: full recomputes every chunk, so no codec changes its answer; "
+                         "it is measured as the reference already")
+
+
 def answer_effect(rag: Any, items: Sequence[dict[str, Any]], codecs: Sequence[Any], specs: Sequence[Any],
                   max_new_tokens: int = 16) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The effect of each codec level on the answers of ``rag``'s model (greedy decoding).
@@ -258,8 +264,7 @@ def answer_effect(rag: Any, items: Sequence[dict[str, Any]], codecs: Sequence[An
     """
     from tqdm.auto import tqdm
 
-    if any(s.config.mode == "full" for s in specs):
-        raise ValueError("full recomputes every chunk, so no codec changes its answer; it is the reference already")
+    _check_modes(specs)
     rows: list[dict[str, Any]] = []
     with tqdm(total=len(items) * (1 + len(codecs)), desc="codec answers", unit="step", disable=None) as bar:
         for item in items:
@@ -326,6 +331,7 @@ def run(args: argparse.Namespace) -> int:
     if args.n_chunks < 1 or args.fit_chunks < 1 or args.qa_n < 1:
         raise ValueError("--n-chunks, --fit-chunks and --qa-n must be >= 1")
     specs = [common.parse_mode(t) for t in args.qa_modes.split(",") if t.strip()]
+    _check_modes(specs)
     levels = [int(t) for t in args.levels.split(",") if t.strip()] if args.levels else None
     with KVRag.open(Path(args.index)) as rag:
         items = load_questions(Path(args.qa), args.qa_n) if args.qa else []

@@ -163,7 +163,7 @@ def run_decoder_layer(
     model: Any,
     idx: int,
     hidden: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     positions: torch.Tensor,
     cache: ScatterCache,
 ) -> torch.Tensor:

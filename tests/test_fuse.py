@@ -180,8 +180,8 @@ def test_suffix_attention_matches_the_models_attention_weights(arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("config", [FuseConfig(mode="cacheblend", ratio=0.3), FuseConfig(mode="attnlink", link_tokens=5),
-                                    FuseConfig(mode="prefix")])
+@pytest.mark.parametrize("config", [FuseConfig(mode="cacheblend", ratio=0.3),
+                                    FuseConfig(mode="attnlink", link_tokens=5), FuseConfig(mode="prefix")])
 def test_selected_tokens_run_in_causal_blocks_exactly(monkeypatch, arch, config):
     """Blocks of selected tokens that attend only up to their last position change nothing."""
     import kvrag.fuse as fuse_mod
@@ -201,9 +201,9 @@ def test_selected_tokens_run_in_causal_blocks_exactly(monkeypatch, arch, config)
 
 def test_blocks_with_every_token_selected_equal_full_prefill_under_a_sliding_window(monkeypatch):
     import transformers as tf
+    from conftest import _COMMON
 
     import kvrag.fuse as fuse_mod
-    from conftest import _COMMON
 
     torch.manual_seed(0)
     cfg = tf.MistralConfig(vocab_size=300, sliding_window=16, **_COMMON)

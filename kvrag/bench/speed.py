@@ -18,6 +18,7 @@ Outputs in ``--out``: ``speed.json``, ``speed.md`` and ``speed.png`` (TTFT vs co
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import statistics
 import tempfile
@@ -275,7 +276,7 @@ def time_length(lm: Any, work: Workload, specs: list[common.ModeSpec], repeats: 
     for spec in specs:
         for tier in ["-"] if spec.config.mode == "full" else tiers:
             source = tier if tier != "-" else "disk"
-            runs.append((spec.label, tier, lambda c=spec.config, t=source: work.time_mode(lm, c, t)))
+            runs.append((spec.label, tier, functools.partial(work.time_mode, lm, spec.config, source)))
     samples: dict[tuple[str, str], list[dict[str, float]]] = {(m, t): [] for m, t, _ in runs}
     for _, _, run in runs:
         run()

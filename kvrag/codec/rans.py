@@ -156,8 +156,8 @@ def decode(words: np.ndarray, n_words: int, states: np.ndarray, seg_n: np.ndarra
                 i += 1
     if p != np.uint64(n_words) or used != escapes.size:
         return BAD_STREAM
-    for lane in range(LANES):
-        if x[lane] != RANS_L:
+    for j in range(LANES):
+        if x[j] != RANS_L:
             return BAD_STREAM
     return OK
 

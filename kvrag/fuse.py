@@ -257,8 +257,9 @@ def _blocks(sel: torch.Tensor, total: int, dtype: torch.dtype, window: int | Non
     Every position selected and a kernel that masks causally by itself (``causal_ok``): one block,
     no mask — a plain causal prefill, which SDPA runs with its flash kernel. Otherwise the selection
     (sorted by position) is cut into blocks run in order; a block attends only to the positions up to
-    its last token, so attention costs about half as much as with every key (causal, like a prefill).
-    Exact: a block sees the fresh rows written by the blocks before it, and no row after it.
+    its last token, so for a selection spread over the prompt the attention reads about half the keys
+    it would with one block over all of them. Exact: a block sees the fresh rows written by the blocks
+    before it, and no row after it.
     """
     n = int(sel.numel())
     if causal_ok and n == total and (window is None or total <= window):

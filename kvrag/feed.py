@@ -50,10 +50,6 @@ class ChunkFeed(ABC):
         self.total = sum(self.lengths)
         self.wait_s = 0.0
 
-    @property
-    def any_available(self) -> bool:
-        return any(self.available)
-
     def layer(self, i: int) -> LayerKV:
         """Layer ``i``'s pre-RoPE ``(keys, values)`` ``[H, total, D]`` on the device (layers in order)."""
         t0 = time.perf_counter()
@@ -128,12 +124,18 @@ class _DeviceCopier:
         return self.host[slot]
 
     def upload(self, i: int, host: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
-        with torch.cuda.stream(self.stream):
-            dev = host.to(self.device, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
+        dev, event = _on_stream(self.stream, lambda: host.to(self.device, non_blocking=True))
         self.events[i % len(self.host)] = event
         return dev, event
+
+
+def _on_stream(stream: Any, work: Callable[[], Any]) -> tuple[Any, torch.cuda.Event]:
+    """Run ``work`` (asynchronous copies) on a side CUDA stream; its result and an event marking its end."""
+    with torch.cuda.stream(stream):
+        result = work()
+        event = torch.cuda.Event()
+        event.record(stream)
+    return result, event
 
 
 def _consume(device: torch.device, event: Any, *tensors: torch.Tensor) -> None:
@@ -182,11 +184,7 @@ class TensorFeed(ChunkFeed):
         return k, v
 
     def _upload(self, i: int) -> tuple[LayerKV, torch.cuda.Event]:
-        with torch.cuda.stream(self._stream):
-            kv = self._gather(i, self.device)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        return kv, event
+        return _on_stream(self._stream, lambda: self._gather(i, self.device))
 
     def _layer(self, i: int) -> LayerKV:
         if self._shape is None:
@@ -299,9 +297,8 @@ class StoreFeed(ChunkFeed):
     def _layer(self, i: int) -> LayerKV:
         if self._prefetch is None:
             raise RuntimeError("no chunk in this feed has a cache")
-        both, event = self._prefetch.get(i)
+        both, event = self._prefetch.get(i)  # on the device: copied there on CUDA, built there on CPU
         _consume(self.device, event, both)
-        both = both if both.device == self.device else both.to(self.device)
         return both[0], both[1]
 
     def close(self) -> None:

@@ -219,10 +219,10 @@ def _prefixed_layers(lm: LoadedModel, inp: FusionInput, seg: Segments) -> list[K
 
 
 def _open_feed(lm: LoadedModel, inp: FusionInput, seg: Segments, dtype: torch.dtype) -> ChunkFeed | None:
-    if isinstance(inp.chunk_kv, ChunkFeed):
-        return inp.chunk_kv if inp.chunk_kv.any_available else None
-    if not any(kv is not None for kv in inp.chunk_kv):
+    if not any(inp.available()):
         return None
+    if isinstance(inp.chunk_kv, ChunkFeed):
+        return inp.chunk_kv
     return TensorFeed(inp.chunk_kv, seg.chunk_lens, lm.spec.n_layers, lm.device, dtype)
 
 

@@ -198,3 +198,42 @@ def test_bench_codec_answer_effect_tiny(tmp_path: Path, tiny_model_dir: Path) ->
     md = (out / "codec.md").read_text()
     assert "## Effect on answers" in md and "| cachegen | 1 | cacheblend@0.15 |" in md
     assert main(["bench", "codec", "--index", str(tmp_path / "idx"), "--qa", str(data), "--qa-modes", "full"]) == 2
+
+
+def test_deviation_helpers_on_known_values() -> None:
+    from kvrag.bench.deviation import top_overlap, top_share
+
+    dev = torch.tensor([8.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    assert top_share(dev, 0.1) == pytest.approx(0.8)
+    assert top_share(dev, 0.25) == pytest.approx(1.0)  # ceil(2.5) = 3 entries
+    assert top_share(torch.zeros(4), 0.5) == 0.0
+    truth = torch.arange(10.0)
+    assert top_overlap(truth, truth, 0.2) == 1.0
+    assert top_overlap(-truth, truth, 0.2) == 0.0
+    assert top_overlap(torch.tensor([9.0, 0, 0, 0, 0, 0, 0, 0, 0, 8]), truth, 0.2) == 0.5
+
+
+def test_bench_deviation_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
+    data = _qa_file(tmp_path / "q.jsonl")
+    out = tmp_path / "out"
+    rc = main(["bench", "deviation", "--data", str(data), "--model", str(tiny_model_dir), "--n", "2",
+               "--neutral-passages", "2", "--device", "cpu", "--out", str(out)])
+    assert rc == 0
+    payload = json.loads((out / "deviation.json").read_text())
+    assert {"command", "hardware", "versions", "date"} <= payload.keys()
+    assert (out / "deviation_layers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "## Per layer" in (out / "deviation.md").read_text()
+    s = payload["summary"]
+    assert payload["n_questions"] == 2 and payload["neutral_tokens"] > 0
+    # Layer 0's K/V depend on the token alone: stored and full-prefill rows agree there (this also checks
+    # that positions and the RoPE inverse line up); deeper layers see the missing context.
+    assert s["k_energy"][0] < 1e-9 and s["v_energy"][0] < 1e-9
+    assert max(s["k_energy"][1:]) > 1e-6 and max(s["v_energy"][1:]) > 1e-6
+    assert s["neutral_k_energy"][0] < 1e-9 and len(s["neutral_v_energy"]) == len(s["v_energy"])
+    shares = [s["concentration"][r] for r in ("0.05", "0.15", "0.25", "0.5")]
+    assert shares == sorted(shares) and shares[-1] <= 1.0 + 1e-9
+    assert all(share >= ratio - 1e-9 for share, ratio in zip(shares, (0.05, 0.15, 0.25, 0.5)))  # top r hold >= r
+    assert all(0.0 <= o <= 1.0 for o in s["ranking_by_layer"])
+    assert any(r is not None and r > 0 for r in s["offset_relative"])
+    assert main(["bench", "deviation", "--data", str(data), "--model", str(tiny_model_dir), "--n", "3",
+                 "--neutral-passages", "1", "--out", str(out)]) == 2  # no passages left after 3 questions

@@ -1,0 +1,274 @@
+"""Where stored chunk caches deviate from a full prefill: by layer, by token, by position in a chunk.
+
+For each question of a QA JSONL file, its passages' stored caches (one passage = one chunk) are
+compared with the K/V that a full prefill of the same fused prompt computes for those tokens. The
+first chunk is left out (it follows the prefix alone, so its cache is exact). A token's deviation
+at a layer is its squared K change plus its squared V change, each relative to the mean squared
+norm of that layer's full-prefill keys (values) — the scale `kvrag.fuse.kv_deviation` uses.
+Reported, summed over the questions:
+
+- **per layer**: K and V deviation energy relative to the full-prefill energy;
+- **concentration**: the share of all deviation (summed over layers) held by the top ``r`` of the
+  tokens — the most a selector that recomputes ``r`` of the tokens could remove, if recomputing a
+  token removed all of its deviation;
+- **ranking by layer**: how many of the top ``r`` tokens by total deviation are also in the top
+  ``r`` by one layer's deviation (what a check layer that saw the exact deviation would find;
+  a random pick finds ``r``);
+- **position in chunk**: mean deviation per block of token offsets, relative to the overall mean
+  (whether a chunk's first tokens, which AttnLink recomputes, deviate more);
+- with ``--neutral-passages K``: the same per-layer energies for chunk caches computed after the
+  prefix plus K passages of other questions (whether a generic context at KV generation helps).
+
+Outputs in ``--out``: ``deviation.json``, ``deviation.md`` and ``deviation_layers.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvrag.bench import common
+from kvrag.bench.quality import build_index, load_questions, passage_keys, passage_text
+
+log = logging.getLogger(__name__)
+
+RATIOS = (0.05, 0.15, 0.25, 0.5)
+OFFSET_BLOCK = 16  # tokens per position-in-chunk bucket
+OFFSET_BUCKETS = 8  # the last bucket holds every offset beyond
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", required=True, help="QA JSONL: {id, question, answers, ctxs: [{title, text}]}")
+    parser.add_argument("--model", default="smollm2", help="HF id/folder, .gguf file, or 'smollm2'")
+    parser.add_argument("--n", type=int, default=4, help="questions (the first N of the file)")
+    parser.add_argument("--neutral-passages", type=int, default=0,
+                        help="also measure caches computed after the prefix plus this many passages of other "
+                             "questions (taken after the first N of the file)")
+    parser.add_argument("--max-chunk-tokens", type=int, default=2048, help="passages longer than this are split")
+    parser.add_argument("--index", default=None, help="index directory (default: a temporary one)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--out", default="bench-out/deviation", help="output directory")
+
+
+def top_share(dev: torch.Tensor, ratio: float) -> float:
+    """Share of ``dev.sum()`` held by its largest ``ceil(ratio * n)`` entries."""
+    k = max(1, math.ceil(ratio * dev.numel() - 1e-9))
+    total = float(dev.sum())
+    return float(dev.topk(min(k, dev.numel())).values.sum()) / total if total > 0 else 0.0
+
+
+def top_overlap(score: torch.Tensor, truth: torch.Tensor, ratio: float) -> float:
+    """Fraction of the top ``ratio`` entries of ``truth`` that are also in the top ``ratio`` of ``score``."""
+    k = max(1, min(truth.numel(), math.ceil(ratio * truth.numel() - 1e-9)))
+    picked = set(score.topk(k).indices.tolist())
+    return len(picked & set(truth.topk(k).indices.tolist())) / k
+
+
+def _pre_rope_kv(lm: Any, ids: list[int], start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pre-RoPE keys and values ``[L, H, stop-start, D]`` of tokens ``start:stop`` in a prefill of ``ids``."""
+    from kvrag import hf_compat
+    from kvrag.model import rope_at, unapply_rope
+
+    with torch.no_grad():
+        out = hf_compat.base_model(lm.model)(input_ids=torch.tensor([ids], device=lm.device), use_cache=True)
+    layers = hf_compat.cache_layers(out.past_key_values)
+    keys = torch.stack([k[0, :, start:stop] for k, _ in layers]).float()
+    values = torch.stack([v[0, :, start:stop] for _, v in layers]).float()
+    cos, sin = rope_at(lm.model, torch.arange(start, stop, device=lm.device), keys)
+    return unapply_rope(keys, cos, sin), values
+
+
+class Tally:
+    """Running sums over questions."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.k_err = torch.zeros(n_layers, dtype=torch.float64)
+        self.k_ref = torch.zeros(n_layers, dtype=torch.float64)
+        self.v_err = torch.zeros(n_layers, dtype=torch.float64)
+        self.v_ref = torch.zeros(n_layers, dtype=torch.float64)
+
+    def add(self, ref: tuple[torch.Tensor, torch.Tensor], got: tuple[torch.Tensor, torch.Tensor],
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Add one chunk's energies; returns its squared K and V errors and the reference K and V
+        squared norms, each per layer and token ``[L, n]``.
+        """
+        dk = (ref[0] - got[0]).pow(2).sum(dim=(1, 3))  # [L, n]
+        dv = (ref[1] - got[1]).pow(2).sum(dim=(1, 3))
+        nk, nv = ref[0].pow(2).sum(dim=(1, 3)), ref[1].pow(2).sum(dim=(1, 3))
+        self.k_err += dk.sum(1).double()
+        self.v_err += dv.sum(1).double()
+        self.k_ref += nk.sum(1).double()
+        self.v_ref += nv.sum(1).double()
+        return dk, dv, nk, nv
+
+    def energies(self) -> tuple[list[float], list[float]]:
+        k = (self.k_err / self.k_ref.clamp_min(1e-30)).tolist()
+        v = (self.v_err / self.v_ref.clamp_min(1e-30)).tolist()
+        return k, v
+
+
+def measure_question(rag: Any, item: dict[str, Any], stored: Tally, neutral: Tally | None,
+                     neutral_ids: list[int]) -> dict[str, Any]:
+    """Compare one question's stored chunk caches (and neutral-context ones) with its full prefill."""
+    from kvrag.prompt import chunk_token_ids, suffix_token_ids
+
+    tok, lm = rag.lm.tokenizer, rag.lm
+    chunks = rag.resolve_chunks(passage_keys(rag, item))
+    chunk_ids = [chunk_token_ids(tok, c.text) for c in chunks]
+    prefix = rag.prefix.ids.tolist()
+    ids = prefix + sum(chunk_ids, []) + suffix_token_ids(tok, rag.layout, item["question"])
+    start = len(prefix) + len(chunk_ids[0])
+    stop = len(prefix) + sum(len(c) for c in chunk_ids)
+    full_k, full_v = _pre_rope_kv(lm, ids, start, stop)
+    dk_parts, dv_parts, nk_parts, nv_parts, offsets = [], [], [], [], []
+    pos = 0
+    for chunk, cids in zip(chunks[1:], chunk_ids[1:]):
+        n = len(cids)
+        ref = (full_k[:, :, pos : pos + n], full_v[:, :, pos : pos + n])
+        keys, values = rag.load_chunk(chunk)
+        dk, dv, nk, nv = stored.add(ref, (keys.float().to(full_k.device), values.float().to(full_k.device)))
+        dk_parts.append(dk)
+        dv_parts.append(dv)
+        nk_parts.append(nk)
+        nv_parts.append(nv)
+        offsets.append(torch.arange(n))
+        if neutral is not None:
+            p = len(prefix) + len(neutral_ids)
+            neutral.add(ref, _pre_rope_kv(lm, prefix + neutral_ids + cids, p, p + n))
+        pos += n
+    nk_all, nv_all = torch.cat(nk_parts, 1), torch.cat(nv_parts, 1)
+    dev = (torch.cat(dk_parts, 1) / nk_all.mean(1, keepdim=True).clamp_min(1e-30)
+           + torch.cat(dv_parts, 1) / nv_all.mean(1, keepdim=True).clamp_min(1e-30)).cpu()  # [L, n]
+    total = dev.sum(0)
+    offset = torch.cat(offsets).clamp_max(OFFSET_BLOCK * OFFSET_BUCKETS - 1) // OFFSET_BLOCK
+    bucket_sum = torch.zeros(OFFSET_BUCKETS).index_add_(0, offset, total)
+    bucket_n = torch.zeros(OFFSET_BUCKETS).index_add_(0, offset, torch.ones_like(total))
+    return {
+        "id": item["id"],
+        "tokens": int(total.numel()),
+        "concentration": {str(r): top_share(total, r) for r in RATIOS},
+        "ranking_by_layer": [top_overlap(dev[layer], total, 0.15) for layer in range(dev.shape[0])],
+        "offset_sum": bucket_sum.tolist(),
+        "offset_n": bucket_n.tolist(),
+    }
+
+
+def _neutral_ids(rag: Any, items: list[dict[str, Any]], count: int) -> list[int]:
+    from kvrag.prompt import chunk_token_ids
+
+    passages = [passage_text(ctx) for item in items for ctx in item["ctxs"]][:count]
+    if len(passages) < count:
+        raise ValueError(f"--neutral-passages {count}: the file has only {len(passages)} passages after the first N "
+                         "questions")
+    return sum((chunk_token_ids(rag.lm.tokenizer, p) for p in passages), [])
+
+
+def summarise(rows: list[dict[str, Any]], stored: Tally, neutral: Tally | None) -> dict[str, Any]:
+    k, v = stored.energies()
+    n_layers = len(k)
+    bucket_sum = torch.tensor([r["offset_sum"] for r in rows]).sum(0)
+    bucket_n = torch.tensor([r["offset_n"] for r in rows]).sum(0)
+    overall = float(bucket_sum.sum() / bucket_n.sum().clamp_min(1))
+    out: dict[str, Any] = {
+        "k_energy": k,
+        "v_energy": v,
+        "concentration": {str(r): sum(row["concentration"][str(r)] for row in rows) / len(rows) for r in RATIOS},
+        "ranking_by_layer": [sum(row["ranking_by_layer"][i] for row in rows) / len(rows) for i in range(n_layers)],
+        "offset_relative": [
+            float(s / c) / overall if c > 0 and overall > 0 else None
+            for s, c in zip(bucket_sum.tolist(), bucket_n.tolist())
+        ],
+    }
+    if neutral is not None:
+        out["neutral_k_energy"], out["neutral_v_energy"] = neutral.energies()
+    return out
+
+
+def markdown(summary: dict[str, Any], header: str) -> str:
+    neutral = "neutral_k_energy" in summary
+    layer_headers = ["layer", "K deviation", "V deviation", "top-15% overlap"]
+    if neutral:
+        layer_headers += ["K (neutral context)", "V (neutral context)"]
+    layer_rows = []
+    for i, (k, v, o) in enumerate(zip(summary["k_energy"], summary["v_energy"], summary["ranking_by_layer"])):
+        row = [i, k, v, o]
+        if neutral:
+            row += [summary["neutral_k_energy"][i], summary["neutral_v_energy"][i]]
+        layer_rows.append(row)
+    conc = common.markdown_table(["top share of tokens", "share of deviation"],
+                                 [[f"{float(r):.0%}", s] for r, s in summary["concentration"].items()])
+    offsets = common.markdown_table(
+        ["offset in chunk", "mean deviation / overall mean"],
+        [[f"{i * OFFSET_BLOCK}–{(i + 1) * OFFSET_BLOCK - 1}" if i < OFFSET_BUCKETS - 1 else f"≥ {i * OFFSET_BLOCK}", r]
+         for i, r in enumerate(summary["offset_relative"])])
+    return (f"{header}\n\n## Per layer\n\nDeviation energy relative to the full prefill's; top-15% overlap: share "
+            f"of the 15% of tokens with the largest total deviation that this layer's deviation also ranks in its "
+            f"top 15% (random: 0.15).\n\n{common.markdown_table(layer_headers, layer_rows)}\n\n"
+            f"## Concentration over tokens\n\n{conc}\n\n## Position in chunk\n\n{offsets}\n")
+
+
+def layer_plot(summary: dict[str, Any], path: Path, title: str) -> None:
+    plt = common.pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    layers = list(range(len(summary["k_energy"])))
+    ax.plot(layers, summary["k_energy"], marker="o", label="K (stored)")
+    ax.plot(layers, summary["v_energy"], marker="o", label="V (stored)")
+    if "neutral_k_energy" in summary:
+        ax.plot(layers, summary["neutral_k_energy"], linestyle="--", label="K (neutral context)")
+        ax.plot(layers, summary["neutral_v_energy"], linestyle="--", label="V (neutral context)")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("deviation energy / full-prefill energy")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    common.set_threads(args.threads)
+    if args.n < 1 or args.neutral_passages < 0:
+        raise ValueError("--n must be >= 1 and --neutral-passages >= 0")
+    items = load_questions(Path(args.data), args.n)
+    extra = load_questions(Path(args.data), args.n + 1000)[args.n :] if args.neutral_passages else []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="kvrag-bench-") as tmp:
+        rag, _ = build_index(args, items, Path(args.index) if args.index else Path(tmp) / "index")
+        with rag:
+            neutral_ids = _neutral_ids(rag, extra, args.neutral_passages) if args.neutral_passages else []
+            n_layers = rag.lm.spec.n_layers
+            stored = Tally(n_layers)
+            neutral = Tally(n_layers) if args.neutral_passages else None
+            rows = []
+            for item in tqdm(items, desc="questions", unit="q", disable=None):
+                if len(item["ctxs"]) < 2:
+                    log.warning("%s has fewer than two passages; skipped", item["id"])
+                    continue
+                rows.append(measure_question(rag, item, stored, neutral, neutral_ids))
+    if not rows:
+        raise ValueError("no question with at least two passages")
+    summary = summarise(rows, stored, neutral)
+    payload = {**common.stamp(args), "data": args.data, "model": args.model, "n_questions": len(rows),
+               "neutral_passages": args.neutral_passages, "neutral_tokens": len(neutral_ids),
+               "summary": summary, "rows": rows}
+    common.write_json(out / "deviation.json", payload)
+    header = (f"# kvrag bench deviation\n\n`{payload['command']}`\n\n{len(rows)} questions from "
+              f"`{Path(args.data).name}`, model `{args.model}`, {sum(r['tokens'] for r in rows)} chunk tokens "
+              f"compared (chunks after the first)"
+              + (f"; neutral context: {len(neutral_ids)} tokens" if args.neutral_passages else "") + ".")
+    text = markdown(summary, header)
+    (out / "deviation.md").write_text(text)
+    layer_plot(summary, out / "deviation_layers.png", f"{Path(args.data).name}, {len(rows)} q, {args.model}")
+    print(text)
+    return 0

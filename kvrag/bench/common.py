@@ -167,6 +167,18 @@ def pyplot() -> Any:
     return plt
 
 
+def save_plot(plt: Any, fig: Any, ax: Any, path: Path, title: str, grid: str = "major") -> None:
+    """Title, grid (``grid``: major/minor/both ticks) and legend in the benchmarks' common style; write
+    ``path`` and free the figure.
+    """
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3, which=grid)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def cuda_sync(device: Any) -> None:
     """Wait for queued GPU work before reading a clock (no-op on CPU)."""
     import torch

@@ -225,12 +225,7 @@ def layer_plot(summary: dict[str, Any], path: Path, title: str) -> None:
         ax.plot(layers, summary["neutral_v_energy"], linestyle="--", label="V (neutral context)")
     ax.set_xlabel("layer")
     ax.set_ylabel("deviation energy / full-prefill energy")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_plot(plt, fig, ax, path, title)
 
 
 def run(args: argparse.Namespace) -> int:

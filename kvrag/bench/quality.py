@@ -233,12 +233,7 @@ def pareto_plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.set_xlabel("TTFT speedup vs full (same run)")
     ax.set_ylabel("agreement with full (token F1)")
     ax.set_ylim(-0.02, 1.05)
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_plot(plt, fig, ax, path, title)
 
 
 def build_index(args: argparse.Namespace, items: list[dict[str, Any]], index_dir: Path) -> tuple[Any, float]:

@@ -387,12 +387,7 @@ def speed_plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("context length (chunk tokens)")
     ax.set_ylabel("TTFT ms (load + fuse, median)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_plot(plt, fig, ax, path, title, grid="both")
 
 
 def write_outputs(args: argparse.Namespace, lm: Any, name: str, results: list[dict[str, Any]], notes: list[str]) -> str:

@@ -29,12 +29,15 @@ import logging
 import math
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvrag.bench import common
 from kvrag.bench.quality import build_index, load_questions, passage_keys, passage_text
+
+if TYPE_CHECKING:
+    from kvrag.kvgen import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -71,20 +74,6 @@ def top_overlap(score: torch.Tensor, truth: torch.Tensor, ratio: float) -> float
     return len(picked & set(truth.topk(k).indices.tolist())) / k
 
 
-def _pre_rope_kv(lm: Any, ids: list[int], start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pre-RoPE keys and values ``[L, H, stop-start, D]`` of tokens ``start:stop`` in a prefill of ``ids``."""
-    from kvrag import hf_compat
-    from kvrag.model import rope_at, unapply_rope
-
-    with torch.no_grad():
-        out = hf_compat.base_model(lm.model)(input_ids=torch.tensor([ids], device=lm.device), use_cache=True)
-    layers = hf_compat.cache_layers(out.past_key_values)
-    keys = torch.stack([k[0, :, start:stop] for k, _ in layers]).float()
-    values = torch.stack([v[0, :, start:stop] for _, v in layers]).float()
-    cos, sin = rope_at(lm.model, torch.arange(start, stop, device=lm.device), keys)
-    return unapply_rope(keys, cos, sin), values
-
-
 class Tally:
     """Running sums over questions."""
 
@@ -115,21 +104,25 @@ class Tally:
 
 
 def measure_question(rag: Any, item: dict[str, Any], stored: Tally, neutral: Tally | None,
-                     neutral_ids: list[int]) -> dict[str, Any]:
-    """Compare one question's stored chunk caches (and neutral-context ones) with its full prefill."""
-    from kvrag.prompt import chunk_token_ids, suffix_token_ids
+                     neutral_prefix: PrefixCache | None) -> dict[str, Any]:
+    """Compare one question's stored chunk caches (and those computed after ``neutral_prefix``) with
+    the caches a full prefill of its prompt gives the same tokens.
+    """
+    from kvrag.kvgen import chunk_caches
+    from kvrag.prompt import chunk_token_ids
 
-    tok, lm = rag.lm.tokenizer, rag.lm
+    lm = rag.lm
     chunks = rag.resolve_chunks(passage_keys(rag, item))
-    chunk_ids = [chunk_token_ids(tok, c.text) for c in chunks]
-    prefix = rag.prefix.ids.tolist()
-    ids = prefix + sum(chunk_ids, []) + suffix_token_ids(tok, rag.layout, item["question"])
-    start = len(prefix) + len(chunk_ids[0])
-    stop = len(prefix) + sum(len(c) for c in chunk_ids)
-    full_k, full_v = _pre_rope_kv(lm, ids, start, stop)
+    chunk_ids = [chunk_token_ids(lm.tokenizer, c.text) for c in chunks]
+    # The whole chunk run prefilled after the prefix is the full prompt's prefill up to the question,
+    # which the chunk tokens never attend to.
+    _, (full_k, full_v) = next(chunk_caches(lm, rag.prefix, [sum(chunk_ids, [])]))
+    first = len(chunk_ids[0])
+    full_k, full_v = full_k[:, :, first:].float(), full_v[:, :, first:].float()
+    others = {} if neutral_prefix is None else dict(chunk_caches(lm, neutral_prefix, chunk_ids[1:]))
     dk_parts, dv_parts, nk_parts, nv_parts, offsets = [], [], [], [], []
     pos = 0
-    for chunk, cids in zip(chunks[1:], chunk_ids[1:]):
+    for j, (chunk, cids) in enumerate(zip(chunks[1:], chunk_ids[1:])):
         n = len(cids)
         ref = (full_k[:, :, pos : pos + n], full_v[:, :, pos : pos + n])
         keys, values = rag.load_chunk(chunk)
@@ -140,8 +133,7 @@ def measure_question(rag: Any, item: dict[str, Any], stored: Tally, neutral: Tal
         nv_parts.append(nv)
         offsets.append(torch.arange(n))
         if neutral is not None:
-            p = len(prefix) + len(neutral_ids)
-            neutral.add(ref, _pre_rope_kv(lm, prefix + neutral_ids + cids, p, p + n))
+            neutral.add(ref, (others[j][0].float(), others[j][1].float()))
         pos += n
     nk_all, nv_all = torch.cat(nk_parts, 1), torch.cat(nv_parts, 1)
     dev = (torch.cat(dk_parts, 1) / nk_all.mean(1, keepdim=True).clamp_min(1e-30)
@@ -160,14 +152,19 @@ def measure_question(rag: Any, item: dict[str, Any], stored: Tally, neutral: Tal
     }
 
 
-def _neutral_ids(rag: Any, items: list[dict[str, Any]], count: int) -> list[int]:
+def _neutral_prefix(rag: Any, items: list[dict[str, Any]], count: int) -> tuple[PrefixCache, int]:
+    """The index's prompt prefix followed by the first ``count`` passages of ``items``, prefilled once;
+    and how many passage tokens it adds.
+    """
+    from kvrag.kvgen import prefix_cache
     from kvrag.prompt import chunk_token_ids
 
     passages = [passage_text(ctx) for item in items for ctx in item["ctxs"]][:count]
     if len(passages) < count:
         raise ValueError(f"--neutral-passages {count}: the file has only {len(passages)} passages after the first N "
                          "questions")
-    return sum((chunk_token_ids(rag.lm.tokenizer, p) for p in passages), [])
+    ids = sum((chunk_token_ids(rag.lm.tokenizer, p) for p in passages), [])
+    return prefix_cache(rag.lm, rag.prefix.ids.tolist() + ids), len(ids)
 
 
 def summarise(rows: list[dict[str, Any]], stored: Tally, neutral: Tally | None) -> dict[str, Any]:
@@ -234,34 +231,36 @@ def run(args: argparse.Namespace) -> int:
     common.set_threads(args.threads)
     if args.n < 1 or args.neutral_passages < 0:
         raise ValueError("--n must be >= 1 and --neutral-passages >= 0")
-    items = load_questions(Path(args.data), args.n)
-    extra = load_questions(Path(args.data), args.n + 1000)[args.n :] if args.neutral_passages else []
+    # the questions measured, then (with --neutral-passages) enough more to take that many passages from
+    loaded = load_questions(Path(args.data), args.n + args.neutral_passages)
+    items, extra = loaded[: args.n], loaded[args.n :]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvrag-bench-") as tmp:
         rag, _ = build_index(args, items, Path(args.index) if args.index else Path(tmp) / "index")
         with rag:
-            neutral_ids = _neutral_ids(rag, extra, args.neutral_passages) if args.neutral_passages else []
+            neutral_prefix, neutral_tokens = (_neutral_prefix(rag, extra, args.neutral_passages)
+                                              if args.neutral_passages else (None, 0))
             n_layers = rag.lm.spec.n_layers
             stored = Tally(n_layers)
-            neutral = Tally(n_layers) if args.neutral_passages else None
+            neutral = Tally(n_layers) if neutral_prefix is not None else None
             rows = []
             for item in tqdm(items, desc="questions", unit="q", disable=None):
                 if len(item["ctxs"]) < 2:
                     log.warning("%s has fewer than two passages; skipped", item["id"])
                     continue
-                rows.append(measure_question(rag, item, stored, neutral, neutral_ids))
+                rows.append(measure_question(rag, item, stored, neutral, neutral_prefix))
     if not rows:
         raise ValueError("no question with at least two passages")
     summary = summarise(rows, stored, neutral)
     payload = {**common.stamp(args), "data": args.data, "model": args.model, "n_questions": len(rows),
-               "neutral_passages": args.neutral_passages, "neutral_tokens": len(neutral_ids),
+               "neutral_passages": args.neutral_passages, "neutral_tokens": neutral_tokens,
                "summary": summary, "rows": rows}
     common.write_json(out / "deviation.json", payload)
     header = (f"# kvrag bench deviation\n\n`{payload['command']}`\n\n{len(rows)} questions from "
               f"`{Path(args.data).name}`, model `{args.model}`, {sum(r['tokens'] for r in rows)} chunk tokens "
               f"compared (chunks after the first)"
-              + (f"; neutral context: {len(neutral_ids)} tokens" if args.neutral_passages else "") + ".")
+              + (f"; neutral context: {neutral_tokens} tokens" if args.neutral_passages else "") + ".")
     text = markdown(summary, header)
     (out / "deviation.md").write_text(text)
     layer_plot(summary, out / "deviation_layers.png", f"{Path(args.data).name}, {len(rows)} q, {args.model}")

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 
 from kvrag.errors import CorruptChunkError
+from kvrag.kvgen import KV
 
 log = logging.getLogger(__name__)
 
-KV = tuple[torch.Tensor, torch.Tensor]
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # [H, n, D] each: one layer of the whole chunk region
 DEFAULT_DEPTH = 2
 

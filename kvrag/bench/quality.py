@@ -299,9 +299,10 @@ def run(args: argparse.Namespace) -> int:
             for item in items[: args.warmup]:
                 run_question(rag, item, specs, 0, args.max_new_tokens)
             rows: list[dict[str, Any]] = []
+            table = ""
             for turn, item in enumerate(tqdm(items, desc="questions", unit="q", disable=None)):
                 rows += run_question(rag, item, specs, turn, args.max_new_tokens)
-                write_outputs(args, items, specs, rows, extra)  # partial results survive an interruption
+                table = write_outputs(args, items, specs, rows, extra)  # partial results survive an interruption
                 log.info("question %d/%d done", turn + 1, len(items))
-    print(write_outputs(args, items, specs, rows, extra))
+    print(table)
     return 0

@@ -1,9 +1,9 @@
 """TTFT against context length for every fusion mode, with the chunks' caches pre-stored on disk.
 
 For each length, random token chunks of ``--chunk-tokens`` are prefilled once after a fixed prefix
-(`kvgen.chunk_caches`), stored through `KVStore` with the lossless ``raw`` codec in a temporary
-folder, and each mode is timed from loading the chunks to the first token's logits (``full`` loads
-nothing and recomputes every token). Loading runs layer by layer alongside the recompute (a
+(`kvgen.chunk_caches`), stored through `KVStore` with the ``--codec`` codec (lossless ``raw`` by
+default) in a temporary folder, and each mode is timed from loading the chunks to the first token's
+logits (``full`` loads nothing and recomputes every token). Loading runs layer by layer alongside the recompute (a
 `kvrag.feed` pipeline) from each ``--tiers`` source: ``disk`` (the store; page cache warm), ``ram``
 (host memory, pinned on CUDA) and ``gpu`` (resident in GPU memory). A plain transformers forward
 over the same prompt (``hf-prefill``) is timed too, to show that ``full`` is a fair baseline. Runs
@@ -381,7 +381,7 @@ def speed_plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
     for mode, tier in dict.fromkeys((r["mode"], r.get("tier", "disk")) for r in results):
         rs = [r for r in results if r["mode"] == mode and r.get("tier", "disk") == tier]
         label = mode if tier == "-" else f"{mode} ({tier})"
-        style = "--" if mode == PLAIN else ":" if tier == "ram" else "-."  if tier == "gpu" else "-"
+        style = "--" if mode == PLAIN else ":" if tier == "ram" else "-." if tier == "gpu" else "-"
         ax.plot([r["length"] for r in rs], [r["ttft_ms"] for r in rs], style, marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 SplitMode = Literal["semantic", "fixed", "document"]
-FuseMode = Literal["full", "prefix", "reuse", "cacheblend", "attnlink"]
-FUSE_MODES: tuple[str, ...] = ("full", "prefix", "reuse", "cacheblend", "attnlink")
+FuseMode = Literal["full", "prefix", "reuse", "cacheblend", "attnlink", "probe"]
+FUSE_MODES: tuple[str, ...] = ("full", "prefix", "reuse", "cacheblend", "attnlink", "probe")
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,9 @@ class FuseConfig:
     """How retrieved chunk caches are fused at query time.
 
     Attributes:
-        mode: one of ``full``, ``prefix``, ``reuse``, ``cacheblend``, ``attnlink``.
-        ratio: ``cacheblend``'s target fraction of chunk tokens recomputed, in (0, 1].
+        mode: one of ``full``, ``prefix``, ``reuse``, ``cacheblend``, ``attnlink``, ``probe``.
+        ratio: the fraction of chunk tokens recomputed, in (0, 1]: ``cacheblend``'s target after
+            its last check layer, ``probe``'s selection through every layer.
         check_layers: layers after which ``cacheblend`` ranks tokens by KV deviation and narrows the
             selected set (gradual filtering); the last one reaches ``ratio``.
         first_ratio_scale: at the first check layer ``cacheblend`` keeps
@@ -80,6 +81,9 @@ class FuseConfig:
         score: how ``cacheblend`` ranks tokens at a check layer: ``"kv"`` (HKVD: KV deviation of
             fresh vs stored), ``"attention"`` (attention mass the question puts on the token) or
             ``"kv_attention"`` (the default: their product, i.e. deviations that the question reads).
+        probe_from: ``probe`` first runs the question alone over the stored caches, then recomputes
+            the chunk tokens the question attends to most, summed over the layers from
+            ``int(probe_from * n_layers)`` up (0 sums every layer), in [0, 1).
     """
 
     mode: str = "cacheblend"
@@ -88,6 +92,7 @@ class FuseConfig:
     first_ratio_scale: float = 2.0
     link_tokens: int = 16
     score: str = "kv_attention"
+    probe_from: float = 0.33
 
     def __post_init__(self) -> None:
         if self.score not in ("kv", "attention", "kv_attention"):
@@ -104,6 +109,8 @@ class FuseConfig:
             raise ValueError(f"first_ratio_scale must be >= 1, got {self.first_ratio_scale}")
         if self.link_tokens < 0:
             raise ValueError(f"link_tokens must be >= 0, got {self.link_tokens}")
+        if not 0.0 <= self.probe_from < 1.0:
+            raise ValueError(f"probe_from must be in [0, 1), got {self.probe_from!r}")
 
 
 @dataclass(frozen=True)

@@ -188,6 +188,45 @@ class CacheBlendSelector(Selector):
         return keep.sort().values
 
 
+class ProbeSelector(Selector):
+    """Question probe: recompute the chunk tokens the question reads most.
+
+    A first pass runs only the forced tokens (the question suffix, chunks without cache) over the
+    stored caches, as ``reuse`` does, and sums the attention the suffix puts on every position over
+    the layers from ``int(probe_from * n_layers)`` up. The ``ratio`` of chunk tokens it attends to
+    most, taken from the chunks after the first (whose cache is exact), are then recomputed through
+    every layer together with the forced tokens. The stored caches deviate little in the lowest
+    layers, where HKVD checks, and most in the upper ones, spread over many tokens; the question's
+    own reading of those layers tells which of the stale rows the answer depends on.
+    """
+
+    def __init__(self, config: FuseConfig) -> None:
+        self.ratio = float(config.ratio)
+        self.probe_from = float(config.probe_from)
+
+    def initial(self, seg: Segments) -> torch.Tensor:
+        return seg.forced.clone()
+
+    def first_probed_layer(self, n_layers: int) -> int:
+        return int(self.probe_from * n_layers)
+
+    @staticmethod
+    def candidates(seg: Segments) -> torch.Tensor:
+        """Positions the probe may choose: stored tokens of the chunks after the first."""
+        if len(seg.chunk_starts) < 2:
+            return torch.zeros(0, dtype=torch.long)
+        start = seg.chunk_starts[1]
+        return (~seg.forced[start : seg.suffix_start]).nonzero().squeeze(1) + start
+
+    def choose(self, attention: torch.Tensor, seg: Segments) -> torch.Tensor:
+        """Bool mask ``[N]`` of the main pass: forced tokens and the most attended candidates."""
+        mask = seg.forced.clone()
+        candidates = self.candidates(seg)
+        keep_n = min(math.ceil(self.ratio * seg.chunk_tokens - 1e-9), int(candidates.numel()))
+        mask[candidates[attention[candidates].topk(keep_n).indices]] = True
+        return mask
+
+
 def make_selector(config: FuseConfig) -> Selector:
     """The selector for ``config.mode``."""
     if config.mode == "full":
@@ -198,6 +237,8 @@ def make_selector(config: FuseConfig) -> Selector:
         return PrefixSelector()
     if config.mode == "attnlink":
         return AttnLinkSelector(config.link_tokens)
+    if config.mode == "probe":
+        return ProbeSelector(config)
     return CacheBlendSelector(config)
 
 
@@ -322,13 +363,29 @@ def suffix_attention(
     is the tail of the selection.
     """
     n_suffix = seg.total - seg.suffix_start
-    q = hf_compat.layer_queries(lm.model, layer_idx, hidden_in[:, -n_suffix:], sel[-n_suffix:])
-    keys = layer.full()[0][:, :, sel]  # [1, H_kv, n_sel, D]
-    groups = q.shape[1] // keys.shape[1]
-    q = q.reshape(1, keys.shape[1], groups * n_suffix, -1)  # heads of one KV group side by side
+    return question_attention(lm, layer_idx, hidden_in[:, -n_suffix:], sel[-n_suffix:], sel, layer)
+
+
+def question_attention(
+    lm: LoadedModel, layer_idx: int, hidden_q: torch.Tensor, q_pos: torch.Tensor, key_pos: torch.Tensor,
+    layer: hf_compat.ScatterLayer,
+) -> torch.Tensor:
+    """Attention mass queries at ``q_pos`` (layer input ``hidden_q`` ``[1, n_q, hidden]``) put on
+    the cached keys at ``key_pos``, summed over queries and heads: ``[n_keys]``.
+
+    Each query's softmax runs over the keys it may see among ``key_pos`` (causal, and within the
+    model's sliding window if it has one).
+    """
+    q = hf_compat.layer_queries(lm.model, layer_idx, hidden_q, q_pos)  # [1, H_q, n_q, D]
+    keys = layer.full()[0][:, :, key_pos]  # [1, H_kv, n_keys, D]
+    n_q, groups = q_pos.numel(), q.shape[1] // keys.shape[1]
+    q = q.reshape(1, keys.shape[1], groups * n_q, -1)  # heads of one KV group side by side
     scores = (q.float() @ keys.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    causal = sel[None, :] > sel[-n_suffix:, None]  # [n_suffix, n_sel]
-    scores = scores.view(1, keys.shape[1], groups, n_suffix, -1).masked_fill(causal, float("-inf"))
+    hidden = key_pos[None, :] > q_pos[:, None]  # [n_q, n_keys]
+    window = lm.spec.sliding_window
+    if window is not None:
+        hidden |= key_pos[None, :] <= q_pos[:, None] - window
+    scores = scores.view(1, keys.shape[1], groups, n_q, -1).masked_fill(hidden, float("-inf"))
     return scores.softmax(-1).sum(dim=(0, 1, 2, 3))
 
 
@@ -341,7 +398,8 @@ def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig) -> FusionResult:
     """Run the selective-recompute layer loop and return the fused cache and last-token logits.
 
     Stored chunk layers are placed into the cache just before their layer runs, so a `ChunkFeed`
-    input loads later layers while earlier ones are recomputed.
+    input loads later layers while earlier ones are recomputed. ``probe`` runs the loop twice: the
+    question alone while the stored layers arrive, then its chosen tokens over the placed cache.
     """
     t0 = time.perf_counter()
     seg = segments(inp)
@@ -352,39 +410,78 @@ def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig) -> FusionResult:
     layers = _prefixed_layers(lm, inp, seg)
     cache = hf_compat.ScatterCache(layers)
     feed = _open_feed(lm, inp, seg, layers[0][0].dtype)
+    loop = _LayerLoop(lm, ids, seg, cache, selector, config.score)
     sel = selector.initial(seg).nonzero().squeeze(1).to(device)
-    window, causal_ok = lm.spec.sliding_window, _causal_kernel(lm)
     try:
         with torch.no_grad():
+            placement = None
             if feed is not None:
                 positions = torch.arange(seg.prefix_len, seg.suffix_start, device=device)
-                cos, sin = rope_at(lm.model, positions, layers[0][0])
-            hidden = hf_compat.embed_tokens(lm.model, ids[sel])[None]  # [1, n_sel, hidden]
-            blocks = _blocks(sel, seg.total, hidden.dtype, window, causal_ok)
-            n_selected = []
-            for layer_idx in range(lm.spec.n_layers):
-                scatter = cache.layer(layer_idx)
-                if feed is not None:
-                    _place_layer(scatter, feed.layer(layer_idx), seg, cos, sin)
-                check = selector.checks(layer_idx)
-                if check:  # the stored rows, to measure how far the fresh ones deviate
-                    keys, values, _ = scatter.full()
-                    scatter.old_keys, scatter.old_values = keys[:, :, sel], values[:, :, sel]
-                n_selected.append(int(sel.numel()))
-                hidden_in = hidden
-                hidden = _run_layer(lm, layer_idx, hidden, sel, blocks, cache)
-                if not check:
-                    continue
-                dev = _token_scores(lm, config.score, layer_idx, hidden_in, sel, scatter, seg)
-                keep = selector.narrow(layer_idx, sel.cpu(), dev.cpu(), seg)
-                scatter.old_keys = scatter.old_values = None
-                if keep is not None and keep.numel() < sel.numel():
-                    keep = keep.to(device)
-                    sel, hidden = sel[keep], hidden[:, keep]
-                    blocks = _blocks(sel, seg.total, hidden.dtype, window, causal_ok)
+                placement = (feed, *rope_at(lm.model, positions, layers[0][0]))
+            probe_counts: list[int] = []
+            if isinstance(selector, ProbeSelector) and selector.candidates(seg).numel():
+                attention = torch.zeros(seg.total, dtype=torch.float32, device=device)
+                _, _, probe_counts = loop.run(sel, placement, attention, selector.first_probed_layer(lm.spec.n_layers))
+                sel, placement = selector.choose(attention.cpu(), seg).nonzero().squeeze(1).to(device), None
+            hidden, sel, n_selected = loop.run(sel, placement)
+            if probe_counts:
+                n_selected = [a + b for a, b in zip(probe_counts, n_selected)]
             logits = hf_compat.final_logits(lm.model, hidden[:, -1:])[0, -1]
     finally:
         if feed is not None:
             feed.close()
     return FusionResult(cache.to_dynamic(), logits, seg.total, n_selected,
                         time.perf_counter() - t0, sel, feed.wait_s if feed is not None else 0.0)
+
+
+class _LayerLoop:
+    """One pass of the selected tokens through every decoder layer, writing their rows into the cache."""
+
+    def __init__(self, lm: LoadedModel, ids: torch.Tensor, seg: Segments, cache: hf_compat.ScatterCache,
+                 selector: Selector, score: str) -> None:
+        self.lm, self.ids, self.seg, self.cache = lm, ids, seg, cache
+        self.selector, self.score = selector, score
+        self.window, self.causal_ok = lm.spec.sliding_window, _causal_kernel(lm)
+
+    def run(
+        self, sel: torch.Tensor, placement: tuple[ChunkFeed, torch.Tensor, torch.Tensor] | None,
+        attention: torch.Tensor | None = None, attention_from: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Run ``sel`` (sorted positions) through all layers; the last hidden states, the final
+        selection and the per-layer counts.
+
+        ``placement`` (feed, cos, sin) writes each stored layer into the cache before it runs.
+        ``attention`` ``[N]`` accumulates the suffix's attention over all positions at the layers
+        from ``attention_from`` up.
+        """
+        lm, seg, selector = self.lm, self.seg, self.selector
+        hidden = hf_compat.embed_tokens(lm.model, self.ids[sel])[None]  # [1, n_sel, hidden]
+        blocks = _blocks(sel, seg.total, hidden.dtype, self.window, self.causal_ok)
+        n_suffix = seg.total - seg.suffix_start
+        n_selected = []
+        for layer_idx in range(lm.spec.n_layers):
+            scatter = self.cache.layer(layer_idx)
+            if placement is not None:
+                feed, cos, sin = placement
+                _place_layer(scatter, feed.layer(layer_idx), seg, cos, sin)
+            check = selector.checks(layer_idx)
+            if check:  # the stored rows, to measure how far the fresh ones deviate
+                keys, values, _ = scatter.full()
+                scatter.old_keys, scatter.old_values = keys[:, :, sel], values[:, :, sel]
+            n_selected.append(int(sel.numel()))
+            hidden_in = hidden
+            hidden = _run_layer(lm, layer_idx, hidden, sel, blocks, self.cache)
+            if attention is not None and layer_idx >= attention_from:
+                every = torch.arange(seg.total, device=sel.device)
+                attention += question_attention(lm, layer_idx, hidden_in[:, -n_suffix:], sel[-n_suffix:],
+                                                every, scatter)
+            if not check:
+                continue
+            dev = _token_scores(lm, self.score, layer_idx, hidden_in, sel, scatter, seg)
+            keep = selector.narrow(layer_idx, sel.cpu(), dev.cpu(), seg)
+            scatter.old_keys = scatter.old_values = None
+            if keep is not None and keep.numel() < sel.numel():
+                keep = keep.to(sel.device)
+                sel, hidden = sel[keep], hidden[:, keep]
+                blocks = _blocks(sel, seg.total, hidden.dtype, self.window, self.causal_ok)
+        return hidden, sel, n_selected

@@ -350,8 +350,8 @@ class KVRag:
         Args:
             question: the question (non-empty).
             k: chunks to retrieve; more than the index holds uses all of them.
-            mode: ``full``, ``prefix``, ``reuse``, ``cacheblend`` or ``attnlink``.
-            ratio: ``cacheblend``'s recompute ratio in (0, 1].
+            mode: ``full``, ``prefix``, ``reuse``, ``cacheblend``, ``probe`` or ``attnlink``.
+            ratio: ``cacheblend``'s or ``probe``'s recompute ratio in (0, 1].
             chunks: chunk keys to use instead of retrieving (the direct path).
             max_new_tokens, temperature, top_p, stop, seed: decoding (greedy by default).
             fuse_config: full control over fusion (overrides ``mode`` and ``ratio``).

@@ -44,7 +44,7 @@ def _speed(out: Path, device: str, tiers: str = "disk,ram") -> dict:
             "--chunk-tokens",
             "32",
             "--modes",
-            "full,reuse,cacheblend@0.15,attnlink@4",
+            "full,reuse,cacheblend@0.15,probe@0.15,attnlink@4",
             "--repeats",
             "1",
             "--device",
@@ -60,8 +60,8 @@ def _speed(out: Path, device: str, tiers: str = "disk,ram") -> dict:
     results = payload["results"]
     assert {r["length"] for r in results} == {64, 128}
     n_tiers = len(tiers.split(","))
-    # per length: the plain transformers forward, full, and three modes from every tier
-    assert len(results) == 2 * (2 + 3 * n_tiers) and all(r["ttft_ms"] > 0 for r in results)
+    # per length: the plain transformers forward, full, and four modes from every tier
+    assert len(results) == 2 * (2 + 4 * n_tiers) and all(r["ttft_ms"] > 0 for r in results)
     full = [r for r in results if r["mode"] == "full"]
     assert all(r["speedup"] == pytest.approx(1.0) and r["recompute_fraction"] == 1.0 for r in full)
     reuse = [r for r in results if r["mode"] == "reuse"]
@@ -141,7 +141,7 @@ def test_bench_quality_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
             "--n",
             "3",
             "--modes",
-            "full,reuse,cacheblend@0.15,attnlink@4",
+            "full,reuse,cacheblend@0.15,probe@0.15,attnlink@4",
             "--max-new-tokens",
             "3",
             "--device",
@@ -155,9 +155,9 @@ def test_bench_quality_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert payload["n_questions"] == payload["n_planned"] == 3
     assert payload["index_chunks"] == 5  # shared passages stored once
     assert "partial" not in (out / "quality.md").read_text()
-    assert len(payload["rows"]) == 12
+    assert len(payload["rows"]) == 15
     summary = {s["mode"]: s for s in payload["summary"]}
-    assert list(summary) == ["full", "reuse", "cacheblend@0.15", "attnlink@4"]
+    assert list(summary) == ["full", "reuse", "cacheblend@0.15", "probe@0.15", "attnlink@4"]
     full = summary["full"]
     assert full["agreement"] == 1.0 and full["delta_nll"] == 0.0 and full["ttft_speedup"] == pytest.approx(1.0)
     for row in payload["rows"]:

@@ -70,3 +70,8 @@ def test_mode_specs_with_a_cacheblend_score():
         parse_mode("cacheblend@0.1/nonsense")
     with pytest.raises(ValueError, match="only cacheblend"):
         parse_mode("attnlink@4/kv")
+    probe = parse_mode("probe@0.2").config
+    assert (probe.mode, probe.ratio, probe.probe_from) == ("probe", 0.2, 0.33)
+    assert parse_mode("probe@0.1/0.75").config.probe_from == 0.75
+    with pytest.raises(ValueError, match="probe_from"):
+        parse_mode("probe@0.1/1.5")

@@ -107,7 +107,7 @@ def test_store_feed_recovers_a_chunk_whose_later_layer_is_corrupt(tmp_path, setu
         assert torch.equal(k, ek) and torch.equal(v, ev)
 
 
-@pytest.mark.parametrize("mode", ["cacheblend", "attnlink", "reuse"])
+@pytest.mark.parametrize("mode", ["cacheblend", "probe", "attnlink", "reuse"])
 def test_fusion_through_a_store_feed_equals_fusion_over_tensors(tmp_path, setup, mode):
     lm, prefix, chunks, kv, suffix = setup
     kvstore, keys = _store(tmp_path, lm, kv)

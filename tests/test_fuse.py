@@ -46,7 +46,7 @@ def test_full_equals_plain_forward(setup):
     assert result.n_selected == [ids.numel()] * lm.spec.n_layers
 
 
-@pytest.mark.parametrize("mode", ["cacheblend", "full"])
+@pytest.mark.parametrize("mode", ["cacheblend", "probe", "full"])
 def test_recomputing_every_token_over_stored_caches_equals_full_prefill(setup, mode):
     lm, prefix, chunks, kv, suffix = setup
     ids = torch.cat([prefix.ids, *chunks, suffix])
@@ -180,7 +180,7 @@ def test_suffix_attention_matches_the_models_attention_weights(arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("config", [FuseConfig(mode="cacheblend", ratio=0.3),
+@pytest.mark.parametrize("config", [FuseConfig(mode="cacheblend", ratio=0.3), FuseConfig(mode="probe", ratio=0.3),
                                     FuseConfig(mode="attnlink", link_tokens=5), FuseConfig(mode="prefix")])
 def test_selected_tokens_run_in_causal_blocks_exactly(monkeypatch, arch, config):
     """Blocks of selected tokens that attend only up to their last position change nothing."""
@@ -217,3 +217,66 @@ def test_blocks_with_every_token_selected_equal_full_prefill_under_a_sliding_win
     result = fuse(lm, FusionInput(prefix, chunks, [None, None], suffix), FuseConfig(mode="full"))
     ids = torch.cat([prefix.ids, *chunks, suffix])
     assert (result.logits - _reference_logits(lm, ids)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("ratio", [0.1, 0.4])
+def test_probe_recomputes_the_chunk_tokens_the_question_attends_to_most(ratio):
+    """The probe's choice equals a ranking by the model's own attention weights: the question run
+    with eager attention over the ``reuse`` cache, summed over the upper half of the layers."""
+    lm, prefix, chunks, kv, suffix = _setup("llama", seed=2)
+    inp = FusionInput(prefix, chunks, kv, suffix)
+    result = fuse(lm, inp, FuseConfig(mode="probe", ratio=ratio, probe_from=0.5))
+    total = prefix.length + sum(c.numel() for c in chunks)
+    reused = fuse(lm, inp, FuseConfig(mode="reuse")).cache
+    hf_compat.crop_cache(reused, total)
+    lm.model.config._attn_implementation = "eager"
+    try:
+        with torch.no_grad():
+            out = lm.model(suffix[None], position_ids=torch.arange(total, total + suffix.numel())[None],
+                           past_key_values=reused, use_cache=True, output_attentions=True)
+    finally:
+        lm.model.config._attn_implementation = "sdpa"
+    upper = range(lm.spec.n_layers // 2, lm.spec.n_layers)
+    attention = sum(out.attentions[i][0].sum(dim=(0, 1)) for i in upper)  # [N]
+    first = prefix.length + chunks[0].numel()
+    n_chunk = sum(c.numel() for c in chunks)
+    keep = math.ceil(ratio * n_chunk)
+    expected = (attention[first:total].topk(keep).indices + first).sort().values
+    chosen = result.selected[result.selected < total]
+    assert torch.equal(chosen, expected)
+    # the question runs twice (probe, then with the chosen tokens) through every layer
+    assert result.n_selected == [keep + 2 * suffix.numel()] * lm.spec.n_layers
+
+
+def test_probe_recomputes_a_chunk_without_cache_whole():
+    lm, prefix, chunks, kv, suffix = _setup("qwen2", seed=3)
+    kv = [kv[0], None, kv[2], kv[3]]
+    result = fuse(lm, FusionInput(prefix, chunks, kv, suffix), FuseConfig(mode="probe", ratio=0.2))
+    start = prefix.length + chunks[0].numel()
+    missing = torch.arange(start, start + chunks[1].numel())
+    assert torch.isin(missing, result.selected).all()
+    candidates = sum(c.numel() for c in chunks)
+    assert result.selected.numel() == missing.numel() + math.ceil(0.2 * candidates) + suffix.numel()
+
+
+def test_probe_with_one_chunk_runs_like_reuse_and_is_exact(setup):
+    lm, prefix, chunks, kv, suffix = setup
+    ids = torch.cat([prefix.ids, chunks[0], suffix])
+    result = fuse(lm, FusionInput(prefix, chunks[:1], kv[:1], suffix), FuseConfig(mode="probe"))
+    assert (result.logits - _reference_logits(lm, ids)).abs().max().item() <= 1e-4
+    assert result.selected.tolist() == list(range(ids.numel() - suffix.numel(), ids.numel()))
+    assert result.n_selected == [suffix.numel()] * lm.spec.n_layers  # nothing to choose: no probe pass
+
+
+@pytest.mark.parametrize("probe_from", [-0.1, 1.0])
+def test_probe_from_outside_its_range_is_a_clear_error(probe_from):
+    with pytest.raises(ValueError, match=r"probe_from must be in \[0, 1\)"):
+        FuseConfig(mode="probe", probe_from=probe_from)
+
+
+def test_probe_without_any_stored_cache_recomputes_once(setup):
+    lm, prefix, chunks, kv, suffix = setup
+    ids = torch.cat([prefix.ids, *chunks, suffix])
+    result = fuse(lm, FusionInput(prefix, chunks, [None] * len(chunks), suffix), FuseConfig(mode="probe"))
+    assert (result.logits - _reference_logits(lm, ids)).abs().max().item() <= 1e-4
+    assert result.n_selected == [ids.numel() - prefix.length] * lm.spec.n_layers

@@ -1,8 +1,9 @@
 """Helpers shared by the benchmarks: mode specs, hardware/version stamps, output files, plots.
 
-A mode spec is ``full``, ``prefix``, ``reuse``, ``cacheblend@RATIO`` or ``attnlink@K`` (leading
-tokens recomputed per chunk); `parse_modes` turns a comma list into labelled `FuseConfig`s. Nothing
-here imports torch at module level, so mounting ``kvrag bench`` stays cheap.
+A mode spec is ``full``, ``prefix``, ``reuse``, ``cacheblend@RATIO``, ``probe@RATIO`` or
+``attnlink@K`` (leading tokens recomputed per chunk); `parse_modes` turns a comma list into
+labelled `FuseConfig`s. Nothing here imports torch at module level, so mounting ``kvrag bench``
+stays cheap.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 from kvrag.config import FUSE_MODES, FuseConfig
 
-DEFAULT_SPEED_MODES = "full,prefix,reuse,cacheblend@0.15,attnlink@16"
+DEFAULT_SPEED_MODES = "full,prefix,reuse,cacheblend@0.15,probe@0.15,attnlink@16"
 
 
 @dataclass(frozen=True)
@@ -34,19 +35,22 @@ class ModeSpec:
 
 def parse_mode(text: str) -> ModeSpec:
     """``cacheblend@0.15`` -> ratio 0.15 (``cacheblend@0.15/kv`` also picks the token score: ``kv``,
-    ``attention`` or ``kv_attention``); ``attnlink@16`` -> 16 link tokens; bare names use defaults.
+    ``attention`` or ``kv_attention``); ``probe@0.2`` -> ratio 0.2 (``probe@0.2/0.75`` also sets
+    ``probe_from``); ``attnlink@16`` -> 16 link tokens; bare names use defaults.
     """
-    spec, _, score = text.strip().partition("/")
+    spec, _, option = text.strip().partition("/")
     name, _, arg = spec.partition("@")
-    if score:
-        if name != "cacheblend":
-            raise ValueError(f"only cacheblend takes a /score, got {text!r}")
-        return ModeSpec(text.strip(), FuseConfig(mode=name, ratio=float(arg or 0.15), score=score))
+    if option:
+        if name == "cacheblend":
+            return ModeSpec(text.strip(), FuseConfig(mode=name, ratio=float(arg or 0.15), score=option))
+        if name == "probe":
+            return ModeSpec(text.strip(), FuseConfig(mode=name, ratio=float(arg or 0.15), probe_from=float(option)))
+        raise ValueError(f"only cacheblend (/score) and probe (/probe_from) take a /option, got {text!r}")
     if name not in FUSE_MODES:
         raise ValueError(f"unknown mode {text!r}; expected one of {FUSE_MODES} (optionally NAME@VALUE)")
     if not arg:
         return ModeSpec(text.strip(), FuseConfig(mode=name))
-    if name == "cacheblend":
+    if name in ("cacheblend", "probe"):
         return ModeSpec(text.strip(), FuseConfig(mode=name, ratio=float(arg)))
     if name == "attnlink":
         return ModeSpec(text.strip(), FuseConfig(mode=name, link_tokens=int(arg)))

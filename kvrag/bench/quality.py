@@ -24,7 +24,8 @@ from kvrag.bench import common, metrics
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODES = "full,prefix,reuse,cacheblend@0.05,cacheblend@0.15,cacheblend@0.25,attnlink@4,attnlink@16,attnlink@32"
+DEFAULT_MODES = ("full,prefix,reuse,cacheblend@0.05,cacheblend@0.15,cacheblend@0.25,probe@0.15,"
+                 "attnlink@4,attnlink@16,attnlink@32")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help="HF id/folder, .gguf file, or 'smollm2'")
     parser.add_argument("--n", type=int, default=20, help="questions (the first N of the file)")
     parser.add_argument(
-        "--modes", default=DEFAULT_MODES, help="comma list: full, prefix, reuse, cacheblend@R, attnlink@K"
+        "--modes", default=DEFAULT_MODES, help="comma list: full, prefix, reuse, cacheblend@R, probe@R, attnlink@K"
     )
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--max-chunk-tokens", type=int, default=2048, help="passages longer than this are split")

@@ -98,7 +98,7 @@ class KVCachedLLM(LLM):
 
     rag: Any = Field(description="An opened `kvrag.KVRag`.")
     mode: str = Field(default="cacheblend", description="full, prefix, reuse, cacheblend, probe or attnlink.")
-    ratio: float = Field(default=0.15, gt=0.0, le=1.0, description="cacheblend's recompute ratio.")
+    ratio: float = Field(default=0.15, gt=0.0, le=1.0, description="cacheblend's or probe's recompute ratio.")
     max_new_tokens: int = Field(default=64, gt=0, description="Most tokens generated per call.")
     temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy decoding.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")

@@ -193,7 +193,7 @@ def answer_flat_prompt(
         rag: an opened `KVRag`.
         prompt: the exact prompt string (no chat template is added; see `chat_prompt`).
         mode: fusion mode (``full``, ``prefix``, ``reuse``, ``cacheblend``, ``probe``, ``attnlink``).
-        ratio: ``cacheblend``'s recompute ratio in (0, 1].
+        ratio: ``cacheblend``'s or ``probe``'s recompute ratio in (0, 1].
         max_new_tokens: most tokens generated.
         temperature: 0 is greedy decoding.
         top_p: nucleus sampling mass.

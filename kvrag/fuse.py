@@ -112,6 +112,16 @@ class Selector:
         """Indices into ``sel`` to keep after ``layer`` (None keeps all)."""
         return None
 
+    def probe_from(self, seg: Segments, n_layers: int) -> int | None:
+        """If the `initial` tokens run first as a probe: the first layer whose suffix attention
+        `choose` ranks by; None runs the `initial` tokens as the one pass.
+        """
+        return None
+
+    def choose(self, attention: torch.Tensor, seg: Segments) -> torch.Tensor:
+        """After a probe: bool mask ``[N]`` of the positions recomputed, from the suffix attention ``[N]``."""
+        raise NotImplementedError
+
 
 class FullSelector(Selector):
     def initial(self, seg: Segments) -> torch.Tensor:
@@ -202,13 +212,13 @@ class ProbeSelector(Selector):
 
     def __init__(self, config: FuseConfig) -> None:
         self.ratio = float(config.ratio)
-        self.probe_from = float(config.probe_from)
+        self.from_fraction = float(config.probe_from)
 
     def initial(self, seg: Segments) -> torch.Tensor:
         return seg.forced.clone()
 
-    def first_probed_layer(self, n_layers: int) -> int:
-        return int(self.probe_from * n_layers)
+    def probe_from(self, seg: Segments, n_layers: int) -> int | None:
+        return int(self.from_fraction * n_layers) if self.candidates(seg).numel() else None
 
     @staticmethod
     def candidates(seg: Segments) -> torch.Tensor:
@@ -419,9 +429,10 @@ def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig) -> FusionResult:
                 positions = torch.arange(seg.prefix_len, seg.suffix_start, device=device)
                 placement = (feed, *rope_at(lm.model, positions, layers[0][0]))
             probe_counts: list[int] = []
-            if isinstance(selector, ProbeSelector) and selector.candidates(seg).numel():
+            probe_from = selector.probe_from(seg, lm.spec.n_layers)
+            if probe_from is not None:
                 attention = torch.zeros(seg.total, dtype=torch.float32, device=device)
-                _, _, probe_counts = loop.run(sel, placement, attention, selector.first_probed_layer(lm.spec.n_layers))
+                _, _, probe_counts = loop.run(sel, placement, attention, probe_from)
                 sel, placement = selector.choose(attention.cpu(), seg).nonzero().squeeze(1).to(device), None
             hidden, sel, n_selected = loop.run(sel, placement)
             if probe_counts:
@@ -458,6 +469,7 @@ class _LayerLoop:
         hidden = hf_compat.embed_tokens(lm.model, self.ids[sel])[None]  # [1, n_sel, hidden]
         blocks = _blocks(sel, seg.total, hidden.dtype, self.window, self.causal_ok)
         n_suffix = seg.total - seg.suffix_start
+        every = torch.arange(seg.total, device=sel.device)  # the keys the suffix attention covers
         n_selected = []
         for layer_idx in range(lm.spec.n_layers):
             scatter = self.cache.layer(layer_idx)
@@ -472,7 +484,6 @@ class _LayerLoop:
             hidden_in = hidden
             hidden = _run_layer(lm, layer_idx, hidden, sel, blocks, self.cache)
             if attention is not None and layer_idx >= attention_from:
-                every = torch.arange(seg.total, device=sel.device)
                 attention += question_attention(lm, layer_idx, hidden_in[:, -n_suffix:], sel[-n_suffix:],
                                                 every, scatter)
             if not check:

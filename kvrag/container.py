@@ -19,7 +19,7 @@ import struct
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import torch
 
@@ -170,6 +170,37 @@ class ChunkReader:
             return self._codec.decode_layer(blob, layer, (h, s, d), self.header.dtype)
         except (ValueError, RuntimeError, OverflowError, IndexError, TypeError) as exc:
             raise CorruptChunkError(self.key, f"layer {layer} does not decode: {exc}") from None
+
+    def decode_layer_into(self, layer: int, out: torch.Tensor) -> None:
+        """Decode one layer into ``out``, a contiguous CPU tensor ``[2, H, S, D]`` (keys, then values).
+
+        A ``raw`` layer stored in ``out``'s dtype is read straight into ``out`` and checked there:
+        one copy, and both the read and the checksum run without holding the GIL. Other layers are
+        decoded and copied (converting the dtype).
+        """
+        _, h, s, d = self.header.shape
+        if tuple(out.shape) != (2, h, s, d) or out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError(f"decode_layer_into needs a contiguous CPU tensor of shape {(2, h, s, d)}, "
+                             f"got {tuple(out.shape)} on {out.device}")
+        if self._codec.name != "raw" or out.dtype != self.header.dtype:
+            keys, values = self.decode_layer(layer)
+            out[0].copy_(keys)
+            out[1].copy_(values)
+            return
+        offset, length, crc = self.header.layers[layer]
+        buf = out.view(-1).view(torch.uint8).numpy().data
+        if buf.nbytes != length:
+            raise CorruptChunkError(self.key, f"layer {layer} holds {length} bytes, a raw layer has {buf.nbytes}")
+        self._fh.seek(self.header.data_start + offset)
+        readinto = cast(io.BufferedIOBase, self._fh).readinto  # files and BytesIO both have it
+        filled = 0
+        while filled < length:
+            n = readinto(buf[filled:])
+            if not n:
+                raise CorruptChunkError(self.key, f"layer {layer} truncated")
+            filled += n
+        if zlib.crc32(buf) != crc:
+            raise CorruptChunkError(self.key, f"layer {layer} checksum mismatch")
 
     def layers(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for i in range(self.header.n_layers):

@@ -8,8 +8,10 @@ and prepares the next layers while the current one is recomputed:
 - `TensorFeed`: caches already in memory (``[L, H, n, D]`` per chunk), on the host (pinned or not)
   or on the device. On CUDA, host caches are copied on a side stream ``depth`` layers ahead.
 - `StoreFeed`: caches in a `KVStore`. A worker thread reads, checks and decodes ``depth`` layers ahead
-  (the codec's decoders and file reads release the GIL for their bulk work), into pinned staging
-  buffers that a side stream copies to the GPU.
+  into a staging buffer (pinned on CUDA) that holds the chunks one after another, each as its file
+  stores the layer, so a ``raw`` layer is read straight into it; file reads, checksums and the
+  codecs' decoders release the GIL for their bulk work. A side stream copies the buffer to the GPU,
+  where the chunks are put side by side.
 
 ``wait_s`` accumulates the time the fusion loop spent blocked on a layer that was not ready yet:
 the part of loading that recompute did not hide.
@@ -227,7 +229,7 @@ class StoreFeed(ChunkFeed):
         self._copier: _DeviceCopier | None = None
         if _is_cuda(self.device) and self._shape is not None:
             h, d = self._shape
-            self._copier = _DeviceCopier(self.device, (2, h, self.total, d), dtype, depth + 1)
+            self._copier = _DeviceCopier(self.device, (2 * h * self.total * d,), dtype, depth + 1)
         self._prefetch = _Prefetcher(self._produce, n_layers, depth) if self._shape is not None else None
 
     def _open(self, j: int, key: str) -> None:
@@ -258,48 +260,60 @@ class StoreFeed(ChunkFeed):
             return int(kv[0].shape[1]), int(kv[0].shape[3])
         return None
 
+    def _region(self, flat: torch.Tensor, j: int) -> torch.Tensor:
+        """Chunk ``j``'s part ``[2, H, n_j, D]`` of a layer's staging buffer, which holds the chunks
+        one after another, each as its file stores a layer (keys, then values), so ``raw`` layers
+        are read straight into it.
+        """
+        assert self._shape is not None
+        h, d = self._shape
+        per_token = 2 * h * d
+        return flat[per_token * self.offsets[j] : per_token * (self.offsets[j] + self.lengths[j])].view(
+            2, h, self.lengths[j], d)
+
     def _produce(self, i: int) -> tuple[torch.Tensor, Any]:
         assert self._shape is not None
         t0 = time.perf_counter()
         h, d = self._shape
         if self._copier is not None:
-            both = self._copier.buffer(i)
-            if not all(self.available):
-                both.zero_()
+            flat = self._copier.buffer(i)
         else:
-            both = torch.zeros((2, h, self.total, d), dtype=self.dtype)
+            flat = torch.empty(2 * h * self.total * d, dtype=self.dtype)
 
         def fill(j: int) -> None:
-            k, v = self._chunk_layer(j, i)
-            off, n = self.offsets[j], self.lengths[j]
-            both[0, :, off : off + n].copy_(k)
-            both[1, :, off : off + n].copy_(v)
+            region = self._region(flat, j)
+            if not self.available[j]:
+                region.zero_()
+                return
+            reader = self._readers[j]
+            if reader is not None:
+                try:
+                    reader.decode_layer_into(i, region)
+                    return
+                except CorruptChunkError as exc:
+                    with self._lock:
+                        self._recover_chunk(j, exc)
+            kv = self._recovered[j]
+            region[0].copy_(kv[0][i])
+            region[1].copy_(kv[1][i])
 
-        todo = [j for j in range(len(self.keys)) if self.available[j]]
+        todo = range(len(self.keys))
         for _ in map(fill, todo) if self._pool is None else self._pool.map(fill, todo):
             pass
         self.decode_s += time.perf_counter() - t0
         if self._copier is not None:
-            return self._copier.upload(i, both)
-        return both, None
-
-    def _chunk_layer(self, j: int, i: int) -> KV:
-        reader = self._readers[j]
-        if reader is not None:
-            try:
-                return reader.decode_layer(i)
-            except CorruptChunkError as exc:
-                with self._lock:
-                    self._recover_chunk(j, exc)
-        kv = self._recovered[j]
-        return kv[0][i].to("cpu"), kv[1][i].to("cpu")
+            return self._copier.upload(i, flat)
+        return flat, None
 
     def _layer(self, i: int) -> LayerKV:
         if self._prefetch is None:
             raise RuntimeError("no chunk in this feed has a cache")
-        both, event = self._prefetch.get(i)  # on the device: copied there on CUDA, built there on CPU
-        _consume(self.device, event, both)
-        return both[0], both[1]
+        flat, event = self._prefetch.get(i)  # on the device: copied there on CUDA, built there on CPU
+        _consume(self.device, event, flat)
+        regions = [self._region(flat, j) for j in range(len(self.keys))]
+        if len(regions) == 1:
+            return regions[0][0], regions[0][1]
+        return torch.cat([r[0] for r in regions], dim=1), torch.cat([r[1] for r in regions], dim=1)
 
     def close(self) -> None:
         if self._prefetch is not None:

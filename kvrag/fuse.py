@@ -298,11 +298,14 @@ def _attention_mask(sel: torch.Tensor, total: int, dtype: torch.dtype, window: i
 
 
 ATTENTION_BLOCKS = 4  # selected tokens run through a layer in up to this many position-ordered blocks
-MIN_BLOCK_TOKENS = 64
-Block = tuple[slice, int, "torch.Tensor | None"]  # (part of the selection, keys it attends to, mask)
+MIN_BLOCK_TOKENS = 64  # on the CPU a block pays for itself from a few dozen tokens
+MIN_BLOCK_TOKENS_CUDA = 1024  # on a GPU each block launches the layer's kernels again: only long selections split
+# (part of the selection, keys it attends to, mask, the model's (cos, sin) for its positions)
+Block = tuple[slice, int, "torch.Tensor | None", tuple[torch.Tensor, torch.Tensor]]
 
 
-def _blocks(sel: torch.Tensor, total: int, dtype: torch.dtype, window: int | None, causal_ok: bool) -> list[Block]:
+def _blocks(lm: LoadedModel, sel: torch.Tensor, total: int, dtype: torch.dtype, window: int | None,
+            causal_ok: bool) -> list[Block]:
     """How the selected tokens run through each layer.
 
     Every position selected and a kernel that masks causally by itself (``causal_ok``): one block,
@@ -310,19 +313,25 @@ def _blocks(sel: torch.Tensor, total: int, dtype: torch.dtype, window: int | Non
     (sorted by position) is cut into blocks run in order; a block attends only to the positions up to
     its last token, so for a selection spread over the prompt the attention reads about half the keys
     it would with one block over all of them. Exact: a block sees the fresh rows written by the blocks
-    before it, and no row after it.
+    before it, and no row after it. Each block's rotary embeddings are computed here, once per pass.
     """
     n = int(sel.numel())
+    probe = torch.empty(0, dtype=dtype, device=sel.device)
+
+    def block(part: slice, limit: int, mask: torch.Tensor | None) -> Block:
+        return part, limit, mask, hf_compat.position_embeddings(lm.model, probe, sel[part])
+
     if causal_ok and n == total and (window is None or total <= window):
-        return [(slice(0, n), total, None)]
-    count = max(1, min(ATTENTION_BLOCKS, n // MIN_BLOCK_TOKENS))
+        return [block(slice(0, n), total, None)]
+    min_tokens = MIN_BLOCK_TOKENS_CUDA if sel.device.type == "cuda" else MIN_BLOCK_TOKENS
+    count = max(1, min(ATTENTION_BLOCKS, n // min_tokens))
     bounds = [round(i * n / count) for i in range(count + 1)]
     limits = sel[[b - 1 for b in bounds[1:]]].tolist()
     blocks: list[Block] = []
     for a, b, last in zip(bounds, bounds[1:], limits):
         limit = int(last) + 1
         within = window if window is not None and limit > window else None
-        blocks.append((slice(a, b), limit, _attention_mask(sel[a:b], limit, dtype, within)))
+        blocks.append(block(slice(a, b), limit, _attention_mask(sel[a:b], limit, dtype, within)))
     return blocks
 
 
@@ -331,9 +340,9 @@ def _run_layer(lm: LoadedModel, layer_idx: int, hidden: torch.Tensor, sel: torch
     """One decoder layer over the selected tokens, block by block; the layer's output hidden states."""
     scatter = cache.layer(layer_idx)
     outs = []
-    for part, limit, mask in blocks:
+    for part, limit, mask, rope in blocks:
         scatter.rows, scatter.limit = sel[part], limit
-        outs.append(hf_compat.run_decoder_layer(lm.model, layer_idx, hidden[:, part], mask, sel[part], cache))
+        outs.append(hf_compat.run_decoder_layer(lm.model, layer_idx, hidden[:, part], mask, sel[part], rope, cache))
     scatter.rows, scatter.limit = sel, None
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
@@ -377,20 +386,25 @@ def suffix_attention(
 
 
 def question_attention(
-    lm: LoadedModel, layer_idx: int, hidden_q: torch.Tensor, q_pos: torch.Tensor, key_pos: torch.Tensor,
+    lm: LoadedModel, layer_idx: int, hidden_q: torch.Tensor, q_pos: torch.Tensor, key_pos: torch.Tensor | None,
     layer: hf_compat.ScatterLayer,
 ) -> torch.Tensor:
     """Attention mass queries at ``q_pos`` (layer input ``hidden_q`` ``[1, n_q, hidden]``) put on
-    the cached keys at ``key_pos``, summed over queries and heads: ``[n_keys]``.
+    the cached keys at ``key_pos`` (None: every position), summed over queries and heads: ``[n_keys]``.
 
     Each query's softmax runs over the keys it may see among ``key_pos`` (causal, and within the
-    model's sliding window if it has one).
+    model's sliding window if it has one). The products run in the model's dtype (accumulated in
+    float32 by the matrix kernels), the softmax in float32.
     """
     q = hf_compat.layer_queries(lm.model, layer_idx, hidden_q, q_pos)  # [1, H_q, n_q, D]
-    keys = layer.full()[0][:, :, key_pos]  # [1, H_kv, n_keys, D]
+    keys = layer.full()[0]
+    if key_pos is None:
+        key_pos = torch.arange(keys.shape[2], device=keys.device)
+    else:
+        keys = keys[:, :, key_pos]  # [1, H_kv, n_keys, D]
     n_q, groups = q_pos.numel(), q.shape[1] // keys.shape[1]
-    q = q.reshape(1, keys.shape[1], groups * n_q, -1)  # heads of one KV group side by side
-    scores = (q.float() @ keys.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    q = q.reshape(1, keys.shape[1], groups * n_q, -1).to(keys.dtype)  # heads of one KV group side by side
+    scores = (q @ keys.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])
     hidden = key_pos[None, :] > q_pos[:, None]  # [n_q, n_keys]
     window = lm.spec.sliding_window
     if window is not None:
@@ -467,9 +481,8 @@ class _LayerLoop:
         """
         lm, seg, selector = self.lm, self.seg, self.selector
         hidden = hf_compat.embed_tokens(lm.model, self.ids[sel])[None]  # [1, n_sel, hidden]
-        blocks = _blocks(sel, seg.total, hidden.dtype, self.window, self.causal_ok)
+        blocks = _blocks(self.lm, sel, seg.total, hidden.dtype, self.window, self.causal_ok)
         n_suffix = seg.total - seg.suffix_start
-        every = torch.arange(seg.total, device=sel.device)  # the keys the suffix attention covers
         n_selected = []
         for layer_idx in range(lm.spec.n_layers):
             scatter = self.cache.layer(layer_idx)
@@ -485,7 +498,7 @@ class _LayerLoop:
             hidden = _run_layer(lm, layer_idx, hidden, sel, blocks, self.cache)
             if attention is not None and layer_idx >= attention_from:
                 attention += question_attention(lm, layer_idx, hidden_in[:, -n_suffix:], sel[-n_suffix:],
-                                                every, scatter)
+                                                None, scatter)
             if not check:
                 continue
             dev = _token_scores(lm, self.score, layer_idx, hidden_in, sel, scatter, seg)
@@ -494,5 +507,5 @@ class _LayerLoop:
             if keep is not None and keep.numel() < sel.numel():
                 keep = keep.to(sel.device)
                 sel, hidden = sel[keep], hidden[:, keep]
-                blocks = _blocks(sel, seg.total, hidden.dtype, self.window, self.causal_ok)
+                blocks = _blocks(self.lm, sel, seg.total, hidden.dtype, self.window, self.causal_ok)
         return hidden, sel, n_selected

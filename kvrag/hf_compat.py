@@ -150,7 +150,7 @@ def layer_queries(model: Any, idx: int, hidden: torch.Tensor, positions: torch.T
     if hasattr(attn, "q_norm"):
         q = attn.q_norm(q)
     q = q.transpose(1, 2)
-    cos, sin = rotary(model)(h, positions[None])
+    cos, sin = position_embeddings(model, h, positions)
     cos, sin = cos[:, None], sin[:, None]
     rot = cos.shape[-1]
     half = rot // 2
@@ -159,23 +159,32 @@ def layer_queries(model: Any, idx: int, hidden: torch.Tensor, positions: torch.T
     return torch.cat((rotated, q[..., rot:]), dim=-1) if rot < q.shape[-1] else rotated
 
 
+def position_embeddings(model: Any, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary ``(cos, sin)`` ``[1, n, R]`` a decoder layer takes for ``positions`` ``[n]``, in
+    ``like``'s dtype and device.
+    """
+    return rotary(model)(like, positions[None])
+
+
 def run_decoder_layer(
     model: Any,
     idx: int,
     hidden: torch.Tensor,
     mask: torch.Tensor | None,
     positions: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
     cache: ScatterCache,
 ) -> torch.Tensor:
-    """Run decoder layer ``idx`` on the selected tokens' hidden states ``[1, n_sel, hidden]``."""
-    pos = positions[None]
+    """Run decoder layer ``idx`` on the selected tokens' hidden states ``[1, n_sel, hidden]``
+    (``rope``: their `position_embeddings`).
+    """
     layer = decoder_layers(model)[idx]
     out = layer(
         hidden,
         attention_mask=mask,
-        position_ids=pos,
+        position_ids=positions[None],
         past_key_values=cache,
         use_cache=True,
-        position_embeddings=rotary(model)(hidden, pos),
+        position_embeddings=rope,
     )
     return out[0] if isinstance(out, tuple) else out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import io
 import json
+import os
 import struct
 import zlib
 from pathlib import Path
@@ -270,3 +271,45 @@ def test_index_reopened_with_saved_codec_state_reads_its_chunks(cachegen: Codec,
     k, v = KVStore(store, reopened, FP).load(KEY)
     k0, v0 = KVStore(store, cachegen, FP).load(KEY)
     assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float32, torch.float16])
+def test_decode_layer_into_equals_decode_layer(codec: Codec, tmp_path: Path, dtype: torch.dtype | None) -> None:
+    """Into a buffer of the stored dtype (``raw``: read straight into it) or another one (converted)."""
+    kvstore = KVStore(make_store("disk", tmp_path / "c", fsync=False), codec, FP)
+    kvstore.put(KEY, *synthetic_kv(4))
+    with kvstore.reader(KEY) as reader:
+        out = torch.full((2, *reader.header.shape[1:]), float("nan"), dtype=dtype or reader.header.dtype)
+        for layer in (0, L - 1, 1):
+            reader.decode_layer_into(layer, out)
+            k, v = reader.decode_layer(layer)
+            assert torch.equal(out[0], k.to(out.dtype)) and torch.equal(out[1], v.to(out.dtype))
+        with pytest.raises(ValueError, match="contiguous CPU tensor"):
+            reader.decode_layer_into(0, out[:, :, :-1])
+
+
+@pytest.mark.parametrize("damage", ["flipped bit", "truncated"])
+def test_decode_layer_into_checks_the_layer(codec: Codec, damage: str) -> None:
+    data = bytearray(container(codec)[0])
+    if damage == "flipped bit":
+        data[-1] ^= 0x10
+    with ChunkReader(KEY, io.BytesIO(bytes(data)), codec, FP) as reader:
+        out = torch.empty((2, *reader.header.shape[1:]), dtype=reader.header.dtype)
+        reader.decode_layer_into(0, out)
+        if damage == "truncated":  # the file shrinks after the reader checked its size
+            reader._fh = io.BytesIO(bytes(data[:-7]))
+        with pytest.raises(CorruptChunkError, match=f"layer {L - 1}") as info:
+            reader.decode_layer_into(L - 1, out)
+        assert info.value.chunk == KEY
+
+
+def test_decode_layer_into_notices_a_file_cut_short_after_opening(tmp_path: Path) -> None:
+    raw = make_codec("raw")
+    path = tmp_path / "chunk"
+    path.write_bytes(container(raw)[0])
+    with ChunkReader(KEY, path.open("rb"), raw, FP) as reader:
+        out = torch.empty((2, *reader.header.shape[1:]), dtype=reader.header.dtype)
+        reader.decode_layer_into(L - 1, out)
+        os.truncate(path, path.stat().st_size - 5)
+        with pytest.raises(CorruptChunkError, match=f"layer {L - 1} truncated"):
+            reader.decode_layer_into(L - 1, out)

@@ -133,6 +133,14 @@ def test_fusion_with_a_chunk_without_cache_through_a_feed(tmp_path, setup):
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+def _on_gpu(lm, prefix):
+    from kvrag.kvgen import PrefixCache
+    from kvrag.model import wrap_model
+
+    gpu_lm = wrap_model(lm.model.to("cuda"), None, "tiny-gpu")
+    return gpu_lm, PrefixCache(prefix.ids.cuda(), [(k.cuda(), v.cuda()) for k, v in prefix.kv])
+
+
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("tier", ["disk", "ram", "gpu"])
@@ -140,12 +148,8 @@ def test_gpu_fusion_from_every_tier_matches_cpu_fusion(tmp_path, setup, tier):
     lm, prefix, chunks, kv, suffix = setup
     config = FuseConfig(mode="cacheblend", ratio=0.3)
     ref = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
-    from kvrag.kvgen import PrefixCache
-    from kvrag.model import wrap_model
-
-    gpu_lm = wrap_model(lm.model.to("cuda"), None, "tiny-gpu")
+    gpu_lm, gpu_prefix = _on_gpu(lm, prefix)
     try:
-        gpu_prefix = PrefixCache(prefix.ids.cuda(), [(k.cuda(), v.cuda()) for k, v in prefix.kv])
         n = gpu_lm.spec.n_layers
         if tier == "disk":
             kvstore, keys = _store(tmp_path, lm, kv)
@@ -156,5 +160,27 @@ def test_gpu_fusion_from_every_tier_matches_cpu_fusion(tmp_path, setup, tier):
             source = TensorFeed([(k.cuda(), v.cuda()) for k, v in kv], LENS, n, "cuda", torch.float32)
         got = fuse(gpu_lm, FusionInput(gpu_prefix, chunks, source, suffix), config)
         assert (got.logits.cpu() - ref.logits).abs().max().item() <= 1e-3
+    finally:
+        lm.model.to("cpu")
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["reuse", "cacheblend@0.3", "probe@0.3", "probe@1.0", "attnlink@4", "prefix"])
+def test_gpu_fusion_of_every_mode_matches_cpu_fusion(setup, mode):
+    from kvrag.bench.common import parse_mode
+
+    lm, prefix, chunks, kv, suffix = setup
+    config = parse_mode(mode).config
+    ref = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
+    gpu_lm, gpu_prefix = _on_gpu(lm, prefix)
+    try:
+        source = TensorFeed([(k.cuda(), v.cuda()) for k, v in kv], LENS, gpu_lm.spec.n_layers, "cuda", torch.float32)
+        got = fuse(gpu_lm, FusionInput(gpu_prefix, chunks, source, suffix), config)
+        assert got.n_selected == ref.n_selected
+        assert (got.logits.cpu() - ref.logits).abs().max().item() <= 1e-3
+        if mode == "probe@1.0":  # recomputing every token reproduces the full prefill on the GPU too
+            exact = fuse(gpu_lm, FusionInput(gpu_prefix, chunks, [None] * len(chunks), suffix), FuseConfig(mode="full"))
+            assert (got.logits - exact.logits).abs().max().item() <= 1e-3
     finally:
         lm.model.to("cpu")

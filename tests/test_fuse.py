@@ -191,7 +191,7 @@ def test_selected_tokens_run_in_causal_blocks_exactly(monkeypatch, arch, config)
     one = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
     monkeypatch.setattr(fuse_mod, "ATTENTION_BLOCKS", 4)
     monkeypatch.setattr(fuse_mod, "MIN_BLOCK_TOKENS", 4)
-    assert len(fuse_mod._blocks(one.selected, one.n_tokens, torch.float32, None, False)) == 4
+    assert len(fuse_mod._blocks(lm, one.selected, one.n_tokens, torch.float32, None, False)) == 4
     blocked = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
     assert (blocked.logits - one.logits).abs().max().item() <= 1e-4
     assert torch.equal(blocked.selected, one.selected)

@@ -300,20 +300,26 @@ class StoreFeed(ChunkFeed):
         todo = range(len(self.keys))
         for _ in map(fill, todo) if self._pool is None else self._pool.map(fill, todo):
             pass
-        self.decode_s += time.perf_counter() - t0
         if self._copier is not None:
+            self.decode_s += time.perf_counter() - t0
             return self._copier.upload(i, flat)
-        return flat, None
+        both = self._side_by_side(flat)  # on the CPU the loading thread does this too
+        self.decode_s += time.perf_counter() - t0
+        return both, None
+
+    def _side_by_side(self, flat: torch.Tensor) -> torch.Tensor:
+        """``[2, H, total, D]``: the staged chunks' keys and values side by side."""
+        regions = [self._region(flat, j) for j in range(len(self.keys))]
+        return regions[0] if len(regions) == 1 else torch.cat(regions, dim=2)
 
     def _layer(self, i: int) -> LayerKV:
         if self._prefetch is None:
             raise RuntimeError("no chunk in this feed has a cache")
-        flat, event = self._prefetch.get(i)  # on the device: copied there on CUDA, built there on CPU
-        _consume(self.device, event, flat)
-        regions = [self._region(flat, j) for j in range(len(self.keys))]
-        if len(regions) == 1:
-            return regions[0][0], regions[0][1]
-        return torch.cat([r[0] for r in regions], dim=1), torch.cat([r[1] for r in regions], dim=1)
+        staged, event = self._prefetch.get(i)
+        if event is not None:  # copied to the GPU as staged: put the chunks side by side there
+            _consume(self.device, event, staged)
+            staged = self._side_by_side(staged)
+        return staged[0], staged[1]
 
     def close(self) -> None:
         if self._prefetch is not None:

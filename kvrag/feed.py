@@ -6,7 +6,8 @@ side, ``[kv_heads, n, head_dim]`` with zeros for chunks that have no cache — o
 and prepares the next layers while the current one is recomputed:
 
 - `TensorFeed`: caches already in memory (``[L, H, n, D]`` per chunk), on the host (pinned or not)
-  or on the device. On CUDA, host caches are copied on a side stream ``depth`` layers ahead.
+  or on the device. On CUDA, host caches are copied on a side stream ``depth`` layers ahead; on the
+  CPU a worker thread puts the chunks side by side ``depth`` layers ahead.
 - `StoreFeed`: caches in a `KVStore`. A worker thread reads, checks and decodes ``depth`` layers ahead
   into a staging buffer (pinned on CUDA) that holds the chunks one after another, each as its file
   stores the layer, so a ``raw`` layer is read straight into it; file reads, checksums and the
@@ -169,6 +170,8 @@ class TensorFeed(ChunkFeed):
         if self._async:
             self._stream = torch.cuda.Stream(self.device)
             self._prefetch = _Prefetcher(self._upload, n_layers, depth)
+        elif self.device.type == "cpu" and self._shape is not None:  # the concatenation off the fusion thread
+            self._prefetch = _Prefetcher(lambda i: (self._gather(i, self.device), None), n_layers, depth)
 
     def _gather(self, i: int, device: torch.device) -> LayerKV:
         assert self._shape is not None

@@ -153,14 +153,21 @@ class ChunkReader:
 
     def read_layer_bytes(self, layer: int) -> bytes:
         """The checked bytes of one layer."""
-        offset, length, crc = self.header.layers[layer]
+        offset, length, _ = self.header.layers[layer]
         self._fh.seek(self.header.data_start + offset)
         blob = self._fh.read(length)
-        if len(blob) != length:
-            raise CorruptChunkError(self.key, f"layer {layer} truncated")
-        if zlib.crc32(blob) != crc:
-            raise CorruptChunkError(self.key, f"layer {layer} checksum mismatch")
+        self._check(layer, blob, len(blob))
         return blob
+
+    def _check(self, layer: int, data: Any, size: int) -> None:
+        """Raise `CorruptChunkError` unless the ``size`` bytes read of ``layer`` are all of it and
+        ``data`` matches its checksum.
+        """
+        _, length, crc = self.header.layers[layer]
+        if size != length:
+            raise CorruptChunkError(self.key, f"layer {layer} truncated")
+        if zlib.crc32(data) != crc:
+            raise CorruptChunkError(self.key, f"layer {layer} checksum mismatch")
 
     def decode_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, values)`` of one layer, each ``[H, S, D]``."""
@@ -187,20 +194,16 @@ class ChunkReader:
             out[0].copy_(keys)
             out[1].copy_(values)
             return
-        offset, length, crc = self.header.layers[layer]
+        offset, length, _ = self.header.layers[layer]
         buf = out.view(-1).view(torch.uint8).numpy().data
         if buf.nbytes != length:
             raise CorruptChunkError(self.key, f"layer {layer} holds {length} bytes, a raw layer has {buf.nbytes}")
         self._fh.seek(self.header.data_start + offset)
         readinto = cast(io.BufferedIOBase, self._fh).readinto  # files and BytesIO both have it
         filled = 0
-        while filled < length:
-            n = readinto(buf[filled:])
-            if not n:
-                raise CorruptChunkError(self.key, f"layer {layer} truncated")
+        while filled < length and (n := readinto(buf[filled:])):
             filled += n
-        if zlib.crc32(buf) != crc:
-            raise CorruptChunkError(self.key, f"layer {layer} checksum mismatch")
+        self._check(layer, buf, filled)
 
     def layers(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for i in range(self.header.n_layers):

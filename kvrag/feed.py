@@ -303,12 +303,10 @@ class StoreFeed(ChunkFeed):
         todo = range(len(self.keys))
         for _ in map(fill, todo) if self._pool is None else self._pool.map(fill, todo):
             pass
-        if self._copier is not None:
-            self.decode_s += time.perf_counter() - t0
-            return self._copier.upload(i, flat)
-        both = self._side_by_side(flat)  # on the CPU the loading thread does this too
+        # on the CPU this thread also puts the chunks side by side; on CUDA that happens on the GPU
+        staged = flat if self._copier is not None else self._side_by_side(flat)
         self.decode_s += time.perf_counter() - t0
-        return both, None
+        return self._copier.upload(i, flat) if self._copier is not None else (staged, None)
 
     def _side_by_side(self, flat: torch.Tensor) -> torch.Tensor:
         """``[2, H, total, D]``: the staged chunks' keys and values side by side."""

@@ -316,10 +316,10 @@ def _blocks(lm: LoadedModel, sel: torch.Tensor, total: int, dtype: torch.dtype, 
     before it, and no row after it. Each block's rotary embeddings are computed here, once per pass.
     """
     n = int(sel.numel())
-    probe = torch.empty(0, dtype=dtype, device=sel.device)
+    like = torch.empty(0, dtype=dtype, device=sel.device)  # the dtype and device of the embeddings
 
     def block(part: slice, limit: int, mask: torch.Tensor | None) -> Block:
-        return part, limit, mask, hf_compat.position_embeddings(lm.model, probe, sel[part])
+        return part, limit, mask, hf_compat.position_embeddings(lm.model, like, sel[part])
 
     if causal_ok and n == total and (window is None or total <= window):
         return [block(slice(0, n), total, None)]
@@ -382,21 +382,23 @@ def suffix_attention(
     is the tail of the selection.
     """
     n_suffix = seg.total - seg.suffix_start
-    return question_attention(lm, layer_idx, hidden_in[:, -n_suffix:], sel[-n_suffix:], sel, layer)
+    q_rope = hf_compat.position_embeddings(lm.model, hidden_in, sel[-n_suffix:])
+    return question_attention(lm, layer_idx, hidden_in[:, -n_suffix:], sel[-n_suffix:], q_rope, sel, layer)
 
 
 def question_attention(
-    lm: LoadedModel, layer_idx: int, hidden_q: torch.Tensor, q_pos: torch.Tensor, key_pos: torch.Tensor | None,
-    layer: hf_compat.ScatterLayer,
+    lm: LoadedModel, layer_idx: int, hidden_q: torch.Tensor, q_pos: torch.Tensor,
+    q_rope: tuple[torch.Tensor, torch.Tensor], key_pos: torch.Tensor | None, layer: hf_compat.ScatterLayer,
 ) -> torch.Tensor:
-    """Attention mass queries at ``q_pos`` (layer input ``hidden_q`` ``[1, n_q, hidden]``) put on
-    the cached keys at ``key_pos`` (None: every position), summed over queries and heads: ``[n_keys]``.
+    """Attention mass queries at ``q_pos`` (layer input ``hidden_q`` ``[1, n_q, hidden]``, rotary
+    embeddings ``q_rope``) put on the cached keys at ``key_pos`` (None: every position), summed over
+    queries and heads: ``[n_keys]``.
 
     Each query's softmax runs over the keys it may see among ``key_pos`` (causal, and within the
     model's sliding window if it has one). The products run in the model's dtype (accumulated in
     float32 by the matrix kernels), the softmax in float32.
     """
-    q = hf_compat.layer_queries(lm.model, layer_idx, hidden_q, q_pos)  # [1, H_q, n_q, D]
+    q = hf_compat.layer_queries(lm.model, layer_idx, hidden_q, q_rope)  # [1, H_q, n_q, D]
     keys = layer.full()[0]
     if key_pos is None:
         key_pos = torch.arange(keys.shape[2], device=keys.device)
@@ -483,6 +485,8 @@ class _LayerLoop:
         hidden = hf_compat.embed_tokens(lm.model, self.ids[sel])[None]  # [1, n_sel, hidden]
         blocks = _blocks(self.lm, sel, seg.total, hidden.dtype, self.window, self.causal_ok)
         n_suffix = seg.total - seg.suffix_start
+        if attention is not None:  # the question's rotary embeddings, for its queries at every layer
+            q_rope = hf_compat.position_embeddings(lm.model, hidden, sel[-n_suffix:])
         n_selected = []
         for layer_idx in range(lm.spec.n_layers):
             scatter = self.cache.layer(layer_idx)
@@ -498,7 +502,7 @@ class _LayerLoop:
             hidden = _run_layer(lm, layer_idx, hidden, sel, blocks, self.cache)
             if attention is not None and layer_idx >= attention_from:
                 attention += question_attention(lm, layer_idx, hidden_in[:, -n_suffix:], sel[-n_suffix:],
-                                                None, scatter)
+                                                q_rope, None, scatter)
             if not check:
                 continue
             dev = _token_scores(lm, self.score, layer_idx, hidden_in, sel, scatter, seg)

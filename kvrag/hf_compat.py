@@ -138,9 +138,10 @@ class ScatterCache(Cache):
         return dynamic_cache([self.layer(i).full()[:2] for i in range(len(self.layers))])
 
 
-def layer_queries(model: Any, idx: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def layer_queries(model: Any, idx: int, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Rotated queries ``[1, n_heads, n, D]`` that decoder layer ``idx`` computes for ``hidden``
-    (its input, ``[1, n, hidden]``) at ``positions`` ``[n]`` (q-norm applied where the model has one).
+    (its input, ``[1, n, hidden]``) whose positions have the `position_embeddings` ``rope`` (q-norm
+    applied where the model has one).
     """
     layer = decoder_layers(model)[idx]
     attn = layer.self_attn
@@ -150,8 +151,7 @@ def layer_queries(model: Any, idx: int, hidden: torch.Tensor, positions: torch.T
     if hasattr(attn, "q_norm"):
         q = attn.q_norm(q)
     q = q.transpose(1, 2)
-    cos, sin = position_embeddings(model, h, positions)
-    cos, sin = cos[:, None], sin[:, None]
+    cos, sin = rope[0][:, None], rope[1][:, None]
     rot = cos.shape[-1]
     half = rot // 2
     q_rot = q[..., :rot]

@@ -1,6 +1,7 @@
-"""Index build: split documents, precompute each new chunk's cache after the prompt prefix, store
-it through the codec, embed the chunk and commit it to the index — in groups, so a build killed at
-any point resumes on re-run recomputing only what is missing.
+"""Index build: split documents, embed each new chunk, precompute its cache after the prompt prefix
+(and, with neighbour context, after its nearest chunks), store it through the codec and commit the
+chunk to the index — in groups, so a build killed at any point resumes on re-run recomputing only
+what is missing.
 
 Chunks already in the index are skipped; chunks whose cache file is already stored (a build killed
 after writing caches but before committing the group) skip the prefill. Encoding and writing run on
@@ -11,12 +12,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvrag.codec.base import Codec
@@ -24,7 +26,7 @@ from kvrag.config import SplitConfig
 from kvrag.documents import Loaded
 from kvrag.embed import Embedder
 from kvrag.index import ChunkIndex, ChunkRecord
-from kvrag.kvgen import PrefixCache, chunk_caches, chunk_key
+from kvrag.kvgen import KV, PrefixCache, chunk_caches, chunk_caches_after, chunk_key
 from kvrag.model import LoadedModel
 from kvrag.prompt import PromptLayout, chunk_token_ids
 from kvrag.split import KVSplitter
@@ -45,6 +47,7 @@ class BuildStats:
     prefilled_chunks: int = 0
     prefilled_tokens: int = 0
     stored_bytes: int = 0
+    context_tokens: int = 0  # neighbour-context tokens prefilled before the chunks
     kv_s: float = 0.0
     embed_s: float = 0.0
     total_s: float = 0.0
@@ -87,15 +90,41 @@ def _fit_codec(codec: Codec, caches: list[tuple[torch.Tensor, torch.Tensor]], st
     codec.save_state(state_dir)
 
 
+def neighbour_context_ids(
+    lm: LoadedModel, index: ChunkIndex, prefix_len: int, count: int, key: str, n_tokens: int,
+    vector: np.ndarray, others: Sequence[tuple[float, list[int]]] = (),
+) -> list[int]:
+    """The token ids put before a chunk when its cache is computed with neighbour context.
+
+    The ``count`` chunks most similar to it (cosine of the embeddings), from the index and from
+    ``others`` (``(similarity, token ids)`` of chunks not committed yet), least similar first so the
+    nearest sits right before the chunk; cut from the front to fit the model's window.
+    """
+    if count < 1:
+        return []
+    found = list(others)
+    found += [(score, chunk_token_ids(lm.tokenizer, rec.text))
+              for rec, score in index.search(vector, count + 1) if rec.key != key]
+    found.sort(key=lambda f: -f[0])
+    ids = [t for _, chunk in reversed(found[:count]) for t in chunk]
+    room = max(0, lm.spec.max_position - prefix_len - n_tokens - 1)
+    return ids[len(ids) - room:] if len(ids) > room else ids
+
+
 class Builder:
-    """Runs the build loop for one opened index."""
+    """Runs the build loop for one opened index.
+
+    ``context_chunks`` > 0 computes each chunk's cache after that many of its nearest chunks (by
+    embedding, among the index and the chunks being added) instead of after the prefix alone.
+    """
 
     def __init__(
         self, lm: LoadedModel, index: ChunkIndex, kvstore: KVStore, embedder: Embedder,
-        prefix: PrefixCache, codec_state_dir: Path, batch_tokens: int = 4096,
+        prefix: PrefixCache, codec_state_dir: Path, batch_tokens: int = 4096, context_chunks: int = 0,
     ) -> None:
         self.lm, self.index, self.kvstore, self.embedder = lm, index, kvstore, embedder
         self.prefix, self.codec_state_dir, self.batch_tokens = prefix, codec_state_dir, batch_tokens
+        self.context_chunks = context_chunks
 
     @property
     def codec_ready(self) -> bool:
@@ -111,26 +140,48 @@ class Builder:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrag-writer") as writer:
             for start in range(0, len(new), GROUP_CHUNKS):
                 group = list(new[start : start + GROUP_CHUNKS])
-                self._store_caches(group, stats, writer, bar)
                 t0 = time.perf_counter()
                 vectors = self.embedder.encode([c.record.text for c in group])
                 stats.embed_s += time.perf_counter() - t0
+                self._store_caches(group, vectors, stats, writer, bar)
                 self.index.add([c.record for c in group], vectors)
                 if not show_progress:
                     continue
                 bar.set_postfix(tok_s=f"{stats.prefill_tokens_per_s:.0f}")
         bar.close()
 
-    def _store_caches(self, group: list[Candidate], stats: BuildStats, writer: ThreadPoolExecutor,
-                      bar: Any) -> None:
-        todo = [c for c in group if not self.kvstore.contains(c.record.key)]
+    def _contexts(self, group: list[Candidate], vectors: np.ndarray, todo: list[int]) -> list[list[int]]:
+        """Neighbour context of the group's chunks at positions ``todo`` (see `neighbour_context_ids`)."""
+        sims = vectors @ vectors.T
+        out = []
+        for i in todo:
+            others = [(float(sims[i, j]), group[j].ids) for j in range(len(group)) if j != i]
+            out.append(neighbour_context_ids(self.lm, self.index, self.prefix.length, self.context_chunks,
+                                             group[i].record.key, len(group[i].ids), vectors[i], others))
+        return out
+
+    def _caches(self, group: list[Candidate], vectors: np.ndarray, todo: list[int],
+                stats: BuildStats) -> Iterator[tuple[int, KV]]:
+        """``(position in todo, cache)`` of the chunks to prefill, after the prefix or their neighbours."""
+        ids = [group[i].ids for i in todo]
+        if not self.context_chunks:
+            yield from chunk_caches(self.lm, self.prefix, ids, self.batch_tokens)
+            return
+        contexts = self._contexts(group, vectors, todo)
+        stats.context_tokens += sum(map(len, contexts))
+        yield from chunk_caches_after(self.lm, self.prefix, list(zip(contexts, ids)))
+
+    def _store_caches(self, group: list[Candidate], vectors: np.ndarray, stats: BuildStats,
+                      writer: ThreadPoolExecutor, bar: Any) -> None:
+        positions = [i for i, c in enumerate(group) if not self.kvstore.contains(c.record.key)]
+        todo = [group[i] for i in positions]
         bar.update(len(group) - len(todo))
         if not todo:
             return
         t0 = time.perf_counter()
         pending: list[Future[int]] = []
         held: list[tuple[int, tuple[torch.Tensor, torch.Tensor]]] = []
-        for i, kv in chunk_caches(self.lm, self.prefix, [c.ids for c in todo], self.batch_tokens):
+        for i, kv in self._caches(group, vectors, positions, stats):
             stats.prefilled_chunks += 1
             stats.prefilled_tokens += len(todo[i].ids)
             if not self.codec_ready:

@@ -30,13 +30,16 @@ class FusionInput:
     """What fusion needs. ``chunk_kv[i] is None`` marks a chunk without a usable cache (recomputed).
 
     ``chunk_kv`` is either the caches themselves or a `ChunkFeed` that delivers them layer by layer
-    while fusion runs (loading overlapped with recompute).
+    while fusion runs (loading overlapped with recompute). ``first_exact``: the first chunk's cache
+    was computed right after the prefix, as the prompt places it, so it is exact and no selector
+    recomputes it; False for caches computed after other context (neighbour context).
     """
 
     prefix: PrefixCache
     chunk_ids: list[torch.Tensor]  # each [n_i]
     chunk_kv: list[KV | None] | ChunkFeed  # each ([L, H, n_i, D] pre-RoPE keys, values) or None
     suffix_ids: torch.Tensor  # [S]
+    first_exact: bool = True
 
     def available(self) -> list[bool]:
         """Per chunk: whether it has a stored cache."""
@@ -55,10 +58,25 @@ class Segments:
     suffix_start: int
     total: int
     forced: torch.Tensor  # bool [N]: tokens that must be recomputed (suffix, chunks without cache)
+    first_exact: bool = True  # the first chunk's stored cache is exact (see `FusionInput`)
 
     @property
     def chunk_tokens(self) -> int:
         return sum(self.chunk_lens)
+
+    @property
+    def stale(self) -> list[tuple[int, int]]:
+        """``(start, length)`` of the chunks whose stored caches are stale where the prompt places
+        them: every chunk after the first, and the first too unless its cache is exact.
+        """
+        spans = list(zip(self.chunk_starts, self.chunk_lens))
+        return spans[1:] if self.first_exact else spans
+
+    @property
+    def stale_start(self) -> int:
+        """Where the stale chunks begin (``suffix_start`` when there are none)."""
+        stale = self.stale
+        return stale[0][0] if stale else self.suffix_start
 
 
 @dataclass
@@ -92,7 +110,7 @@ def segments(inp: FusionInput) -> Segments:
     for start, n, ok in zip(starts, lens, inp.available()):
         if not ok:
             forced[start : start + n] = True
-    return Segments(p, starts, lens, pos, total, forced)
+    return Segments(p, starts, lens, pos, total, forced, inp.first_exact)
 
 
 class Selector:
@@ -144,14 +162,16 @@ class PrefixSelector(Selector):
 
 
 class AttnLinkSelector(Selector):
-    """Epic's AttnLink: the first ``k`` tokens of every chunk after the first, plus the suffix."""
+    """Epic's AttnLink: the first ``k`` tokens of every chunk after the first (of every chunk when
+    even the first one's cache is stale), plus the suffix.
+    """
 
     def __init__(self, link_tokens: int) -> None:
         self.link_tokens = link_tokens
 
     def initial(self, seg: Segments) -> torch.Tensor:
         mask = seg.forced.clone()
-        for start, n in zip(seg.chunk_starts[1:], seg.chunk_lens[1:]):
+        for start, n in seg.stale:
             mask[start : start + min(n, self.link_tokens)] = True
         return mask
 
@@ -159,10 +179,10 @@ class AttnLinkSelector(Selector):
 class CacheBlendSelector(Selector):
     """CacheBlend's HKVD with gradual filtering.
 
-    All chunk tokens after the first are recomputed up to the first check layer; after each check
-    layer the tokens with the largest KV deviation (fresh vs stored) are kept, shrinking
-    geometrically from ``ratio * first_ratio_scale`` to ``ratio`` of the chunk tokens at the last
-    check layer. Forced tokens (suffix, chunks without cache) are always kept.
+    All stale chunk tokens (those after the first chunk, see `Segments.stale`) are recomputed up to
+    the first check layer; after each check layer the tokens with the largest KV deviation (fresh vs
+    stored) are kept, shrinking geometrically from ``ratio * first_ratio_scale`` to ``ratio`` of the
+    chunk tokens at the last check layer. Forced tokens (suffix, chunks without cache) are always kept.
     """
 
     def __init__(self, config: FuseConfig) -> None:
@@ -177,8 +197,7 @@ class CacheBlendSelector(Selector):
 
     def initial(self, seg: Segments) -> torch.Tensor:
         mask = seg.forced.clone()
-        if len(seg.chunk_starts) > 1:
-            mask[seg.chunk_starts[1] : seg.suffix_start] = True
+        mask[seg.stale_start : seg.suffix_start] = True
         return mask
 
     def checks(self, layer: int) -> bool:
@@ -204,7 +223,7 @@ class ProbeSelector(Selector):
     A first pass runs only the forced tokens (the question suffix, chunks without cache) over the
     stored caches, as ``reuse`` does, and sums the attention the suffix puts on every position over
     the layers from ``int(probe_from * n_layers)`` up. The ``ratio`` of chunk tokens it attends to
-    most, taken from the chunks after the first (whose cache is exact), are then recomputed through
+    most, taken from the stale chunks (after the first, whose cache is exact), are then recomputed through
     every layer together with the forced tokens. The stored caches deviate little in the lowest
     layers, where HKVD checks, and most in the upper ones, spread over many tokens; the question's
     own reading of those layers tells which of the stale rows the answer depends on.
@@ -222,10 +241,8 @@ class ProbeSelector(Selector):
 
     @staticmethod
     def candidates(seg: Segments) -> torch.Tensor:
-        """Positions the probe may choose: stored tokens of the chunks after the first."""
-        if len(seg.chunk_starts) < 2:
-            return torch.zeros(0, dtype=torch.long)
-        start = seg.chunk_starts[1]
+        """Positions the probe may choose: stored tokens of the stale chunks."""
+        start = seg.stale_start
         return (~seg.forced[start : seg.suffix_start]).nonzero().squeeze(1) + start
 
     def choose(self, attention: torch.Tensor, seg: Segments) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """KVGen: prefill chunks after the fixed prompt prefix and return their pre-RoPE caches.
 
-A chunk's KV is computed as the model sees it right after the prefix (positions ``P … P+n-1``),
-then keys are un-rotated at those positions so the chunk can later be placed anywhere. Chunks are
+A chunk's KV is computed as the model sees it right after the prefix (positions ``P … P+n-1``), or
+after the prefix and some context (`chunk_caches_after`: an index built with neighbour context puts
+a chunk's nearest chunks before it), then keys are un-rotated at those positions so the chunk can
+later be placed anywhere. Chunks are
 batched with right padding: under a causal mask, real tokens never attend to the padding after
 them, so padding changes nothing. Layout: ``[layers, kv_heads, seq, head_dim]`` per chunk.
 """
@@ -101,3 +103,19 @@ def chunk_caches(
     for batch in _batches(lengths, batch_tokens):
         for i, kv in zip(batch, _prefill_batch(lm, prefix, [list(chunks[i]) for i in batch])):
             yield i, kv
+
+
+def chunk_caches_after(
+    lm: LoadedModel, prefix: PrefixCache, work: Sequence[tuple[Sequence[int], Sequence[int]]]
+) -> Iterator[tuple[int, KV]]:
+    """Prefill each chunk after the prefix and its own context tokens; yields ``(index, (keys, values))``
+    in input order, for ``work`` = ``[(context ids, chunk ids), ...]``.
+
+    The cache holds the chunk's rows only (pre-RoPE keys, like `chunk_caches`): the chunk as the model
+    sees it when ``context`` comes before it. Each chunk is prefilled with its context, one at a time.
+    """
+    for i, (context, ids) in enumerate(work):
+        if not ids:
+            raise ValueError("chunk_caches_after got an empty chunk")
+        after = prefix_cache(lm, [*prefix.ids.tolist(), *context]) if context else prefix
+        yield i, _prefill_batch(lm, after, [list(ids)])[0]

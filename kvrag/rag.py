@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kvrag import hf_compat
-from kvrag.build import Builder, BuildStats, split_documents
+from kvrag.build import Builder, BuildStats, neighbour_context_ids, split_documents
 from kvrag.codec.base import Codec, make_codec
 from kvrag.config import FuseConfig, GenerateConfig, SplitConfig
 from kvrag.documents import Document, Loaded, load_documents
@@ -29,7 +29,7 @@ from kvrag.feed import StoreFeed
 from kvrag.fuse import FusionInput, FusionResult, fuse
 from kvrag.generate import TextStreamer, decode_tokens, eos_ids
 from kvrag.index import ChunkIndex, ChunkRecord
-from kvrag.kvgen import KV, PrefixCache, chunk_caches, prefix_cache
+from kvrag.kvgen import KV, PrefixCache, chunk_caches, chunk_caches_after, prefix_cache
 from kvrag.model import LoadedModel, load_model
 from kvrag.prompt import DEFAULT_INSTRUCTION, build_layout, chunk_token_ids, prompt_text, suffix_token_ids
 from kvrag.store import KVStore, make_store
@@ -102,11 +102,12 @@ class KVRag:
     """
 
     def __init__(self, path: Path, index: ChunkIndex, lm: LoadedModel, embedder: Embedder,
-                 codec: Codec, instruction: str, batch_tokens: int = 4096) -> None:
+                 codec: Codec, instruction: str, batch_tokens: int = 4096, neighbour_context: int = 0) -> None:
         self.path, self.index, self.lm, self.embedder = path, index, lm, embedder
         self.layout = build_layout(lm.tokenizer, instruction)
         self.kvstore = KVStore(make_store("disk", path / "chunks"), codec, lm.fingerprint)
         self.batch_tokens = batch_tokens
+        self.neighbour_context = neighbour_context
         self._prefix: PrefixCache | None = None
         self.last_answer: Answer | None = None
 
@@ -118,7 +119,7 @@ class KVRag:
         embedder: str | None = None, *, split: SplitConfig | None = None, codec: str = "raw",
         codec_level: int | None = None, index_kind: str = "flat", dtype: str | None = None,
         device: str | None = None, batch_tokens: int = 4096, instruction: str = DEFAULT_INSTRUCTION,
-        show_progress: bool = True,
+        neighbour_context: int | None = None, show_progress: bool = True,
     ) -> KVRag:
         """Build (or extend) an index at ``path`` over ``documents``.
 
@@ -134,6 +135,12 @@ class KVRag:
             split: chunking settings (`SplitConfig`).
             codec: chunk-cache codec name (``raw`` is lossless).
             index_kind: ``flat`` or ``hnsw``.
+            neighbour_context: compute each chunk's cache after this many of its nearest chunks (by
+                embedding) instead of after the prompt prefix alone (default 0; an existing index keeps
+                its own). Chunks retrieved together are often each other's neighbours, so their stored
+                caches then already saw much of the context they are fused with; each chunk's prefill
+                also runs over its neighbours' tokens, so the build costs up to that many times more.
+                The first chunk of a prompt is then recomputed like the others, not assumed exact.
 
         Raises:
             InputError: no usable documents.
@@ -145,17 +152,19 @@ class KVRag:
                 f" (skipped: {', '.join(s for s, _ in loaded.skipped)})" if loaded.skipped else ""))
         if ChunkIndex.exists(path):
             rag = cls.open(path, model=model if isinstance(model, LoadedModel) else None, device=device)
-            rag._check_build_args(model, embedder, codec)
+            rag._check_build_args(model, embedder, codec, neighbour_context)
         else:
+            if neighbour_context is not None and neighbour_context < 0:
+                raise ValueError(f"neighbour_context must be >= 0, got {neighbour_context}")
             rag = cls._create(path, model, embedder, split or SplitConfig(), codec, codec_level,
-                              index_kind, dtype, device, batch_tokens, instruction)
+                              index_kind, dtype, device, batch_tokens, instruction, neighbour_context or 0)
         rag.add(loaded, show_progress=show_progress)
         return rag
 
     @classmethod
     def _create(cls, path: Path, model: str | LoadedModel, embedder_name: str | None, split: SplitConfig,
                 codec_name: str, codec_level: int | None, index_kind: str, dtype: str | None,
-                device: str | None, batch_tokens: int, instruction: str) -> KVRag:
+                device: str | None, batch_tokens: int, instruction: str, neighbour_context: int) -> KVRag:
         codec = make_codec(codec_name, codec_level)
         lm = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
         embedder = Embedder(embedder_name, device=device)
@@ -169,9 +178,10 @@ class KVRag:
             "split": asdict(split),
             "prompt": {"instruction": instruction, "digest": build_layout(lm.tokenizer, instruction).digest()},
             "batch_tokens": batch_tokens,
+            "neighbour_context": neighbour_context,
         }
         index = ChunkIndex.create(path, manifest, embedder.dim, index_kind)
-        return cls(path, index, lm, embedder, codec, instruction, batch_tokens)
+        return cls(path, index, lm, embedder, codec, instruction, batch_tokens, neighbour_context)
 
     @classmethod
     def open(cls, path: str | Path, *, model: str | LoadedModel | None = None,
@@ -202,12 +212,13 @@ class KVRag:
         if codec.needs_fit:
             codec.load_state(path / "codec")
         rag = cls(path, index, lm, Embedder(manifest["embedder"], device=device), codec,
-                  manifest["prompt"]["instruction"], manifest.get("batch_tokens", 4096))
+                  manifest["prompt"]["instruction"], manifest.get("batch_tokens", 4096),
+                  manifest.get("neighbour_context", 0))
         if rag.layout.digest() != manifest["prompt"]["digest"]:
             raise IndexMismatchError(f"the tokenizer's prompt layout differs from the one index {path} was built with")
         return rag
 
-    def _check_build_args(self, model: Any, embedder: str | None, codec: str) -> None:
+    def _check_build_args(self, model: Any, embedder: str | None, codec: str, neighbour_context: int | None) -> None:
         manifest = self.index.manifest
         if isinstance(model, str) and model != manifest["model"]["source"]:
             log.info("index was built from %r; extending it with the model given (%r)",
@@ -216,6 +227,9 @@ class KVRag:
             raise IndexMismatchError(f"index uses embedder {manifest['embedder']!r}, not {embedder!r}")
         if codec != manifest["codec"]["name"]:
             raise IndexMismatchError(f"index uses codec {manifest['codec']['name']!r}, not {codec!r}")
+        if neighbour_context is not None and neighbour_context != self.neighbour_context:
+            raise IndexMismatchError(
+                f"index computes caches with neighbour_context={self.neighbour_context}, not {neighbour_context}")
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -236,7 +250,7 @@ class KVRag:
         split = SplitConfig(**self.manifest["split"])
         candidates = split_documents(loaded, self.lm, self.layout, split, self.embedder.encode)
         builder = Builder(self.lm, self.index, self.kvstore, self.embedder, self.prefix,
-                          self.path / "codec", self.batch_tokens)
+                          self.path / "codec", self.batch_tokens, self.neighbour_context)
         builder.run(candidates, stats, show_progress)
         stats.total_s = time.perf_counter() - t0
         log.info("indexed %d new chunks (%d prefilled, %.0f tok/s)", stats.new_chunks,
@@ -274,7 +288,12 @@ class KVRag:
 
     def _recompute_chunk(self, chunk: RetrievedChunk) -> KV:
         ids = chunk_token_ids(self.lm.tokenizer, chunk.text)
-        _, kv = next(chunk_caches(self.lm, self.prefix, [ids], self.batch_tokens))
+        if self.neighbour_context:  # after its nearest chunks in the index as it is now
+            context = neighbour_context_ids(self.lm, self.index, self.prefix.length, self.neighbour_context, chunk.key,
+                                        len(ids), self.embedder.encode([chunk.text])[0])
+            _, kv = next(chunk_caches_after(self.lm, self.prefix, [(context, ids)]))
+        else:
+            _, kv = next(chunk_caches(self.lm, self.prefix, [ids], self.batch_tokens))
         self.kvstore.put(chunk.key, kv[0].cpu(), kv[1].cpu())
         return kv
 
@@ -288,14 +307,15 @@ class KVRag:
             raise InputError(
                 f"the prompt has {total} tokens but the model's context window is "
                 f"{self.lm.spec.max_position}; use fewer or smaller chunks (k) or a shorter question")
+        exact = not self.neighbour_context  # a cache computed after neighbours is not exact even first
         if mode == "full":
             return FusionInput(self.prefix, chunk_ids, [None] * len(chunks), torch.tensor(suffix))
         if caches is not None:
-            return FusionInput(self.prefix, chunk_ids, list(caches), torch.tensor(suffix))
+            return FusionInput(self.prefix, chunk_ids, list(caches), torch.tensor(suffix), exact)
         feed = StoreFeed(self.kvstore, [c.key for c in chunks], [int(c.numel()) for c in chunk_ids],
                          self.lm.spec.n_layers, self.lm.device, self.prefix.kv[0][0].dtype,
                          recover=lambda j: self._recompute_chunk(chunks[j]))
-        return FusionInput(self.prefix, chunk_ids, feed, torch.tensor(suffix))
+        return FusionInput(self.prefix, chunk_ids, feed, torch.tensor(suffix), exact)
 
     def _prepare(self, question: str, k: int, chunks: Sequence[str | RetrievedChunk] | None,
                  fuse_config: FuseConfig, caches: Sequence[KV | None] | None = None,

@@ -154,6 +154,7 @@ def test_bench_quality_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
     payload = _check_outputs(out, "quality", "quality_pareto.png")
     assert payload["n_questions"] == payload["n_planned"] == 3
     assert payload["index_chunks"] == 5  # shared passages stored once
+    assert payload["neighbour_context"] == 0
     assert "partial" not in (out / "quality.md").read_text()
     assert len(payload["rows"]) == 15
     summary = {s["mode"]: s for s in payload["summary"]}

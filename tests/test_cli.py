@@ -43,3 +43,16 @@ def test_index_with_a_compressed_codec_and_level(tiny_model_dir: Path, tmp_path:
     assert info["manifest"]["codec"]["name"] == "cachegen" and info["manifest"]["codec"]["level"] == 2
     assert main(["ask", str(idx), "Where did Gamma labs move?", "--k", "2", "--max-new-tokens", "3", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ttft_s"] > 0
+
+
+def test_index_with_neighbour_context(tiny_model_dir: Path, tmp_path: Path, capsys):
+    docs = tmp_path / "docs.txt"
+    docs.write_text("Gamma labs moved to Lisbon in 2011. " * 6 + "\n\nDelta works on tides. " * 6)
+    idx = tmp_path / "idx"
+    assert main(["index", str(docs), "--index", str(idx), "--model", str(tiny_model_dir), "-q",
+                 "--neighbour-context", "1", "--max-tokens", "32", "--min-tokens", "4"]) == 0
+    capsys.readouterr()
+    assert main(["info", str(idx)]) == 0
+    assert json.loads(capsys.readouterr().out)["manifest"]["neighbour_context"] == 1
+    assert main(["index", str(docs), "--index", str(idx), "-q", "--neighbour-context", "2"]) == 2
+    assert "neighbour_context=1" in capsys.readouterr().err

@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--max-chunk-tokens", type=int, default=2048, help="passages longer than this are split")
     parser.add_argument("--warmup", type=int, default=1, help="questions answered by every mode first, not counted")
+    parser.add_argument("--neighbour-context", type=int, default=0, metavar="N",
+                        help="build the caches after each passage's N nearest passages (KVRag.build neighbour_context)")
     parser.add_argument("--index", default=None, help="index directory (default: a temporary one)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
     parser.add_argument("--device", default=None)
@@ -249,6 +251,7 @@ def build_index(args: argparse.Namespace, items: list[dict[str, Any]], index_dir
         model=args.model,
         split=split,
         device=args.device,
+        neighbour_context=args.neighbour_context,
         show_progress=False,
     )
     return rag, time.perf_counter() - t0
@@ -268,6 +271,7 @@ def write_outputs(args: argparse.Namespace, items: list[dict[str, Any]], specs: 
         "n_planned": len(items),
         "max_new_tokens": args.max_new_tokens,
         "warmup": args.warmup,
+        "neighbour_context": args.neighbour_context,
         **extra,
         "summary": summary,
         "rows": rows,

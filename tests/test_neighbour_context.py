@@ -1,0 +1,144 @@
+"""Neighbour context: chunk caches computed after a chunk's nearest chunks, and their fusion."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+from test_fuse import _reference_logits
+from test_rag import DOCS, SPLIT
+
+from kvrag import FuseConfig, KVRag, hf_compat
+from kvrag.build import neighbour_context_ids
+from kvrag.errors import IndexMismatchError
+from kvrag.fuse import FusionInput, fuse, segments
+from kvrag.kvgen import chunk_caches, chunk_caches_after, prefix_cache
+from kvrag.model import rope_at, unapply_rope, wrap_model
+from kvrag.prompt import chunk_token_ids
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return wrap_model(tiny_model("llama"), None, "llama")
+
+
+def _ids(lm, n: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, lm.spec.vocab_size, (n,), generator=gen).tolist()
+
+
+def test_a_cache_after_context_equals_the_chunks_rows_of_one_prefill(lm):
+    prefix = prefix_cache(lm, _ids(lm, 6, 0))
+    context, chunk = _ids(lm, 19, 1), _ids(lm, 13, 2)
+    (_, (keys, values)), = chunk_caches_after(lm, prefix, [(context, chunk)])
+    ids = torch.tensor([*prefix.ids.tolist(), *context, *chunk])
+    with torch.no_grad():
+        layers = hf_compat.cache_layers(lm.model(ids[None], use_cache=True).past_key_values)
+    start = prefix.length + len(context)
+    positions = torch.arange(start, ids.numel())
+    cos, sin = rope_at(lm.model, positions, keys)
+    for layer, (k_ref, v_ref) in enumerate(layers):
+        assert (keys[layer] - unapply_rope(k_ref[0, :, start:], cos, sin)).abs().max().item() <= 1e-4
+        assert (values[layer] - v_ref[0, :, start:]).abs().max().item() <= 1e-4
+    # without context it is the plain cache after the prefix
+    (_, plain), = chunk_caches_after(lm, prefix, [([], chunk)])
+    _, ref = next(chunk_caches(lm, prefix, [chunk]))
+    assert all((a - b).abs().max().item() <= 1e-5 for a, b in zip(plain, ref))
+
+
+def test_without_an_exact_first_chunk_the_selectors_take_it_too(lm):
+    prefix = prefix_cache(lm, _ids(lm, 6, 0))
+    chunks = [torch.tensor(_ids(lm, n, 10 + n)) for n in (11, 9, 14)]
+    suffix = torch.tensor(_ids(lm, 5, 3))
+    context = _ids(lm, 8, 4)
+    caches = [kv for _, kv in chunk_caches_after(lm, prefix, [(context, c.tolist()) for c in chunks])]
+    exact, stale = (FusionInput(prefix, chunks, caches, suffix, first_exact=flag) for flag in (True, False))
+    assert segments(stale).stale == [(6, 11), (17, 9), (26, 14)]
+    assert segments(exact).stale == [(17, 9), (26, 14)]
+    link = fuse(lm, stale, FuseConfig(mode="attnlink", link_tokens=4))
+    assert link.n_selected[0] == 4 * 3 + 5
+    blend = fuse(lm, stale, FuseConfig(mode="cacheblend", ratio=0.3, check_layers=(1,)))
+    assert blend.n_selected[0] == 34 + 5 and blend.n_selected[-1] == math.ceil(0.3 * 34) + 5
+    probe = fuse(lm, stale, FuseConfig(mode="probe", ratio=0.3))
+    assert probe.selected.numel() == math.ceil(0.3 * 34) + 5
+    # recomputing every token is exact whatever context the caches were computed after
+    reference = _reference_logits(lm, torch.cat([prefix.ids, *chunks, suffix]))
+    for mode in ("cacheblend", "probe"):
+        result = fuse(lm, stale, FuseConfig(mode=mode, ratio=1.0))
+        assert (result.logits - reference).abs().max().item() <= 1e-4
+    # the first chunk's cache is stale, so reusing it is not exact any more
+    assert (fuse(lm, stale, FuseConfig(mode="prefix")).logits - reference).abs().max().item() > 1e-4
+
+
+@pytest.fixture(scope="module")
+def neighboured(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp("rag-nc") / "idx"
+    rag = KVRag.build(DOCS, path, model=str(tiny_model_dir), split=SPLIT, neighbour_context=2, show_progress=False)
+    return rag, path
+
+
+def _expected_cache(rag: KVRag, key: str):
+    """The cache of ``key`` computed from scratch after its two nearest chunks in the built index."""
+    record = rag.index.get(key)
+    ids = chunk_token_ids(rag.lm.tokenizer, record.text)
+    context = neighbour_context_ids(rag.lm, rag.index, rag.prefix.length, 2, key, len(ids),
+                                    rag.embedder.encode([record.text])[0])
+    return context, next(chunk_caches_after(rag.lm, rag.prefix, [(context, ids)]))[1]
+
+
+def test_build_stores_each_cache_after_its_nearest_chunks(neighboured):
+    rag, path = neighboured
+    assert json.loads((path / "manifest.json").read_text())["neighbour_context"] == 2
+    records = rag.index.records()
+    assert len(records) >= 4
+    for record in records:
+        context, (keys, values) = _expected_cache(rag, record.key)
+        vector = rag.embedder.encode([record.text])[0]
+        nearest = [r for r, _ in rag.index.search(vector, 3) if r.key != record.key][:2]
+        nearest_ids = chunk_token_ids(rag.lm.tokenizer, nearest[0].text)
+        assert context[-len(nearest_ids):] == nearest_ids  # the nearest chunk sits right before it
+        assert len(context) == len(nearest_ids) + len(chunk_token_ids(rag.lm.tokenizer, nearest[1].text))
+        stored_k, stored_v = rag.kvstore.load(record.key)
+        assert (stored_k - keys).abs().max().item() <= 1e-4 and (stored_v - values).abs().max().item() <= 1e-4
+        _, (plain_k, _) = next(chunk_caches(rag.lm, rag.prefix, [chunk_token_ids(rag.lm.tokenizer, record.text)]))
+        assert (stored_k - plain_k).abs().max().item() > 1e-3  # the context changed it
+
+
+def test_reopened_index_fuses_every_chunk_as_stale_and_recompute_all_is_exact(neighboured, tiny_lm):
+    _, path = neighboured
+    rag = KVRag.open(path, model=tiny_lm)
+    assert rag.neighbour_context == 2
+    q = "Who designed the alpha reactor?"
+    full = rag.answer(q, k=3, mode="full", max_new_tokens=5)
+    assert rag.answer(q, k=3, mode="cacheblend", ratio=1.0, max_new_tokens=5).token_ids == full.token_ids
+    reuse = rag.answer(q, k=3, mode="reuse", max_new_tokens=2)
+    link = rag.answer(q, k=3, mode="attnlink", max_new_tokens=2, fuse_config=FuseConfig(mode="attnlink",
+                                                                                         link_tokens=2))
+    assert link.recompute_fraction > reuse.recompute_fraction
+    assert link.recompute_fraction * link.n_prompt_tokens == pytest.approx(
+        reuse.recompute_fraction * reuse.n_prompt_tokens + 2 * 3)  # the first chunk's link tokens too
+
+
+def test_a_corrupt_chunk_is_recomputed_after_its_neighbours(neighboured):
+    rag, _ = neighboured
+    key = rag.index.records()[1].key
+    target = rag.kvstore.store._path(key)
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+    repaired_k, repaired_v = rag.load_chunk(rag.resolve_chunks([key])[0])
+    _, (keys, values) = _expected_cache(rag, key)
+    assert (repaired_k - keys).abs().max().item() <= 1e-4 and (repaired_v - values).abs().max().item() <= 1e-4
+    assert rag.kvstore.is_valid(key)
+
+
+def test_neighbour_context_must_match_the_index_and_be_non_negative(neighboured, tiny_model_dir, tmp_path):
+    _, path = neighboured
+    with pytest.raises(IndexMismatchError, match="neighbour_context=2"):
+        KVRag.build(DOCS[:1], path, model=str(tiny_model_dir), neighbour_context=1, show_progress=False)
+    with pytest.raises(ValueError, match="neighbour_context must be >= 0"):
+        KVRag.build(DOCS, tmp_path / "new", model=str(tiny_model_dir), neighbour_context=-1, show_progress=False)

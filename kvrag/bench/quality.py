@@ -239,7 +239,8 @@ def pareto_plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
     common.save_plot(plt, fig, ax, path, title)
 
 
-def build_index(args: argparse.Namespace, items: list[dict[str, Any]], index_dir: Path) -> tuple[Any, float]:
+def build_index(args: argparse.Namespace, items: list[dict[str, Any]], index_dir: Path,
+                neighbour_context: int = 0) -> tuple[Any, float]:
     from kvrag.config import SplitConfig
     from kvrag.rag import KVRag
 
@@ -251,7 +252,7 @@ def build_index(args: argparse.Namespace, items: list[dict[str, Any]], index_dir
         model=args.model,
         split=split,
         device=args.device,
-        neighbour_context=args.neighbour_context,
+        neighbour_context=neighbour_context,
         show_progress=False,
     )
     return rag, time.perf_counter() - t0
@@ -298,7 +299,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvrag-bench-") as tmp:
-        rag, build_s = build_index(args, items, Path(args.index) if args.index else Path(tmp) / "index")
+        rag, build_s = build_index(args, items, Path(args.index) if args.index else Path(tmp) / "index",
+                                   args.neighbour_context)
         extra = {"index_chunks": len(rag.index), "index_build_s": build_s}
         with rag:
             for item in items[: args.warmup]:

@@ -38,8 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--max-chunk-tokens", type=int, default=2048, help="passages longer than this are split")
     parser.add_argument("--warmup", type=int, default=1, help="questions answered by every mode first, not counted")
-    parser.add_argument("--neighbour-context", type=int, default=0, metavar="N",
-                        help="build the caches after each passage's N nearest passages (KVRag.build neighbour_context)")
+    parser.add_argument("--neighbour-context", type=int, default=None, metavar="N",
+                        help="build the caches after each passage's N nearest passages (KVRag.build "
+                             "neighbour_context; default 0, an existing --index keeps its own)")
     parser.add_argument("--index", default=None, help="index directory (default: a temporary one)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
     parser.add_argument("--device", default=None)
@@ -240,7 +241,7 @@ def pareto_plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def build_index(args: argparse.Namespace, items: list[dict[str, Any]], index_dir: Path,
-                neighbour_context: int = 0) -> tuple[Any, float]:
+                neighbour_context: int | None = None) -> tuple[Any, float]:
     from kvrag.config import SplitConfig
     from kvrag.rag import KVRag
 
@@ -272,7 +273,6 @@ def write_outputs(args: argparse.Namespace, items: list[dict[str, Any]], specs: 
         "n_planned": len(items),
         "max_new_tokens": args.max_new_tokens,
         "warmup": args.warmup,
-        "neighbour_context": args.neighbour_context,
         **extra,
         "summary": summary,
         "rows": rows,
@@ -280,10 +280,13 @@ def write_outputs(args: argparse.Namespace, items: list[dict[str, Any]], specs: 
     common.write_json(out / "quality.json", payload)
     table = summary_markdown(summary)
     partial = "" if done == len(items) else f" (partial: {done} of {len(items)} questions so far)"
+    context = extra.get("neighbour_context") or 0
+    caches = (f"; chunk caches computed after each passage's {context} nearest passages" if context
+              else "; chunk caches computed after the prompt prefix")
     (out / "quality.md").write_text(
         f"# kvrag bench quality\n\n`{payload['command']}`\n\n{done} questions from "
         f"`{Path(args.data).name}`{partial}, model `{args.model}`, mean prompt {summary[0]['prompt_tokens']:.0f} "
-        f"tokens; CPU {payload['hardware']['cpu']} ({payload['hardware']['cpus_usable']} usable cores)."
+        f"tokens{caches}; CPU {payload['hardware']['cpu']} ({payload['hardware']['cpus_usable']} usable cores)."
         f"\n\n{table}\n"
     )
     pareto_plot(summary, out / "quality_pareto.png", f"{Path(args.data).name}, {done} q, {args.model}")
@@ -301,7 +304,8 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvrag-bench-") as tmp:
         rag, build_s = build_index(args, items, Path(args.index) if args.index else Path(tmp) / "index",
                                    args.neighbour_context)
-        extra = {"index_chunks": len(rag.index), "index_build_s": build_s}
+        extra = {"index_chunks": len(rag.index), "index_build_s": build_s,
+                 "neighbour_context": rag.neighbour_context}
         with rag:
             for item in items[: args.warmup]:
                 run_question(rag, item, specs, 0, args.max_new_tokens)

@@ -26,7 +26,7 @@ from kvrag.config import SplitConfig
 from kvrag.documents import Loaded
 from kvrag.embed import Embedder
 from kvrag.index import ChunkIndex, ChunkRecord
-from kvrag.kvgen import KV, PrefixCache, chunk_caches, chunk_caches_after, chunk_key
+from kvrag.kvgen import KV, PrefixCache, chunk_caches, chunk_caches_after, chunk_key, lead_key
 from kvrag.model import LoadedModel
 from kvrag.prompt import PromptLayout, chunk_token_ids
 from kvrag.split import KVSplitter
@@ -115,7 +115,8 @@ class Builder:
     """Runs the build loop for one opened index.
 
     ``context_chunks`` > 0 computes each chunk's cache after that many of its nearest chunks (by
-    embedding, among the index and the chunks being added) instead of after the prefix alone.
+    embedding, among the index and the chunks being added) instead of after the prefix alone, and
+    also stores its plain cache under `lead_key` for when it comes first in a prompt.
     """
 
     def __init__(
@@ -144,6 +145,8 @@ class Builder:
                 vectors = self.embedder.encode([c.record.text for c in group])
                 stats.embed_s += time.perf_counter() - t0
                 self._store_caches(group, vectors, stats, writer, bar)
+                if self.context_chunks:
+                    self._store_leads(group, stats, writer)
                 self.index.add([c.record for c in group], vectors)
                 if not show_progress:
                     continue
@@ -190,16 +193,26 @@ class Builder:
                     continue
                 _fit_codec(self.kvstore.codec, [h[1] for h in held], self.codec_state_dir)
                 (self.codec_state_dir / "fitted").touch()
-                pending += [self._submit(writer, todo[j], h) for j, h in held]
+                pending += [self._submit(writer, todo[j].record.key, h) for j, h in held]
                 bar.update(len(held))
                 held = []
                 continue
-            pending.append(self._submit(writer, todo[i], kv))
+            pending.append(self._submit(writer, todo[i].record.key, kv))
             bar.update(1)
         stats.stored_bytes += sum(f.result() for f in pending)
         stats.kv_s += time.perf_counter() - t0
 
-    def _submit(self, writer: ThreadPoolExecutor, cand: Candidate,
-                kv: tuple[torch.Tensor, torch.Tensor]) -> Future[int]:
+    def _store_leads(self, group: list[Candidate], stats: BuildStats, writer: ThreadPoolExecutor) -> None:
+        """With neighbour context: the chunks' plain caches, for when a chunk comes first in a prompt."""
+        leads = [c for c in group if not self.kvstore.contains(lead_key(c.record.key))]
+        if not leads:
+            return
+        t0 = time.perf_counter()
+        pending = [self._submit(writer, lead_key(leads[i].record.key), kv)
+                   for i, kv in chunk_caches(self.lm, self.prefix, [c.ids for c in leads], self.batch_tokens)]
+        stats.stored_bytes += sum(f.result() for f in pending)
+        stats.kv_s += time.perf_counter() - t0
+
+    def _submit(self, writer: ThreadPoolExecutor, key: str, kv: tuple[torch.Tensor, torch.Tensor]) -> Future[int]:
         keys, values = kv[0].cpu(), kv[1].cpu()
-        return writer.submit(self.kvstore.put, cand.record.key, keys, values)
+        return writer.submit(self.kvstore.put, key, keys, values)

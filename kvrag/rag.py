@@ -29,7 +29,7 @@ from kvrag.feed import StoreFeed
 from kvrag.fuse import FusionInput, FusionResult, fuse
 from kvrag.generate import TextStreamer, decode_tokens, eos_ids
 from kvrag.index import ChunkIndex, ChunkRecord
-from kvrag.kvgen import KV, PrefixCache, chunk_caches, chunk_caches_after, prefix_cache
+from kvrag.kvgen import KV, PrefixCache, chunk_caches, chunk_caches_after, lead_key, prefix_cache
 from kvrag.model import LoadedModel, load_model
 from kvrag.prompt import DEFAULT_INSTRUCTION, build_layout, chunk_token_ids, prompt_text, suffix_token_ids
 from kvrag.store import KVStore, make_store
@@ -140,7 +140,8 @@ class KVRag:
                 its own). Chunks retrieved together are often each other's neighbours, so their stored
                 caches then already saw much of the context they are fused with; each chunk's prefill
                 also runs over its neighbours' tokens, so the build costs up to that many times more.
-                The first chunk of a prompt is then recomputed like the others, not assumed exact.
+                Each chunk's plain cache is stored too (twice the storage), for when it comes first in
+                a prompt, where the plain cache is exact.
 
         Raises:
             InputError: no usable documents.
@@ -286,15 +287,17 @@ class KVRag:
             log.warning("%s; recomputing it from its text", exc)
             return self._recompute_chunk(chunk)
 
-    def _recompute_chunk(self, chunk: RetrievedChunk) -> KV:
+    def _recompute_chunk(self, chunk: RetrievedChunk, lead: bool = False) -> KV:
+        """Recompute and re-store a chunk's cache (``lead``: its plain cache under `lead_key`)."""
         ids = chunk_token_ids(self.lm.tokenizer, chunk.text)
-        if self.neighbour_context:  # after its nearest chunks in the index as it is now
-            context = neighbour_context_ids(self.lm, self.index, self.prefix.length, self.neighbour_context, chunk.key,
-                                        len(ids), self.embedder.encode([chunk.text])[0])
+        key = lead_key(chunk.key) if lead and self.neighbour_context else chunk.key
+        if self.neighbour_context and not lead:  # after its nearest chunks in the index as it is now
+            context = neighbour_context_ids(self.lm, self.index, self.prefix.length, self.neighbour_context,
+                                            chunk.key, len(ids), self.embedder.encode([chunk.text])[0])
             _, kv = next(chunk_caches_after(self.lm, self.prefix, [(context, ids)]))
         else:
             _, kv = next(chunk_caches(self.lm, self.prefix, [ids], self.batch_tokens))
-        self.kvstore.put(chunk.key, kv[0].cpu(), kv[1].cpu())
+        self.kvstore.put(key, kv[0].cpu(), kv[1].cpu())
         return kv
 
     def _fusion_input(self, question: str, chunks: list[RetrievedChunk], mode: str,
@@ -307,15 +310,16 @@ class KVRag:
             raise InputError(
                 f"the prompt has {total} tokens but the model's context window is "
                 f"{self.lm.spec.max_position}; use fewer or smaller chunks (k) or a shorter question")
-        exact = not self.neighbour_context  # a cache computed after neighbours is not exact even first
         if mode == "full":
             return FusionInput(self.prefix, chunk_ids, [None] * len(chunks), torch.tensor(suffix))
         if caches is not None:
-            return FusionInput(self.prefix, chunk_ids, list(caches), torch.tensor(suffix), exact)
-        feed = StoreFeed(self.kvstore, [c.key for c in chunks], [int(c.numel()) for c in chunk_ids],
+            return FusionInput(self.prefix, chunk_ids, list(caches), torch.tensor(suffix))
+        # with neighbour context the first chunk reads its plain cache, which is exact where it stands
+        keys = [lead_key(c.key) if j == 0 and self.neighbour_context else c.key for j, c in enumerate(chunks)]
+        feed = StoreFeed(self.kvstore, keys, [int(c.numel()) for c in chunk_ids],
                          self.lm.spec.n_layers, self.lm.device, self.prefix.kv[0][0].dtype,
-                         recover=lambda j: self._recompute_chunk(chunks[j]))
-        return FusionInput(self.prefix, chunk_ids, feed, torch.tensor(suffix), exact)
+                         recover=lambda j: self._recompute_chunk(chunks[j], lead=j == 0))
+        return FusionInput(self.prefix, chunk_ids, feed, torch.tensor(suffix))
 
     def _prepare(self, question: str, k: int, chunks: Sequence[str | RetrievedChunk] | None,
                  fuse_config: FuseConfig, caches: Sequence[KV | None] | None = None,

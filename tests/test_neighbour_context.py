@@ -16,7 +16,7 @@ from kvrag import FuseConfig, KVRag, hf_compat
 from kvrag.build import neighbour_context_ids
 from kvrag.errors import IndexMismatchError
 from kvrag.fuse import FusionInput, fuse, segments
-from kvrag.kvgen import chunk_caches, chunk_caches_after, prefix_cache
+from kvrag.kvgen import chunk_caches, chunk_caches_after, lead_key, prefix_cache
 from kvrag.model import rope_at, unapply_rope, wrap_model
 from kvrag.prompt import chunk_token_ids
 
@@ -104,11 +104,13 @@ def test_build_stores_each_cache_after_its_nearest_chunks(neighboured):
         assert len(context) == len(nearest_ids) + len(chunk_token_ids(rag.lm.tokenizer, nearest[1].text))
         stored_k, stored_v = rag.kvstore.load(record.key)
         assert (stored_k - keys).abs().max().item() <= 1e-4 and (stored_v - values).abs().max().item() <= 1e-4
-        _, (plain_k, _) = next(chunk_caches(rag.lm, rag.prefix, [chunk_token_ids(rag.lm.tokenizer, record.text)]))
+        _, (plain_k, plain_v) = next(chunk_caches(rag.lm, rag.prefix, [chunk_token_ids(rag.lm.tokenizer, record.text)]))
         assert (stored_k - plain_k).abs().max().item() > 1e-3  # the context changed it
+        lead_k, lead_v = rag.kvstore.load(lead_key(record.key))  # the plain cache, for the first chunk
+        assert (lead_k - plain_k).abs().max().item() <= 1e-4 and (lead_v - plain_v).abs().max().item() <= 1e-4
 
 
-def test_reopened_index_fuses_every_chunk_as_stale_and_recompute_all_is_exact(neighboured, tiny_lm):
+def test_reopened_index_fuses_the_first_chunk_from_its_plain_cache(neighboured, tiny_lm):
     _, path = neighboured
     rag = KVRag.open(path, model=tiny_lm)
     assert rag.neighbour_context == 2
@@ -120,7 +122,11 @@ def test_reopened_index_fuses_every_chunk_as_stale_and_recompute_all_is_exact(ne
                                                                                          link_tokens=2))
     assert link.recompute_fraction > reuse.recompute_fraction
     assert link.recompute_fraction * link.n_prompt_tokens == pytest.approx(
-        reuse.recompute_fraction * reuse.n_prompt_tokens + 2 * 3)  # the first chunk's link tokens too
+        reuse.recompute_fraction * reuse.n_prompt_tokens + 2 * 2)  # the first chunk is exact: no link tokens
+    # the first chunk alone: its plain cache is exact there, so reuse equals a full prefill
+    first = [full.chunks[0].key]
+    assert rag.answer(q, chunks=first, mode="reuse", max_new_tokens=5).token_ids == \
+        rag.answer(q, chunks=first, mode="full", max_new_tokens=5).token_ids
 
 
 def test_a_corrupt_chunk_is_recomputed_after_its_neighbours(neighboured):
@@ -134,6 +140,12 @@ def test_a_corrupt_chunk_is_recomputed_after_its_neighbours(neighboured):
     _, (keys, values) = _expected_cache(rag, key)
     assert (repaired_k - keys).abs().max().item() <= 1e-4 and (repaired_v - values).abs().max().item() <= 1e-4
     assert rag.kvstore.is_valid(key)
+    # a missing plain cache is recomputed when its chunk comes first in a prompt
+    rag.kvstore.store._path(lead_key(key)).unlink()
+    rag.answer("What is it?", chunks=[key], mode="reuse", max_new_tokens=1)
+    _, (plain_k, _) = next(chunk_caches(rag.lm, rag.prefix, [chunk_token_ids(rag.lm.tokenizer,
+                                                                               rag.index.get(key).text)]))
+    assert (rag.kvstore.load(lead_key(key))[0] - plain_k).abs().max().item() <= 1e-4
 
 
 def test_neighbour_context_must_match_the_index_and_be_non_negative(neighboured, tiny_model_dir, tmp_path):

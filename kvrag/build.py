@@ -156,9 +156,11 @@ class Builder:
     def _contexts(self, group: list[Candidate], vectors: np.ndarray, todo: list[int]) -> list[list[int]]:
         """Neighbour context of the group's chunks at positions ``todo`` (see `neighbour_context_ids`)."""
         sims = vectors @ vectors.T
+        np.fill_diagonal(sims, -np.inf)  # not its own neighbour
         out = []
         for i in todo:
-            others = [(float(sims[i, j]), group[j].ids) for j in range(len(group)) if j != i]
+            nearest = np.argsort(-sims[i])[: min(self.context_chunks, len(group) - 1)]
+            others = [(float(sims[i, j]), group[j].ids) for j in nearest]
             out.append(neighbour_context_ids(self.lm, self.index, self.prefix.length, self.context_chunks,
                                              group[i].record.key, len(group[i].ids), vectors[i], others))
         return out

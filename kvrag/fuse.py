@@ -223,10 +223,11 @@ class ProbeSelector(Selector):
     A first pass runs only the forced tokens (the question suffix, chunks without cache) over the
     stored caches, as ``reuse`` does, and sums the attention the suffix puts on every position over
     the layers from ``int(probe_from * n_layers)`` up. The ``ratio`` of chunk tokens it attends to
-    most, taken from the stale chunks (after the first, whose cache is exact), are then recomputed through
-    every layer together with the forced tokens. The stored caches deviate little in the lowest
-    layers, where HKVD checks, and most in the upper ones, spread over many tokens; the question's
-    own reading of those layers tells which of the stale rows the answer depends on.
+    most, taken from the stale chunks (`Segments.stale`: those after the first), are then
+    recomputed through every layer together with the forced tokens. The stored caches deviate
+    little in the lowest layers, where HKVD checks, and most in the upper ones, spread over many
+    tokens; the question's own reading of those layers tells which of the stale rows the answer
+    depends on.
     """
 
     def __init__(self, config: FuseConfig) -> None:

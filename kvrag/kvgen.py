@@ -3,9 +3,9 @@
 A chunk's KV is computed as the model sees it right after the prefix (positions ``P … P+n-1``), or
 after the prefix and some context (`chunk_caches_after`: an index built with neighbour context puts
 a chunk's nearest chunks before it), then keys are un-rotated at those positions so the chunk can
-later be placed anywhere. Chunks are
-batched with right padding: under a causal mask, real tokens never attend to the padding after
-them, so padding changes nothing. Layout: ``[layers, kv_heads, seq, head_dim]`` per chunk.
+later be placed anywhere. Chunks are batched with right padding: under a causal mask, real tokens
+never attend to the padding after them, so padding changes nothing. Layout: ``[layers, kv_heads,
+seq, head_dim]`` per chunk.
 """
 
 from __future__ import annotations

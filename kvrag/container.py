@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 
@@ -117,6 +118,14 @@ def _parse_header(key: str, preamble: bytes, read: Any) -> ChunkHeader:
     return header
 
 
+def _fileno(fh: Any) -> int | None:
+    """The OS file descriptor behind ``fh``, or None (in-memory streams)."""
+    try:
+        return int(fh.fileno())
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return None
+
+
 def _normal(params: Any) -> Any:
     """``params`` as they read back from JSON (tuples become lists), for comparison."""
     return json.loads(json.dumps(params, sort_keys=True))
@@ -141,6 +150,11 @@ class ChunkReader:
         expected = self.header.data_start + sum(n for _, n, _ in self.header.layers)
         if size != expected:
             raise CorruptChunkError(key, f"file is {size} bytes, its header describes {expected} (truncated?)")
+
+    @property
+    def codec(self) -> Codec:
+        """The codec this reader decodes with."""
+        return self._codec
 
     def close(self) -> None:
         self._fh.close()
@@ -194,16 +208,43 @@ class ChunkReader:
             out[0].copy_(keys)
             out[1].copy_(values)
             return
-        offset, length, _ = self.header.layers[layer]
         buf = out.view(-1).view(torch.uint8).numpy().data
-        if buf.nbytes != length:
-            raise CorruptChunkError(self.key, f"layer {layer} holds {length} bytes, a raw layer has {buf.nbytes}")
-        self._fh.seek(self.header.data_start + offset)
-        readinto = cast(io.BufferedIOBase, self._fh).readinto  # files and BytesIO both have it
-        filled = 0
-        while filled < length and (n := readinto(buf[filled:])):
-            filled += n
-        self._check(layer, buf, filled)
+        if buf.nbytes != self.header.layers[layer][1]:
+            raise CorruptChunkError(self.key, f"layer {layer} holds {self.header.layers[layer][1]} bytes, "
+                                    f"a raw layer has {buf.nbytes}")
+        self.read_layer_into(layer, [buf])
+
+    def read_layer_into(self, layer: int, pieces: Sequence[memoryview]) -> None:
+        """Read one layer's blob scattered over ``pieces`` (writable byte buffers, filled in order,
+        together exactly the blob's size) and check it. One positioned read per layer where the
+        file allows it; neither the read nor the checksum holds the GIL for large pieces.
+        """
+        offset, length, _ = self.header.layers[layer]
+        if sum(p.nbytes for p in pieces) != length:
+            raise CorruptChunkError(self.key, f"layer {layer} holds {length} bytes, "
+                                    f"the buffers take {sum(p.nbytes for p in pieces)}")
+        start = self.header.data_start + offset
+        fd = _fileno(self._fh)
+        if fd is not None and hasattr(os, "preadv"):
+            filled = os.preadv(fd, pieces, start)
+        else:
+            self._fh.seek(start)
+            readinto = cast(io.BufferedIOBase, self._fh).readinto  # files and BytesIO both have it
+            filled = 0
+            for piece in pieces:
+                got = 0
+                while got < piece.nbytes and (n := readinto(piece[got:])):
+                    got += n
+                filled += got
+                if got < piece.nbytes:
+                    break
+        if filled != length:
+            raise CorruptChunkError(self.key, f"layer {layer} truncated")
+        crc = 0
+        for piece in pieces:
+            crc = zlib.crc32(piece, crc)
+        if crc != self.header.layers[layer][2]:
+            raise CorruptChunkError(self.key, f"layer {layer} checksum mismatch")
 
     def layers(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for i in range(self.header.n_layers):

@@ -8,11 +8,13 @@ and prepares the next layers while the current one is recomputed:
 - `TensorFeed`: caches already in memory (``[L, H, n, D]`` per chunk), on the host (pinned or not)
   or on the device. On CUDA, host caches are copied on a side stream ``depth`` layers ahead; on the
   CPU a worker thread puts the chunks side by side ``depth`` layers ahead.
-- `StoreFeed`: caches in a `KVStore`. A worker thread reads, checks and decodes ``depth`` layers ahead
-  into a staging buffer (pinned on CUDA) that holds the chunks one after another, each as its file
-  stores the layer, so a ``raw`` layer is read straight into it; file reads, checksums and the
-  codecs' decoders release the GIL for their bulk work. A side stream copies the buffer to the GPU,
-  where the chunks are put side by side.
+- `StoreFeed`: caches in a `KVStore`. A worker thread reads and checks ``depth`` layers ahead into
+  a staging buffer (pinned on CUDA); file reads, checksums and the codecs' decoders release the GIL
+  for their bulk work. Codecs that describe their blobs as planes (``raw``, ``int8``:
+  `Codec.planes`) are read still encoded, every chunk's rows scattered side by side by one
+  positioned read per chunk, and decoded for the whole region at once — on CUDA on the GPU, after
+  a side stream has copied the (smaller) encoded bytes there. Other codecs (``cachegen``) decode
+  on the host, chunk by chunk, into a buffer that the GPU then puts side by side.
 
 ``wait_s`` accumulates the time the fusion loop spent blocked on a layer that was not ready yet:
 the part of loading that recompute did not hide.
@@ -230,9 +232,13 @@ class StoreFeed(ChunkFeed):
                 self._open(j, key)
         self._shape = self._probe_shape()
         self._copier: _DeviceCopier | None = None
+        self._planar = self._planar_layout()
         if _is_cuda(self.device) and self._shape is not None:
             h, d = self._shape
-            self._copier = _DeviceCopier(self.device, (2 * h * self.total * d,), dtype, depth + 1)
+            size, kind = (self._planar.nbytes, torch.uint8) if self._planar else (2 * h * self.total * d, dtype)
+            self._copier = _DeviceCopier(self.device, (size,), kind, depth + 1)
+            if self._planar is not None:
+                self._planar.bind([buf.numpy() for buf in self._copier.host])
         self._prefetch = _Prefetcher(self._produce, n_layers, depth) if self._shape is not None else None
 
     def _open(self, j: int, key: str) -> None:
@@ -263,6 +269,20 @@ class StoreFeed(ChunkFeed):
             return int(kv[0].shape[1]), int(kv[0].shape[3])
         return None
 
+    def _planar_layout(self) -> _Planar | None:
+        """The side-by-side plane layout when every open chunk's codec has one, the same one."""
+        if self._shape is None:
+            return None
+        readers = [r for r in self._readers if r is not None]
+        layouts = {(r.codec.name, r.header.dtype, str(r.codec.planes(*self._shape, r.header.dtype))) for r in readers}
+        if len(layouts) != 1:
+            return None
+        codec, dtype = readers[0].codec, readers[0].header.dtype
+        planes = codec.planes(*self._shape, dtype)
+        if planes is None:
+            return None
+        return _Planar(codec, planes, dtype, self.lengths, self.offsets)
+
     def _region(self, flat: torch.Tensor, j: int) -> torch.Tensor:
         """Chunk ``j``'s part ``[2, H, n_j, D]`` of a layer's staging buffer, which holds the chunks
         one after another, each as its file stores a layer (keys, then values), so ``raw`` layers
@@ -274,7 +294,9 @@ class StoreFeed(ChunkFeed):
         return flat[per_token * self.offsets[j] : per_token * (self.offsets[j] + self.lengths[j])].view(
             2, h, self.lengths[j], d)
 
-    def _produce(self, i: int) -> tuple[torch.Tensor, Any]:
+    def _produce(self, i: int) -> tuple[Any, Any]:
+        if self._planar is not None:
+            return self._produce_planar(i)
         assert self._shape is not None
         t0 = time.perf_counter()
         h, d = self._shape
@@ -313,9 +335,61 @@ class StoreFeed(ChunkFeed):
         regions = [self._region(flat, j) for j in range(len(self.keys))]
         return regions[0] if len(regions) == 1 else torch.cat(regions, dim=2)
 
+    def _produce_planar(self, i: int) -> tuple[LayerKV, Any]:
+        """Layer ``i`` read still encoded into the plane layout, then decoded for the whole region
+        (on the GPU's side stream when the feed targets CUDA).
+        """
+        planar = self._planar
+        assert planar is not None
+        t0 = time.perf_counter()
+        if self._copier is not None:
+            slot = i % len(self._copier.host)
+            host = self._copier.buffer(i)
+        else:
+            slot, host = 0, torch.empty(planar.nbytes, dtype=torch.uint8)
+            planar.bind([host.numpy()])
+
+        def fill(j: int) -> None:
+            reader = self._readers[j]
+            if reader is not None:
+                try:
+                    reader.read_layer_into(i, planar.pieces[slot][j])
+                except CorruptChunkError as exc:
+                    with self._lock:
+                        self._recover_chunk(j, exc)
+
+        todo = range(len(self.keys))
+        for _ in map(fill, todo) if self._pool is None else self._pool.map(fill, todo):
+            pass
+
+        def decode(staged: torch.Tensor) -> LayerKV:
+            keys, values = planar.decode(staged, self.dtype)
+            for j, (off, n) in enumerate(zip(self.offsets, self.lengths)):  # chunks not read from a file
+                if not self.available[j]:
+                    keys[:, off : off + n].zero_()
+                    values[:, off : off + n].zero_()
+                elif j in self._recovered:
+                    kv = self._recovered[j]
+                    keys[:, off : off + n].copy_(kv[0][i], non_blocking=True)
+                    values[:, off : off + n].copy_(kv[1][i], non_blocking=True)
+            return keys, values
+
+        if self._copier is None:
+            out: tuple[LayerKV, Any] = (decode(host), None)
+        else:
+            stream = self._copier.stream
+            out = _on_stream(stream, lambda: decode(host.to(self.device, non_blocking=True)))
+            self._copier.events[slot] = out[1]
+        self.decode_s += time.perf_counter() - t0
+        return out
+
     def _layer(self, i: int) -> LayerKV:
         if self._prefetch is None:
             raise RuntimeError("no chunk in this feed has a cache")
+        if self._planar is not None:
+            (k, v), event = self._prefetch.get(i)
+            _consume(self.device, event, k, v)
+            return k, v
         staged, event = self._prefetch.get(i)
         if event is not None:  # copied to the GPU as staged: put the chunks side by side there
             _consume(self.device, event, staged)
@@ -331,3 +405,40 @@ class StoreFeed(ChunkFeed):
             if reader is not None:
                 reader.close()
         self._readers = [None] * len(self.keys)
+
+
+class _Planar:
+    """Where each chunk's layer blob goes in a staging buffer that holds the region plane by plane,
+    every plane ``[rows, total, width]`` bytes with the chunks' tokens side by side (`Codec.planes`).
+    """
+
+    def __init__(self, codec: Any, planes: list[tuple[int, int]], dtype: torch.dtype,
+                 lengths: Sequence[int], offsets: Sequence[int]) -> None:
+        self.codec, self.planes, self.dtype = codec, planes, dtype
+        self.lengths, self.offsets = list(lengths), list(offsets)
+        self.total = sum(self.lengths)
+        self.starts = [0]
+        for rows, width in planes:
+            self.starts.append(self.starts[-1] + rows * self.total * width)
+        self.nbytes = self.starts[-1]
+        self.pieces: list[list[list[memoryview]]] = []  # [buffer][chunk] -> the blob's pieces in order
+
+    def bind(self, buffers: Sequence[Any]) -> None:
+        """Cut the pieces of every chunk out of each staging buffer (uint8 numpy arrays)."""
+        self.pieces = [[self._chunk_pieces(memoryview(buf), j) for j in range(len(self.lengths))]
+                       for buf in buffers]
+
+    def _chunk_pieces(self, buf: memoryview, j: int) -> list[memoryview]:
+        off, n = self.offsets[j], self.lengths[j]
+        pieces = []
+        for (rows, width), start in zip(self.planes, self.starts):
+            for r in range(rows):
+                at = start + (r * self.total + off) * width
+                pieces.append(buf[at : at + n * width])
+        return pieces
+
+    def decode(self, staged: torch.Tensor, out_dtype: torch.dtype) -> LayerKV:
+        """Keys and values ``[H, total, D]`` of the region from a filled staging buffer (any device)."""
+        planes = [staged[a:b].view(rows, self.total, width)
+                  for (rows, width), a, b in zip(self.planes, self.starts, self.starts[1:])]
+        return self.codec.decode_planes(planes, self.dtype, out_dtype)

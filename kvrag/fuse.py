@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 from kvrag import hf_compat
 from kvrag.config import FuseConfig
@@ -318,8 +319,11 @@ def _attention_mask(sel: torch.Tensor, total: int, dtype: torch.dtype, window: i
 ATTENTION_BLOCKS = 4  # selected tokens run through a layer in up to this many position-ordered blocks
 MIN_BLOCK_TOKENS = 64  # on the CPU a block pays for itself from a few dozen tokens
 MIN_BLOCK_TOKENS_CUDA = 1024  # on a GPU each block launches the layer's kernels again: only long selections split
+# where a selection of the last positions runs as one block with a lower-right causal bias instead of masked blocks;
+# on the CPU SDPA would build that mask anyway, and the blocks halve the keys read
+LOWER_RIGHT_DEVICES = {"cuda"}
 # (part of the selection, keys it attends to, mask, the model's (cos, sin) for its positions)
-Block = tuple[slice, int, "torch.Tensor | None", tuple[torch.Tensor, torch.Tensor]]
+Block = tuple[slice, int, "torch.Tensor | None", tuple[torch.Tensor, torch.Tensor]]  # mask: additive or a CausalBias
 
 
 def _blocks(lm: LoadedModel, sel: torch.Tensor, total: int, dtype: torch.dtype, window: int | None,
@@ -327,7 +331,9 @@ def _blocks(lm: LoadedModel, sel: torch.Tensor, total: int, dtype: torch.dtype, 
     """How the selected tokens run through each layer.
 
     Every position selected and a kernel that masks causally by itself (``causal_ok``): one block,
-    no mask — a plain causal prefill, which SDPA runs with its flash kernel. Otherwise the selection
+    no mask — a plain causal prefill, which SDPA runs with its flash kernel. On CUDA, the last ``n``
+    positions all selected (cacheblend before its first check, `prefix`): one block under a
+    lower-right causal bias, which SDPA also runs with its flash kernel. Otherwise the selection
     (sorted by position) is cut into blocks run in order; a block attends only to the positions up to
     its last token, so for a selection spread over the prompt the attention reads about half the keys
     it would with one block over all of them. Exact: a block sees the fresh rows written by the blocks
@@ -341,6 +347,11 @@ def _blocks(lm: LoadedModel, sel: torch.Tensor, total: int, dtype: torch.dtype, 
 
     if causal_ok and n == total and (window is None or total <= window):
         return [block(slice(0, n), total, None)]
+    if (causal_ok and window is None and sel.device.type in LOWER_RIGHT_DEVICES and n > 1
+            and int(sel[-1]) == total - 1 and int(sel[0]) == total - n):
+        # the last n positions, every one selected: causal aligned to the last key, no mask to build
+        # or read, so SDPA runs its flash kernel (the first layers of cacheblend and every `prefix` one)
+        return [block(slice(0, n), total, causal_lower_right(n, total))]
     min_tokens = MIN_BLOCK_TOKENS_CUDA if sel.device.type == "cuda" else MIN_BLOCK_TOKENS
     count = max(1, min(ATTENTION_BLOCKS, n // min_tokens))
     bounds = [round(i * n / count) for i in range(count + 1)]

@@ -67,6 +67,44 @@ def test_raw_is_exact(dtype: torch.dtype) -> None:
     assert torch.equal(k, keys.to(dtype)) and torch.equal(v, values.to(dtype))
 
 
+def _side_by_side_planes(codec: Codec, blobs: list[bytes], seqs: list[int],
+                         dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each chunk's blob cut into the codec's planes, then the chunks' tokens put side by side."""
+    planes = codec.planes(H, D, dtype)
+    assert planes is not None
+    per_chunk = []
+    for blob, seq in zip(blobs, seqs):
+        flat, parts, at = torch.frombuffer(bytearray(blob), dtype=torch.uint8), [], 0
+        for rows, width in planes:
+            parts.append(flat[at : at + rows * seq * width].view(rows, seq, width))
+            at += rows * seq * width
+        assert at == len(blob)
+        per_chunk.append(parts)
+    return [torch.cat(column, dim=1) for column in zip(*per_chunk)]
+
+
+@pytest.mark.parametrize("name", ["raw", "int8"])
+@pytest.mark.parametrize(("dtype", "out_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                   (torch.float16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_planes_of_several_chunks_decode_like_each_chunk(name: str, dtype: torch.dtype,
+                                                         out_dtype: torch.dtype) -> None:
+    codec, seqs = make_codec(name), [5, 11, 1]
+    kvs = [synthetic_kv(10 + i, seq=s) for i, s in enumerate(seqs)]
+    layer = 2
+    blobs = [codec.encode_layer(k[layer].to(dtype), v[layer].to(dtype), layer) for k, v in kvs]
+    keys, values = codec.decode_planes(_side_by_side_planes(codec, blobs, seqs, dtype), dtype, out_dtype)
+    each = [codec.decode_layer(b, layer, (H, s, D), dtype) for b, s in zip(blobs, seqs)]
+    assert keys.dtype == out_dtype and keys.shape == (H, sum(seqs), D)
+    assert torch.equal(keys, torch.cat([k for k, _ in each], dim=1).to(out_dtype))
+    assert torch.equal(values, torch.cat([v for _, v in each], dim=1).to(out_dtype))
+
+
+def test_cachegen_decodes_on_the_host_only(fitted: CacheGenCodec) -> None:
+    assert fitted.planes(H, D, torch.float32) is None
+    with pytest.raises(NotImplementedError, match="host"):
+        fitted.decode_planes([], torch.float32, torch.float32)
+
+
 def test_int8_error_is_within_half_a_step() -> None:
     keys, values = synthetic_kv(1, scale=3.0)
     k, v, nbytes = roundtrip(make_codec("int8"), keys, values)

@@ -64,6 +64,29 @@ def test_store_feed_equals_the_stored_caches(tmp_path, setup, workers):
         assert feed.decode_s > 0
 
 
+@pytest.mark.parametrize("codec", ["raw", "int8"])
+def test_store_feed_decodes_planes_of_every_chunk_at_once_like_each_chunk(tmp_path, setup, codec):
+    """Encoded rows scattered side by side and decoded together, a chunk without cache zeroed and a
+    corrupt one recomputed: what decoding each chunk's layer alone gives."""
+    lm, _, _, kv, _ = setup
+    kvstore, keys = _store(tmp_path, lm, kv, codec)
+    decoded = [kvstore.load(key) for key in keys]
+    path = kvstore.store._path(keys[2])
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x10  # inside the last layer
+    path.write_bytes(bytes(data))
+    asked = []
+    recover = lambda j: asked.append(j) or decoded[j]  # noqa: E731
+    with StoreFeed(kvstore, [None, keys[1], keys[2]], LENS, lm.spec.n_layers, "cpu", torch.float32,
+                   recover=recover) as feed:
+        assert feed._planar is not None
+        got = [feed.layer(layer) for layer in range(lm.spec.n_layers)]
+    assert asked == [2]
+    for layer, (k, v) in enumerate(got):
+        ek, ev = _expected(decoded, layer, (False, True, True))
+        assert torch.equal(k, ek) and torch.equal(v, ev)
+
+
 def test_store_feed_wants_layers_in_order(tmp_path, setup):
     lm, _, _, kv, _ = setup
     kvstore, keys = _store(tmp_path, lm, kv)
@@ -143,17 +166,23 @@ def _on_gpu(lm, prefix):
 
 @cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("tier", ["disk", "ram", "gpu"])
+@pytest.mark.parametrize("tier", ["disk", "disk-int8", "ram", "gpu"])
 def test_gpu_fusion_from_every_tier_matches_cpu_fusion(tmp_path, setup, tier):
     lm, prefix, chunks, kv, suffix = setup
     config = FuseConfig(mode="cacheblend", ratio=0.3)
+    n = lm.spec.n_layers
     ref = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
+    if tier.startswith("disk"):
+        codec = tier.partition("-")[2] or "raw"
+        kvstore, keys = _store(tmp_path, lm, kv, codec)
+        if codec != "raw":  # the reference reads the same lossy caches on the CPU
+            ref = fuse(lm, FusionInput(prefix, chunks, StoreFeed(kvstore, keys, LENS, n, "cpu", torch.float32),
+                                       suffix), config)
     gpu_lm, gpu_prefix = _on_gpu(lm, prefix)
     try:
-        n = gpu_lm.spec.n_layers
-        if tier == "disk":
-            kvstore, keys = _store(tmp_path, lm, kv)
+        if tier.startswith("disk"):
             source = StoreFeed(kvstore, keys, LENS, n, "cuda", torch.float32, workers=2)
+            assert source._planar is not None
         elif tier == "ram":
             source = TensorFeed([(k.pin_memory(), v.pin_memory()) for k, v in kv], LENS, n, "cuda", torch.float32)
         else:

@@ -199,6 +199,33 @@ def test_selected_tokens_run_in_causal_blocks_exactly(monkeypatch, arch, config)
         assert (k - rk).abs().max().item() <= 1e-4 and (v - rv).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("config", [FuseConfig(mode="cacheblend", ratio=0.3), FuseConfig(mode="prefix")])
+def test_a_selection_of_the_last_positions_runs_under_a_lower_right_causal_bias_exactly(monkeypatch, arch, config):
+    """The bias SDPA applies by itself gives what the explicit masks give (the CUDA path, run here on the CPU)."""
+    from torch.nn.attention.bias import CausalBias, causal_lower_right
+
+    import kvrag.fuse as fuse_mod
+
+    lm, prefix, chunks, kv, suffix = _setup(arch, seed=6)
+    masked = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
+    monkeypatch.setattr(fuse_mod, "LOWER_RIGHT_DEVICES", {"cuda", "cpu"})
+    tail = torch.arange(prefix.length + len(chunks[0]), masked.n_tokens)
+    (blk,) = fuse_mod._blocks(lm, tail, masked.n_tokens, torch.float32, None, True)
+    assert isinstance(blk[2], CausalBias) and blk[1] == masked.n_tokens
+    assert isinstance(fuse_mod._blocks(lm, tail[1:], masked.n_tokens, torch.float32, None, True)[0][2], CausalBias)
+    assert not isinstance(fuse_mod._blocks(lm, tail[:-1], masked.n_tokens, torch.float32, None, True)[0][2],
+                          CausalBias)  # not ending at the last position
+    made = []
+    monkeypatch.setattr(fuse_mod, "causal_lower_right", lambda *size: made.append(size) or causal_lower_right(*size))
+    biased = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
+    assert made  # fusion took the biased path
+    assert (biased.logits - masked.logits).abs().max().item() <= 1e-4
+    assert biased.n_selected == masked.n_selected
+    for (k, v), (rk, rv) in zip(hf_compat.cache_layers(biased.cache), hf_compat.cache_layers(masked.cache)):
+        assert (k - rk).abs().max().item() <= 1e-4 and (v - rv).abs().max().item() <= 1e-4
+
+
 def test_blocks_with_every_token_selected_equal_full_prefill_under_a_sliding_window(monkeypatch):
     import transformers as tf
     from conftest import _COMMON

@@ -25,6 +25,7 @@ _LAZY_MODULES: dict[str, str] = {
 }
 
 C = TypeVar("C", bound="type[Codec]")
+Plane = tuple[int, int]  # (rows, bytes per token of each row): one part of a layer's blob, see `Codec.planes`
 
 
 class CodecNotFittedError(KVRagError):
@@ -75,6 +76,25 @@ class Codec(ABC):
             ValueError: the blob does not decode to the stated shape (the caller turns this into
                 `CorruptChunkError`).
         """
+
+    def planes(self, heads: int, head_dim: int, dtype: torch.dtype) -> list[Plane] | None:
+        """How one layer's blob splits into planes, when `decode_planes` can decode it anywhere.
+
+        The blob of a chunk of ``S`` tokens is then, plane after plane, ``rows`` rows of ``S * width``
+        bytes each (every row token-major). A reader can put several chunks' rows side by side, each
+        plane as ``[rows, T, width]`` bytes over all their ``T`` tokens, and decode them in one go on
+        the model's device. None (the default): the codec decodes on the host only, chunk by chunk.
+        """
+        return None
+
+    def decode_planes(
+        self, planes: list[torch.Tensor], dtype: torch.dtype, out_dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` ``[H, T, D]`` in ``out_dtype`` from staged ``planes`` (uint8 ``[rows, T,
+        width]`` each, laid out as `planes` says, on any device) of caches stored in ``dtype``.
+        Exactly what `decode_layer` gives for each chunk's tokens.
+        """
+        raise NotImplementedError(f"codec {self.name!r} decodes on the host only")
 
     def fit(self, samples: list[tuple[torch.Tensor, torch.Tensor]], n_layers: int) -> None:
         """Fit shared statistics on sample chunks; ``samples`` are ``[L, H, S, D]`` pairs."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvrag.codec.base import Codec, register_codec
+from kvrag.codec.base import Codec, Plane, register_codec
 
 _F16_MAX = 65504.0
 
@@ -74,3 +74,18 @@ class Int8Codec(Codec):
         keys = _dequantise(meta[0], meta[1], codes[0], dtype)
         values = _dequantise(meta[2], meta[3], codes[1], dtype)
         return keys, values
+
+    def planes(self, heads: int, head_dim: int, dtype: torch.dtype) -> list[Plane]:
+        return [(heads, 2)] * 4 + [(heads, head_dim)] * 2  # the four float16 rows, then K and V codes
+
+    def decode_planes(
+        self, planes: list[torch.Tensor], dtype: torch.dtype, out_dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        k_off, k_scale, v_off, v_scale, k_codes, v_codes = planes
+
+        def one(offset: torch.Tensor, scale: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+            # the host decoder's float32 arithmetic, one rounding per step, and its output dtype
+            out = codes.float().mul_(scale.view(torch.float16).float())
+            return out.add_(offset.view(torch.float16).float()).to(dtype).to(out_dtype)
+
+        return one(k_off, k_scale, k_codes), one(v_off, v_scale, v_codes)

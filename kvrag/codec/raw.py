@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvrag.codec.base import Codec, register_codec
+from kvrag.codec.base import Codec, Plane, register_codec
 
 
 @register_codec("raw")
@@ -24,4 +24,15 @@ class RawCodec(Codec):
             raise ValueError(f"raw layer {layer}: {len(blob)} bytes, expected {expected}")
         flat = torch.frombuffer(bytearray(blob), dtype=torch.uint8).view(dtype)
         both = flat.view(2, *shape)
+        return both[0], both[1]
+
+    def planes(self, heads: int, head_dim: int, dtype: torch.dtype) -> list[Plane]:
+        return [(2 * heads, head_dim * dtype.itemsize)]
+
+    def decode_planes(
+        self, planes: list[torch.Tensor], dtype: torch.dtype, out_dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        (plane,) = planes
+        rows, tokens, _ = plane.shape
+        both = plane.view(dtype).view(2, rows // 2, tokens, -1).to(out_dtype)  # a view when the dtypes agree
         return both[0], both[1]

@@ -284,9 +284,9 @@ class StoreFeed(ChunkFeed):
         return _Planar(codec, planes, dtype, self.lengths, self.offsets)
 
     def _region(self, flat: torch.Tensor, j: int) -> torch.Tensor:
-        """Chunk ``j``'s part ``[2, H, n_j, D]`` of a layer's staging buffer, which holds the chunks
-        one after another, each as its file stores a layer (keys, then values), so ``raw`` layers
-        are read straight into it.
+        """Chunk ``j``'s part ``[2, H, n_j, D]`` of a layer's staging buffer on the host-decoding path
+        (codecs without planes, or chunks stored with different layouts), which holds the chunks one
+        after another, each decoded as keys then values (a ``raw`` layer is read straight into it).
         """
         assert self._shape is not None
         h, d = self._shape

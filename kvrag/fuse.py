@@ -345,9 +345,10 @@ def _blocks(lm: LoadedModel, sel: torch.Tensor, total: int, dtype: torch.dtype, 
     def block(part: slice, limit: int, mask: torch.Tensor | None) -> Block:
         return part, limit, mask, hf_compat.position_embeddings(lm.model, like, sel[part])
 
-    if causal_ok and n == total and (window is None or total <= window):
+    causal_ok = causal_ok and (window is None or total <= window)  # the window masks nothing here
+    if causal_ok and n == total:
         return [block(slice(0, n), total, None)]
-    if (causal_ok and window is None and sel.device.type in LOWER_RIGHT_DEVICES and n > 1
+    if (causal_ok and sel.device.type in LOWER_RIGHT_DEVICES and n > 1
             and int(sel[-1]) == total - 1 and int(sel[0]) == total - n):
         # the last n positions, every one selected: causal aligned to the last key, no mask to build
         # or read, so SDPA runs its flash kernel (the first layers of cacheblend and every `prefix` one)

@@ -18,7 +18,7 @@ import json
 import os
 import struct
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 
@@ -170,17 +170,17 @@ class ChunkReader:
         offset, length, _ = self.header.layers[layer]
         self._fh.seek(self.header.data_start + offset)
         blob = self._fh.read(length)
-        self._check(layer, blob, len(blob))
+        self._check(layer, len(blob), lambda: zlib.crc32(blob))
         return blob
 
-    def _check(self, layer: int, data: Any, size: int) -> None:
+    def _check(self, layer: int, size: int, crc: Callable[[], int]) -> None:
         """Raise `CorruptChunkError` unless the ``size`` bytes read of ``layer`` are all of it and
-        ``data`` matches its checksum.
+        their checksum ``crc()`` matches.
         """
-        _, length, crc = self.header.layers[layer]
+        _, length, expected = self.header.layers[layer]
         if size != length:
             raise CorruptChunkError(self.key, f"layer {layer} truncated")
-        if zlib.crc32(data) != crc:
+        if crc() != expected:
             raise CorruptChunkError(self.key, f"layer {layer} checksum mismatch")
 
     def decode_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,13 +238,14 @@ class ChunkReader:
                 filled += got
                 if got < piece.nbytes:
                     break
-        if filled != length:
-            raise CorruptChunkError(self.key, f"layer {layer} truncated")
-        crc = 0
-        for piece in pieces:
-            crc = zlib.crc32(piece, crc)
-        if crc != self.header.layers[layer][2]:
-            raise CorruptChunkError(self.key, f"layer {layer} checksum mismatch")
+
+        def crc() -> int:
+            value = 0
+            for piece in pieces:
+                value = zlib.crc32(piece, value)
+            return value
+
+        self._check(layer, filled, crc)
 
     def layers(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for i in range(self.header.n_layers):

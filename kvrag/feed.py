@@ -273,15 +273,35 @@ class StoreFeed(ChunkFeed):
         """The side-by-side plane layout when every open chunk's codec has one, the same one."""
         if self._shape is None:
             return None
-        readers = [r for r in self._readers if r is not None]
-        layouts = {(r.codec.name, r.header.dtype, str(r.codec.planes(*self._shape, r.header.dtype))) for r in readers}
-        if len(layouts) != 1:
+        shape = self._shape
+        layouts = {(r.codec.name, r.header.dtype, str(r.codec.planes(*shape, r.header.dtype)))
+                   for r in self._readers if r is not None}
+        first = next((r for r in self._readers if r is not None), None)
+        planes = first.codec.planes(*shape, first.header.dtype) if first is not None and len(layouts) == 1 else None
+        if first is None or planes is None:
             return None
-        codec, dtype = readers[0].codec, readers[0].header.dtype
-        planes = codec.planes(*self._shape, dtype)
-        if planes is None:
-            return None
-        return _Planar(codec, planes, dtype, self.lengths, self.offsets)
+        return _Planar(first.codec, planes, first.header.dtype, self.lengths, self.offsets)
+
+    def _read(self, j: int, read: Callable[[Any], None]) -> bool:
+        """``read(reader)`` for chunk ``j`` if it has an open file; False when it has none or the read
+        fails its checks, in which case the chunk is recovered (its cache then in ``_recovered``).
+        """
+        reader = self._readers[j]
+        if reader is None:
+            return False
+        try:
+            read(reader)
+            return True
+        except CorruptChunkError as exc:
+            with self._lock:
+                self._recover_chunk(j, exc)
+            return False
+
+    def _each_chunk(self, fill: Callable[[int], object]) -> None:
+        """``fill(j)`` for every chunk, on the decoding threads when there are several."""
+        todo = range(len(self.keys))
+        for _ in map(fill, todo) if self._pool is None else self._pool.map(fill, todo):
+            pass
 
     def _region(self, flat: torch.Tensor, j: int) -> torch.Tensor:
         """Chunk ``j``'s part ``[2, H, n_j, D]`` of a layer's staging buffer on the host-decoding path
@@ -309,22 +329,12 @@ class StoreFeed(ChunkFeed):
             region = self._region(flat, j)
             if not self.available[j]:
                 region.zero_()
-                return
-            reader = self._readers[j]
-            if reader is not None:
-                try:
-                    reader.decode_layer_into(i, region)
-                    return
-                except CorruptChunkError as exc:
-                    with self._lock:
-                        self._recover_chunk(j, exc)
-            kv = self._recovered[j]
-            region[0].copy_(kv[0][i])
-            region[1].copy_(kv[1][i])
+            elif not self._read(j, lambda reader: reader.decode_layer_into(i, region)):
+                kv = self._recovered[j]
+                region[0].copy_(kv[0][i])
+                region[1].copy_(kv[1][i])
 
-        todo = range(len(self.keys))
-        for _ in map(fill, todo) if self._pool is None else self._pool.map(fill, todo):
-            pass
+        self._each_chunk(fill)
         # on the CPU this thread also puts the chunks side by side; on CUDA that happens on the GPU
         staged = flat if self._copier is not None else self._side_by_side(flat)
         self.decode_s += time.perf_counter() - t0
@@ -349,18 +359,7 @@ class StoreFeed(ChunkFeed):
             slot, host = 0, torch.empty(planar.nbytes, dtype=torch.uint8)
             planar.bind([host.numpy()])
 
-        def fill(j: int) -> None:
-            reader = self._readers[j]
-            if reader is not None:
-                try:
-                    reader.read_layer_into(i, planar.pieces[slot][j])
-                except CorruptChunkError as exc:
-                    with self._lock:
-                        self._recover_chunk(j, exc)
-
-        todo = range(len(self.keys))
-        for _ in map(fill, todo) if self._pool is None else self._pool.map(fill, todo):
-            pass
+        self._each_chunk(lambda j: self._read(j, lambda reader: reader.read_layer_into(i, planar.pieces[slot][j])))
 
         def decode(staged: torch.Tensor) -> LayerKV:
             keys, values = planar.decode(staged, self.dtype)

@@ -348,8 +348,8 @@ def _blocks(lm: LoadedModel, sel: torch.Tensor, total: int, dtype: torch.dtype, 
     causal_ok = causal_ok and (window is None or total <= window)  # the window masks nothing here
     if causal_ok and n == total:
         return [block(slice(0, n), total, None)]
-    if (causal_ok and sel.device.type in LOWER_RIGHT_DEVICES and n > 1
-            and int(sel[-1]) == total - 1 and int(sel[0]) == total - n):
+    biased = causal_ok and sel.device.type in LOWER_RIGHT_DEVICES and n > 1
+    if biased and sel[[0, -1]].tolist() == [total - n, total - 1]:
         # the last n positions, every one selected: causal aligned to the last key, no mask to build
         # or read, so SDPA runs its flash kernel (the first layers of cacheblend and every `prefix` one)
         return [block(slice(0, n), total, causal_lower_right(n, total))]

@@ -25,8 +25,18 @@ from kvrag.codec.base import Codec
 from kvrag.config import SplitConfig
 from kvrag.documents import Loaded
 from kvrag.embed import Embedder
+from kvrag.errors import CorruptChunkError
 from kvrag.index import ChunkIndex, ChunkRecord
-from kvrag.kvgen import KV, PrefixCache, chunk_caches, chunk_caches_after, chunk_key, lead_key
+from kvrag.kvgen import (
+    KV,
+    PrefixCache,
+    chunk_cache_after,
+    chunk_caches,
+    chunk_caches_after,
+    chunk_key,
+    lead_key,
+    placed_prefix,
+)
 from kvrag.model import LoadedModel
 from kvrag.prompt import PromptLayout, chunk_token_ids
 from kvrag.split import KVSplitter
@@ -47,7 +57,7 @@ class BuildStats:
     prefilled_chunks: int = 0
     prefilled_tokens: int = 0
     stored_bytes: int = 0
-    context_tokens: int = 0  # neighbour-context tokens prefilled before the chunks
+    context_tokens: int = 0  # neighbour-context tokens put before the chunks (prefilled with them under "prefill")
     kv_s: float = 0.0
     embed_s: float = 0.0
     total_s: float = 0.0
@@ -90,42 +100,100 @@ def _fit_codec(codec: Codec, caches: list[tuple[torch.Tensor, torch.Tensor]], st
     codec.save_state(state_dir)
 
 
-def neighbour_context_ids(
+NEIGHBOUR_KV = ("stored", "prefill")  # how a chunk's neighbours are put before it (see `cache_after_neighbours`)
+
+
+@dataclass
+class Neighbour:
+    """A chunk put before another when that one's cache is computed with neighbour context."""
+
+    key: str
+    ids: list[int]  # the chunk's token ids
+    start: int = 0  # its first token put there (the front of the context is cut to fit the window)
+
+
+def nearest_chunks(
     lm: LoadedModel, index: ChunkIndex, prefix_len: int, count: int, key: str, n_tokens: int,
-    vector: np.ndarray, others: Sequence[tuple[float, list[int]]] = (),
-) -> list[int]:
-    """The token ids put before a chunk when its cache is computed with neighbour context.
+    vector: np.ndarray, others: Sequence[tuple[float, str, list[int]]] = (),
+) -> list[Neighbour]:
+    """The chunks put before a chunk when its cache is computed with neighbour context.
 
     The ``count`` chunks most similar to it (cosine of the embeddings), from the index and from
-    ``others`` (``(similarity, token ids)`` of chunks not committed yet), least similar first so the
-    nearest sits right before the chunk; cut from the front to fit the model's window.
+    ``others`` (``(similarity, key, token ids)`` of chunks not committed yet), least similar first so
+    the nearest sits right before the chunk; cut from the front to fit the model's window.
     """
     if count < 1:
         return []
     found = list(others)
-    found += [(score, chunk_token_ids(lm.tokenizer, rec.text))
+    found += [(score, rec.key, chunk_token_ids(lm.tokenizer, rec.text))
               for rec, score in index.search(vector, count + 1) if rec.key != key]
     found.sort(key=lambda f: -f[0])
-    ids = [t for _, chunk in reversed(found[:count]) for t in chunk]
-    room = max(0, lm.spec.max_position - prefix_len - n_tokens - 1)
-    return ids[len(ids) - room:] if len(ids) > room else ids
+    chosen = [Neighbour(k, ids) for _, k, ids in reversed(found[:count])]
+    excess = sum(len(n.ids) for n in chosen) - max(0, lm.spec.max_position - prefix_len - n_tokens - 1)
+    while excess > 0 and chosen:
+        first = chosen[0]
+        if len(first.ids) - first.start <= excess:
+            excess -= len(first.ids) - first.start
+            chosen.pop(0)
+        else:
+            first.start += excess
+            excess = 0
+    return chosen
+
+
+def neighbour_context_ids(
+    lm: LoadedModel, index: ChunkIndex, prefix_len: int, count: int, key: str, n_tokens: int, vector: np.ndarray,
+) -> list[int]:
+    """The token ids put before a chunk when its cache is computed with neighbour context (`nearest_chunks`)."""
+    chosen = nearest_chunks(lm, index, prefix_len, count, key, n_tokens, vector)
+    return [t for n in chosen for t in n.ids[n.start:]]
+
+
+def cache_after_neighbours(lm: LoadedModel, prefix: PrefixCache, kvstore: KVStore, neighbours: Sequence[Neighbour],
+                           ids: Sequence[int], how: str = "stored") -> KV:
+    """A chunk's cache computed after the prefix and its ``neighbours`` (`nearest_chunks`).
+
+    ``how="stored"`` places the neighbours' plain caches (stored under `lead_key`; recomputed when
+    missing or corrupt) before the chunk and prefills the chunk alone, which costs about what its plain
+    cache costs. ``"prefill"`` prefills the neighbours' tokens together with the chunk: exact for that
+    context, but each chunk then costs its neighbours' tokens too (about ``count + 1`` times as much).
+    """
+    if how == "prefill":
+        context = [t for n in neighbours for t in n.ids[n.start:]]
+        return next(chunk_caches_after(lm, prefix, [(context, ids)]))[1]
+    if how != "stored":
+        raise ValueError(f"neighbour_kv must be one of {NEIGHBOUR_KV}, got {how!r}")
+    placed = []
+    for n in neighbours:
+        try:
+            keys, values = kvstore.load(lead_key(n.key))
+        except CorruptChunkError as exc:
+            log.warning("%s; computing the plain cache of a neighbour again", exc)
+            keys, values = next(chunk_caches(lm, prefix, [n.ids]))[1]
+            kvstore.put(lead_key(n.key), keys.cpu(), values.cpu())
+        placed.append((n.ids[n.start:], (keys[:, :, n.start:], values[:, :, n.start:])))
+    return chunk_cache_after(lm, placed_prefix(lm, prefix, placed), ids)
 
 
 class Builder:
     """Runs the build loop for one opened index.
 
     ``context_chunks`` > 0 computes each chunk's cache after that many of its nearest chunks (by
-    embedding, among the index and the chunks being added) instead of after the prefix alone, and
-    also stores its plain cache under `lead_key` for when it comes first in a prompt.
+    embedding, among the index and the chunks being added) instead of after the prefix alone, put
+    there as ``neighbour_kv`` says (`cache_after_neighbours`). Each chunk's plain cache is stored
+    first, under `lead_key`: for when it comes first in a prompt, and as what ``"stored"`` places.
     """
 
     def __init__(
         self, lm: LoadedModel, index: ChunkIndex, kvstore: KVStore, embedder: Embedder,
         prefix: PrefixCache, codec_state_dir: Path, batch_tokens: int = 4096, context_chunks: int = 0,
+        neighbour_kv: str = "stored",
     ) -> None:
+        if neighbour_kv not in NEIGHBOUR_KV:
+            raise ValueError(f"neighbour_kv must be one of {NEIGHBOUR_KV}, got {neighbour_kv!r}")
         self.lm, self.index, self.kvstore, self.embedder = lm, index, kvstore, embedder
         self.prefix, self.codec_state_dir, self.batch_tokens = prefix, codec_state_dir, batch_tokens
-        self.context_chunks = context_chunks
+        self.context_chunks, self.neighbour_kv = context_chunks, neighbour_kv
 
     @property
     def codec_ready(self) -> bool:
@@ -144,37 +212,35 @@ class Builder:
                 t0 = time.perf_counter()
                 vectors = self.embedder.encode([c.record.text for c in group])
                 stats.embed_s += time.perf_counter() - t0
-                self._store_caches(group, vectors, stats, writer, bar)
-                if self.context_chunks:
+                if self.context_chunks:  # first: the neighbours' plain caches are placed from the store
                     self._store_leads(group, stats, writer)
+                self._store_caches(group, vectors, stats, writer, bar)
                 self.index.add([c.record for c in group], vectors)
                 if not show_progress:
                     continue
                 bar.set_postfix(tok_s=f"{stats.prefill_tokens_per_s:.0f}")
         bar.close()
 
-    def _contexts(self, group: list[Candidate], vectors: np.ndarray, todo: list[int]) -> list[list[int]]:
-        """Neighbour context of the group's chunks at positions ``todo`` (see `neighbour_context_ids`)."""
-        sims = vectors @ vectors.T
-        np.fill_diagonal(sims, -np.inf)  # not its own neighbour
-        out = []
-        for i in todo:
-            nearest = np.argsort(-sims[i])[: min(self.context_chunks, len(group) - 1)]
-            others = [(float(sims[i, j]), group[j].ids) for j in nearest]
-            out.append(neighbour_context_ids(self.lm, self.index, self.prefix.length, self.context_chunks,
-                                             group[i].record.key, len(group[i].ids), vectors[i], others))
-        return out
+    def _neighbours(self, group: list[Candidate], vectors: np.ndarray, i: int) -> list[Neighbour]:
+        """`nearest_chunks` of the group's chunk ``i``, among the index and the rest of the group."""
+        sims = vectors @ vectors[i]
+        sims[i] = -np.inf  # not its own neighbour
+        nearest = np.argsort(-sims)[: min(self.context_chunks, len(group) - 1)]
+        others = [(float(sims[j]), group[j].record.key, group[j].ids) for j in nearest]
+        return nearest_chunks(self.lm, self.index, self.prefix.length, self.context_chunks,
+                              group[i].record.key, len(group[i].ids), vectors[i], others)
 
     def _caches(self, group: list[Candidate], vectors: np.ndarray, todo: list[int],
                 stats: BuildStats) -> Iterator[tuple[int, KV]]:
         """``(position in todo, cache)`` of the chunks to prefill, after the prefix or their neighbours."""
-        ids = [group[i].ids for i in todo]
         if not self.context_chunks:
-            yield from chunk_caches(self.lm, self.prefix, ids, self.batch_tokens)
+            yield from chunk_caches(self.lm, self.prefix, [group[i].ids for i in todo], self.batch_tokens)
             return
-        contexts = self._contexts(group, vectors, todo)
-        stats.context_tokens += sum(map(len, contexts))
-        yield from chunk_caches_after(self.lm, self.prefix, list(zip(contexts, ids)))
+        for pos, i in enumerate(todo):
+            neighbours = self._neighbours(group, vectors, i)
+            stats.context_tokens += sum(len(n.ids) - n.start for n in neighbours)
+            yield pos, cache_after_neighbours(self.lm, self.prefix, self.kvstore, neighbours, group[i].ids,
+                                              self.neighbour_kv)
 
     def _store_caches(self, group: list[Candidate], vectors: np.ndarray, stats: BuildStats,
                       writer: ThreadPoolExecutor, bar: Any) -> None:

@@ -21,7 +21,8 @@ def _index(args: argparse.Namespace) -> int:
     rag = KVRag.build(docs, args.index, model=args.model, embedder=args.embedder, split=split,
                       codec=args.codec, codec_level=args.codec_level, index_kind=args.index_kind,
                       dtype=args.dtype, device=args.device, batch_tokens=args.batch_tokens,
-                      neighbour_context=args.neighbour_context, show_progress=not args.quiet)
+                      neighbour_context=args.neighbour_context, neighbour_kv=args.neighbour_kv,
+                      show_progress=not args.quiet)
     print(f"{args.index}: {len(rag.index)} chunks")
     rag.close()
     return 0
@@ -94,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-tokens", type=int, default=4096)
     p.add_argument("--neighbour-context", type=int, default=None, metavar="N",
                    help="compute each chunk's cache after its N nearest chunks (default 0; an index keeps its own)")
+    p.add_argument("--neighbour-kv", default=None, choices=["stored", "prefill"],
+                   help="with --neighbour-context: place the neighbours' stored caches before a chunk (default for a "
+                        "new index; about the cost of a plain build again) or prefill their tokens with it (exact, "
+                        "up to N+1 times the cost)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

@@ -256,6 +256,24 @@ class ProbeSelector(Selector):
         return mask
 
 
+class FixedSelector(Selector):
+    """Recompute given positions of the fused prompt (with the forced ones) through every layer.
+
+    For selections made outside fusion: e.g. the benchmark's deviation oracle, which ranks the stale
+    tokens by how far their stored K/V are from a full prefill's.
+    """
+
+    def __init__(self, positions: torch.Tensor) -> None:
+        self.positions = positions.long().flatten().cpu()
+
+    def initial(self, seg: Segments) -> torch.Tensor:
+        mask = seg.forced.clone()
+        if self.positions.numel() and not 0 <= int(self.positions.min()) <= int(self.positions.max()) < seg.total:
+            raise ValueError(f"selected positions must lie in [0, {seg.total}), the fused prompt")
+        mask[self.positions] = True
+        return mask
+
+
 def make_selector(config: FuseConfig) -> Selector:
     """The selector for ``config.mode``."""
     if config.mode == "full":
@@ -450,8 +468,10 @@ def _causal_kernel(lm: LoadedModel) -> bool:
     return getattr(lm.model.config, "_attn_implementation", None) == "sdpa"
 
 
-def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig) -> FusionResult:
+def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig, selector: Selector | None = None) -> FusionResult:
     """Run the selective-recompute layer loop and return the fused cache and last-token logits.
+
+    ``selector`` replaces the one ``config.mode`` names (e.g. a `FixedSelector`).
 
     Stored chunk layers are placed into the cache just before their layer runs, so a `ChunkFeed`
     input loads later layers while earlier ones are recomputed. ``probe`` runs the loop twice: the
@@ -459,7 +479,7 @@ def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig) -> FusionResult:
     """
     t0 = time.perf_counter()
     seg = segments(inp)
-    selector = make_selector(config)
+    selector = make_selector(config) if selector is None else selector
     device = lm.device
     ids = torch.cat([inp.prefix.ids.to(device)] + [c.to(device) for c in inp.chunk_ids]
                     + [inp.suffix_ids.to(device)])

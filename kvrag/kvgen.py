@@ -1,8 +1,9 @@
 """KVGen: prefill chunks after the fixed prompt prefix and return their pre-RoPE caches.
 
 A chunk's KV is computed as the model sees it right after the prefix (positions ``P … P+n-1``), or
-after the prefix and some context (`chunk_caches_after`: an index built with neighbour context puts
-a chunk's nearest chunks before it), then keys are un-rotated at those positions so the chunk can
+after the prefix and some context (an index built with neighbour context puts a chunk's nearest
+chunks before it: `chunk_caches_after` prefills them with the chunk, `placed_prefix` places their
+stored caches instead), then keys are un-rotated at those positions so the chunk can
 later be placed anywhere. Chunks are batched with right padding: under a causal mask, real tokens
 never attend to the padding after them, so padding changes nothing. Layout: ``[layers, kv_heads,
 seq, head_dim]`` per chunk.
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrag import hf_compat
-from kvrag.model import LoadedModel, rope_at, unapply_rope
+from kvrag.model import LoadedModel, apply_rope, rope_at, unapply_rope
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -125,4 +126,36 @@ def chunk_caches_after(
         if not ids:
             raise ValueError("chunk_caches_after got an empty chunk")
         after = prefix_cache(lm, [*prefix.ids.tolist(), *context]) if context else prefix
-        yield i, _prefill_batch(lm, after, [list(ids)])[0]
+        yield i, chunk_cache_after(lm, after, ids)
+
+
+def placed_prefix(lm: LoadedModel, prefix: PrefixCache, context: Sequence[tuple[Sequence[int], KV]]) -> PrefixCache:
+    """The prefix followed by chunks placed from their pre-RoPE caches, ``[(ids, (keys, values))]`` with
+    keys and values ``[L, H, n, D]``: keys rotated to the positions the chunks take there, without
+    running the model over them. A chunk prefilled after it (`chunk_cache_after`) sees its context as
+    fusion's ``reuse`` would present it, for the cost of its own tokens alone.
+    """
+    like = prefix.kv[0][0]
+    keys: list[list[torch.Tensor]] = [[k] for k, _ in prefix.kv]
+    values: list[list[torch.Tensor]] = [[v] for _, v in prefix.kv]
+    ids, pos = [prefix.ids], prefix.length
+    for tokens, (k, v) in context:
+        n = len(tokens)
+        if k.shape[2] != n or v.shape[2] != n:
+            raise ValueError(f"a context cache holds {k.shape[2]} tokens, its ids {n}")
+        cos, sin = rope_at(lm.model, torch.arange(pos, pos + n, device=like.device), like)
+        rotated = apply_rope(k.to(like.device, like.dtype), cos, sin)  # every layer at once: [L, H, n, D]
+        for layer in range(len(keys)):
+            keys[layer].append(rotated[layer][None])
+            values[layer].append(v[layer][None].to(like.device, like.dtype))
+        ids.append(torch.as_tensor(list(tokens), dtype=torch.long, device=prefix.ids.device))
+        pos += n
+    kv = [(torch.cat(k, dim=2), torch.cat(v, dim=2)) for k, v in zip(keys, values)]
+    return PrefixCache(torch.cat(ids), kv)
+
+
+def chunk_cache_after(lm: LoadedModel, after: PrefixCache, ids: Sequence[int]) -> KV:
+    """One chunk prefilled after ``after`` (e.g. a `placed_prefix`): its rows, keys pre-RoPE."""
+    if not ids:
+        raise ValueError("chunk_cache_after got an empty chunk")
+    return _prefill_batch(lm, after, [list(ids)])[0]

@@ -19,17 +19,17 @@ from typing import Any
 import torch
 
 from kvrag import hf_compat
-from kvrag.build import Builder, BuildStats, neighbour_context_ids, split_documents
+from kvrag.build import NEIGHBOUR_KV, Builder, BuildStats, cache_after_neighbours, nearest_chunks, split_documents
 from kvrag.codec.base import Codec, make_codec
 from kvrag.config import FuseConfig, GenerateConfig, SplitConfig
 from kvrag.documents import Document, Loaded, load_documents
 from kvrag.embed import Embedder
 from kvrag.errors import CorruptChunkError, IndexMismatchError, InputError
 from kvrag.feed import StoreFeed
-from kvrag.fuse import FusionInput, FusionResult, fuse
+from kvrag.fuse import FusionInput, FusionResult, Selector, fuse
 from kvrag.generate import TextStreamer, decode_tokens, eos_ids
 from kvrag.index import ChunkIndex, ChunkRecord
-from kvrag.kvgen import KV, PrefixCache, chunk_caches, chunk_caches_after, lead_key, prefix_cache
+from kvrag.kvgen import KV, PrefixCache, chunk_caches, lead_key, prefix_cache
 from kvrag.model import LoadedModel, load_model
 from kvrag.prompt import DEFAULT_INSTRUCTION, build_layout, chunk_token_ids, prompt_text, suffix_token_ids
 from kvrag.store import KVStore, make_store
@@ -102,12 +102,13 @@ class KVRag:
     """
 
     def __init__(self, path: Path, index: ChunkIndex, lm: LoadedModel, embedder: Embedder,
-                 codec: Codec, instruction: str, batch_tokens: int = 4096, neighbour_context: int = 0) -> None:
+                 codec: Codec, instruction: str, batch_tokens: int = 4096, neighbour_context: int = 0,
+                 neighbour_kv: str = "stored") -> None:
         self.path, self.index, self.lm, self.embedder = path, index, lm, embedder
         self.layout = build_layout(lm.tokenizer, instruction)
         self.kvstore = KVStore(make_store("disk", path / "chunks"), codec, lm.fingerprint)
         self.batch_tokens = batch_tokens
-        self.neighbour_context = neighbour_context
+        self.neighbour_context, self.neighbour_kv = neighbour_context, neighbour_kv
         self._prefix: PrefixCache | None = None
         self.last_answer: Answer | None = None
 
@@ -119,7 +120,7 @@ class KVRag:
         embedder: str | None = None, *, split: SplitConfig | None = None, codec: str = "raw",
         codec_level: int | None = None, index_kind: str = "flat", dtype: str | None = None,
         device: str | None = None, batch_tokens: int = 4096, instruction: str = DEFAULT_INSTRUCTION,
-        neighbour_context: int | None = None, show_progress: bool = True,
+        neighbour_context: int | None = None, neighbour_kv: str | None = None, show_progress: bool = True,
     ) -> KVRag:
         """Build (or extend) an index at ``path`` over ``documents``.
 
@@ -138,10 +139,14 @@ class KVRag:
             neighbour_context: compute each chunk's cache after this many of its nearest chunks (by
                 embedding) instead of after the prompt prefix alone (default 0; an existing index keeps
                 its own). Chunks retrieved together are often each other's neighbours, so their stored
-                caches then already saw much of the context they are fused with; each chunk's prefill
-                also runs over its neighbours' tokens, so the build costs up to that many times more.
-                Each chunk's plain cache is stored too (twice the storage), for when it comes first in
-                a prompt, where the plain cache is exact.
+                caches then already saw much of the context they are fused with. Each chunk's plain
+                cache is stored too (twice the storage), for when it comes first in a prompt, where the
+                plain cache is exact.
+            neighbour_kv: how the neighbours are put before a chunk with ``neighbour_context``:
+                ``"stored"`` (the default for a new index) places their stored plain caches, so a chunk
+                costs about its plain prefill again; ``"prefill"`` prefills their tokens with the chunk,
+                exact for that context but up to ``neighbour_context + 1`` times the cost. An existing
+                index keeps its own (indexes that predate the setting used ``"prefill"``).
 
         Raises:
             InputError: no usable documents.
@@ -153,19 +158,22 @@ class KVRag:
                 f" (skipped: {', '.join(s for s, _ in loaded.skipped)})" if loaded.skipped else ""))
         if ChunkIndex.exists(path):
             rag = cls.open(path, model=model if isinstance(model, LoadedModel) else None, device=device)
-            rag._check_build_args(model, embedder, codec, neighbour_context)
+            rag._check_build_args(model, embedder, codec, neighbour_context, neighbour_kv)
         else:
             if neighbour_context is not None and neighbour_context < 0:
                 raise ValueError(f"neighbour_context must be >= 0, got {neighbour_context}")
-            rag = cls._create(path, model, embedder, split or SplitConfig(), codec, codec_level,
-                              index_kind, dtype, device, batch_tokens, instruction, neighbour_context or 0)
+            if neighbour_kv is not None and neighbour_kv not in NEIGHBOUR_KV:
+                raise ValueError(f"neighbour_kv must be one of {NEIGHBOUR_KV}, got {neighbour_kv!r}")
+            rag = cls._create(path, model, embedder, split or SplitConfig(), codec, codec_level, index_kind, dtype,
+                              device, batch_tokens, instruction, neighbour_context or 0, neighbour_kv or "stored")
         rag.add(loaded, show_progress=show_progress)
         return rag
 
     @classmethod
     def _create(cls, path: Path, model: str | LoadedModel, embedder_name: str | None, split: SplitConfig,
                 codec_name: str, codec_level: int | None, index_kind: str, dtype: str | None,
-                device: str | None, batch_tokens: int, instruction: str, neighbour_context: int) -> KVRag:
+                device: str | None, batch_tokens: int, instruction: str, neighbour_context: int,
+                neighbour_kv: str) -> KVRag:
         codec = make_codec(codec_name, codec_level)
         lm = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
         embedder = Embedder(embedder_name, device=device)
@@ -180,9 +188,10 @@ class KVRag:
             "prompt": {"instruction": instruction, "digest": build_layout(lm.tokenizer, instruction).digest()},
             "batch_tokens": batch_tokens,
             "neighbour_context": neighbour_context,
+            "neighbour_kv": neighbour_kv,
         }
         index = ChunkIndex.create(path, manifest, embedder.dim, index_kind)
-        return cls(path, index, lm, embedder, codec, instruction, batch_tokens, neighbour_context)
+        return cls(path, index, lm, embedder, codec, instruction, batch_tokens, neighbour_context, neighbour_kv)
 
     @classmethod
     def open(cls, path: str | Path, *, model: str | LoadedModel | None = None,
@@ -214,12 +223,13 @@ class KVRag:
             codec.load_state(path / "codec")
         rag = cls(path, index, lm, Embedder(manifest["embedder"], device=device), codec,
                   manifest["prompt"]["instruction"], manifest.get("batch_tokens", 4096),
-                  manifest.get("neighbour_context", 0))
+                  manifest.get("neighbour_context", 0), manifest.get("neighbour_kv", "prefill"))
         if rag.layout.digest() != manifest["prompt"]["digest"]:
             raise IndexMismatchError(f"the tokenizer's prompt layout differs from the one index {path} was built with")
         return rag
 
-    def _check_build_args(self, model: Any, embedder: str | None, codec: str, neighbour_context: int | None) -> None:
+    def _check_build_args(self, model: Any, embedder: str | None, codec: str, neighbour_context: int | None,
+                          neighbour_kv: str | None) -> None:
         manifest = self.index.manifest
         if isinstance(model, str) and model != manifest["model"]["source"]:
             log.info("index was built from %r; extending it with the model given (%r)",
@@ -231,6 +241,9 @@ class KVRag:
         if neighbour_context is not None and neighbour_context != self.neighbour_context:
             raise IndexMismatchError(
                 f"index computes caches with neighbour_context={self.neighbour_context}, not {neighbour_context}")
+        if neighbour_kv is not None and self.neighbour_context and neighbour_kv != self.neighbour_kv:
+            raise IndexMismatchError(
+                f"index puts neighbours before a chunk as {self.neighbour_kv!r}, not {neighbour_kv!r}")
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -251,7 +264,7 @@ class KVRag:
         split = SplitConfig(**self.manifest["split"])
         candidates = split_documents(loaded, self.lm, self.layout, split, self.embedder.encode)
         builder = Builder(self.lm, self.index, self.kvstore, self.embedder, self.prefix,
-                          self.path / "codec", self.batch_tokens, self.neighbour_context)
+                          self.path / "codec", self.batch_tokens, self.neighbour_context, self.neighbour_kv)
         builder.run(candidates, stats, show_progress)
         stats.total_s = time.perf_counter() - t0
         log.info("indexed %d new chunks (%d prefilled, %.0f tok/s)", stats.new_chunks,
@@ -292,9 +305,9 @@ class KVRag:
         ids = chunk_token_ids(self.lm.tokenizer, chunk.text)
         key = lead_key(chunk.key) if lead and self.neighbour_context else chunk.key
         if self.neighbour_context and not lead:  # after its nearest chunks in the index as it is now
-            context = neighbour_context_ids(self.lm, self.index, self.prefix.length, self.neighbour_context,
-                                            chunk.key, len(ids), self.embedder.encode([chunk.text])[0])
-            _, kv = next(chunk_caches_after(self.lm, self.prefix, [(context, ids)]))
+            neighbours = nearest_chunks(self.lm, self.index, self.prefix.length, self.neighbour_context,
+                                        chunk.key, len(ids), self.embedder.encode([chunk.text])[0])
+            kv = cache_after_neighbours(self.lm, self.prefix, self.kvstore, neighbours, ids, self.neighbour_kv)
         else:
             _, kv = next(chunk_caches(self.lm, self.prefix, [ids], self.batch_tokens))
         self.kvstore.put(key, kv[0].cpu(), kv[1].cpu())
@@ -323,6 +336,7 @@ class KVRag:
 
     def _prepare(self, question: str, k: int, chunks: Sequence[str | RetrievedChunk] | None,
                  fuse_config: FuseConfig, caches: Sequence[KV | None] | None = None,
+                 selector: Selector | None = None,
                  ) -> tuple[list[RetrievedChunk], FusionInput, FusionResult, dict[str, float]]:
         _check_question(question)
         if caches is not None and chunks is None:
@@ -334,7 +348,7 @@ class KVRag:
         t1 = time.perf_counter()
         inp = self._fusion_input(question, used, fuse_config.mode, caches)
         t2 = time.perf_counter()
-        fused = fuse(self.lm, inp, fuse_config)
+        fused = fuse(self.lm, inp, fuse_config, selector)
         # Layers load while fusion runs: load_s is opening the chunk files plus the time fusion waited
         # for a layer (loading that recompute did not hide); fuse_s is the rest.
         timings = {"retrieve_s": t1 - t0, "load_s": t2 - t1 + fused.load_wait_s,
@@ -346,7 +360,7 @@ class KVRag:
                temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] = (),
                seed: int | None = None, fuse_config: FuseConfig | None = None,
                score_ids: Sequence[int] | None = None,
-               caches: Sequence[KV | None] | None = None) -> Iterator[str]:
+               caches: Sequence[KV | None] | None = None, selector: Selector | None = None) -> Iterator[str]:
         """Yield the answer's text as it is generated; `last_answer` holds the full `Answer` after.
 
         Args mirror `answer`.
@@ -354,7 +368,7 @@ class KVRag:
         fcfg = fuse_config or FuseConfig(mode=mode, ratio=ratio)
         gcfg = GenerateConfig(max_new_tokens, temperature, top_p, tuple(stop), seed)
         t0 = time.perf_counter()
-        used, inp, fused, timings = self._prepare(question, k, chunks, fcfg, caches)
+        used, inp, fused, timings = self._prepare(question, k, chunks, fcfg, caches, selector)
         answer = Answer("", fcfg.mode, fcfg.ratio, math.nan, used, timings,
                         n_prompt_tokens=fused.n_tokens, recompute_fraction=fused.recompute_fraction)
         self.last_answer = answer
@@ -368,7 +382,7 @@ class KVRag:
                temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] = (),
                seed: int | None = None, fuse_config: FuseConfig | None = None,
                score_ids: Sequence[int] | None = None,
-               caches: Sequence[KV | None] | None = None) -> Answer:
+               caches: Sequence[KV | None] | None = None, selector: Selector | None = None) -> Answer:
         """Retrieve ``k`` chunks (or use ``chunks``), fuse their caches and generate an answer.
 
         Args:
@@ -384,6 +398,8 @@ class KVRag:
             caches: one entry per chunk of ``chunks``: pre-RoPE ``(keys, values)``, each ``[L, H, n, D]``,
                 fused instead of the stored cache (e.g. caches round-tripped through a codec, or produced
                 elsewhere), or None to recompute that chunk; ``full`` recomputes every chunk anyway.
+            selector: a `kvrag.fuse.Selector` that chooses the recomputed positions instead of the one
+                ``mode`` names (e.g. `kvrag.fuse.FixedSelector`); ``mode`` still decides which caches load.
 
         Returns:
             `Answer` with the text, TTFT and its breakdown, and the chunks used.
@@ -393,7 +409,7 @@ class KVRag:
         """
         for _ in self.stream(question, k, mode, ratio, chunks=chunks, max_new_tokens=max_new_tokens,
                              temperature=temperature, top_p=top_p, stop=stop, seed=seed,
-                             fuse_config=fuse_config, score_ids=score_ids, caches=caches):
+                             fuse_config=fuse_config, score_ids=score_ids, caches=caches, selector=selector):
             pass
         assert self.last_answer is not None
         return self.last_answer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -9,7 +10,9 @@ import pytest
 import torch
 
 from kvrag.bench.common import parse_modes
+from kvrag.bench.quality import passage_keys
 from kvrag.cli import main
+from kvrag.prompt import chunk_token_ids
 
 
 def _check_outputs(out: Path, stem: str, plot: str) -> dict:
@@ -30,6 +33,10 @@ def test_parse_modes() -> None:
         parse_modes("full,blend@0.1")
     with pytest.raises(ValueError, match="takes no"):
         parse_modes("reuse@3")
+    oracle = parse_modes("oracle@0.2", oracle=True)[1]
+    assert oracle.oracle and oracle.config.mode == "reuse" and oracle.config.ratio == 0.2
+    with pytest.raises(ValueError, match="only `kvrag bench quality`"):
+        parse_modes("full,oracle@0.2")
 
 
 def _speed(out: Path, device: str, tiers: str = "disk,ram") -> dict:
@@ -141,7 +148,7 @@ def test_bench_quality_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
             "--n",
             "3",
             "--modes",
-            "full,reuse,cacheblend@0.15,probe@0.15,attnlink@4",
+            "full,reuse,cacheblend@0.15,probe@0.15,attnlink@4,oracle@0.5",
             "--max-new-tokens",
             "3",
             "--device",
@@ -156,9 +163,11 @@ def test_bench_quality_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert payload["index_chunks"] == 5  # shared passages stored once
     assert payload["neighbour_context"] == 0
     assert "partial" not in (out / "quality.md").read_text()
-    assert len(payload["rows"]) == 15
+    assert len(payload["rows"]) == 18
     summary = {s["mode"]: s for s in payload["summary"]}
-    assert list(summary) == ["full", "reuse", "cacheblend@0.15", "probe@0.15", "attnlink@4"]
+    assert list(summary) == ["full", "reuse", "cacheblend@0.15", "probe@0.15", "attnlink@4", "oracle@0.5"]
+    # the oracle recomputes half the chunk tokens (from the second passage on) over the stored caches
+    assert summary["reuse"]["recompute_fraction"] < summary["oracle@0.5"]["recompute_fraction"] < 1.0
     full = summary["full"]
     assert full["agreement"] == 1.0 and full["delta_nll"] == 0.0 and full["ttft_speedup"] == pytest.approx(1.0)
     for row in payload["rows"]:
@@ -238,3 +247,29 @@ def test_bench_deviation_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert any(r is not None and r > 0 for r in s["offset_relative"])
     assert main(["bench", "deviation", "--data", str(data), "--model", str(tiny_model_dir), "--n", "3",
                  "--neutral-passages", "1", "--out", str(out)]) == 2  # no passages left after 3 questions
+
+
+def test_oracle_picks_the_tokens_whose_stored_cache_deviates_most(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from kvrag.bench.deviation import oracle_positions
+    from kvrag.bench.quality import build_index, load_questions
+
+    items = load_questions(_qa_file(tmp_path / "q.jsonl"), 1)
+    args = argparse.Namespace(model=str(tiny_model_dir), device="cpu", max_chunk_tokens=2048)
+    rag, _ = build_index(args, items, tmp_path / "idx")
+    with rag:
+        chunks = rag.resolve_chunks(passage_keys(rag, items[0]))
+        lens = [len(chunk_token_ids(rag.lm.tokenizer, c.text)) for c in chunks]
+        load = rag.load_chunk
+        spoiled = {chunks[1].key: [1, 4], chunks[2].key: [0]}  # token offsets whose values are thrown off
+
+        def load_spoiled(chunk):
+            keys, values = load(chunk)
+            values = values.clone()
+            values[:, :, spoiled.get(chunk.key, [])] += 100.0
+            return keys, values
+
+        rag.load_chunk = load_spoiled
+        ratio = 3 / sum(lens) - 1e-6  # three tokens
+        picked = sorted(oracle_positions(rag, items[0], ratio).tolist())
+    second = rag.prefix.length + lens[0]
+    assert picked == [second + 1, second + 4, second + lens[1]]

@@ -10,7 +10,7 @@ from conftest import ARCHS, tiny_model
 
 from kvrag import hf_compat
 from kvrag.config import FuseConfig
-from kvrag.fuse import FusionInput, fuse
+from kvrag.fuse import FixedSelector, FusionInput, fuse
 from kvrag.kvgen import chunk_caches, prefix_cache
 from kvrag.model import apply_rope, rope_at, unapply_rope, wrap_model
 
@@ -110,6 +110,26 @@ def test_attnlink_and_prefix_selection_counts(setup):
     assert link.n_selected[0] == 5 * (len(chunks) - 1) + suffix.numel()
     pre = fuse(lm, inp, FuseConfig(mode="prefix"))
     assert pre.n_selected[0] == sum(c.numel() for c in chunks[1:]) + suffix.numel()
+
+
+def test_a_fixed_selection_recomputes_exactly_those_positions(setup):
+    lm, prefix, chunks, kv, suffix = setup
+    ids = torch.cat([prefix.ids, *chunks, suffix])
+    inp = FusionInput(prefix, chunks, kv, suffix)
+    reuse = FusionInput(prefix, chunks, kv, suffix)
+    start = prefix.length + chunks[0].numel()
+    every = torch.arange(start, ids.numel() - suffix.numel())
+    exact = fuse(lm, inp, FuseConfig(mode="reuse"), FixedSelector(every))
+    assert (exact.logits - _reference_logits(lm, ids)).abs().max().item() <= 1e-4  # the stale rows, all fresh
+    picked = torch.tensor([start + 2, start + 9, start + 20])
+    some = fuse(lm, inp, FuseConfig(mode="reuse"), FixedSelector(picked))
+    assert some.n_selected == [3 + suffix.numel()] * lm.spec.n_layers
+    assert some.selected[:3].tolist() == picked.tolist()
+    none = fuse(lm, inp, FuseConfig(mode="reuse"), FixedSelector(torch.zeros(0, dtype=torch.long)))
+    plain = fuse(lm, reuse, FuseConfig(mode="reuse"))
+    assert torch.equal(none.logits, plain.logits)
+    with pytest.raises(ValueError, match="must lie in"):
+        fuse(lm, inp, FuseConfig(mode="reuse"), FixedSelector(torch.tensor([ids.numel()])))
 
 
 def test_missing_chunk_cache_is_recomputed_exactly(setup):

@@ -13,10 +13,10 @@ from test_fuse import _reference_logits
 from test_rag import DOCS, SPLIT
 
 from kvrag import FuseConfig, KVRag, hf_compat
-from kvrag.build import neighbour_context_ids
+from kvrag.build import cache_after_neighbours, nearest_chunks, neighbour_context_ids
 from kvrag.errors import IndexMismatchError
 from kvrag.fuse import FusionInput, fuse, segments
-from kvrag.kvgen import chunk_caches, chunk_caches_after, lead_key, prefix_cache
+from kvrag.kvgen import chunk_cache_after, chunk_caches, chunk_caches_after, lead_key, placed_prefix, prefix_cache
 from kvrag.model import rope_at, unapply_rope, wrap_model
 from kvrag.prompt import chunk_token_ids
 
@@ -50,6 +50,42 @@ def test_a_cache_after_context_equals_the_chunks_rows_of_one_prefill(lm):
     assert all((a - b).abs().max().item() <= 1e-5 for a, b in zip(plain, ref))
 
 
+def test_a_chunk_after_a_placed_exact_cache_equals_one_prefilled_after_its_tokens(lm):
+    prefix = prefix_cache(lm, _ids(lm, 6, 0))
+    first, second, chunk = _ids(lm, 11, 1), _ids(lm, 9, 2), _ids(lm, 13, 3)
+    (_, exact), = chunk_caches_after(lm, prefix, [(first, chunk)])
+    _, plain_first = next(chunk_caches(lm, prefix, [first]))
+    after = placed_prefix(lm, prefix, [(first, plain_first)])
+    assert after.ids.tolist() == [*prefix.ids.tolist(), *first] and after.kv[0][0].shape[2] == prefix.length + 11
+    placed = chunk_cache_after(lm, after, chunk)  # the first chunk's plain cache is exact right after the prefix
+    assert all((a - b).abs().max().item() <= 1e-4 for a, b in zip(placed, exact))
+    # a second placed chunk was computed without the first before it: close to, not equal to, prefilling both
+    _, plain_second = next(chunk_caches(lm, prefix, [second]))
+    two = chunk_cache_after(lm, placed_prefix(lm, prefix, [(first, plain_first), (second, plain_second)]), chunk)
+    (_, both), = chunk_caches_after(lm, prefix, [(first + second, chunk)])
+    assert (two[1] - both[1]).abs().max().item() > 1e-4
+    assert (two[1][0] - both[1][0]).abs().max().item() <= 1e-5  # layer 0's values depend on the token alone
+    with pytest.raises(ValueError, match="holds 11 tokens"):
+        placed_prefix(lm, prefix, [(second, plain_first)])
+
+
+class _NoIndex:
+    def search(self, vector, k):
+        return []
+
+
+def test_nearest_chunks_put_the_nearest_last_and_cut_the_front_to_fit_the_window(lm):
+    others = [(0.9, "a", list(range(10))), (0.5, "c", list(range(30))), (0.7, "b", list(range(20)))]
+    room = lm.spec.max_position - 6 - 40 - 1  # prefix 6, chunk 40
+    whole = nearest_chunks(lm, _NoIndex(), 6, 3, "x", 40, None, others)
+    assert [(n.key, n.start) for n in whole] == [("c", 0), ("b", 0), ("a", 0)]
+    assert nearest_chunks(lm, _NoIndex(), 6, 2, "x", 40, None, others)[0].key == "b"
+    cut = nearest_chunks(lm, _NoIndex(), 6, 3, "x", room - 25 + 40, None, others)  # 25 tokens of room
+    assert [(n.key, n.start) for n in cut] == [("b", 5), ("a", 0)]
+    assert nearest_chunks(lm, _NoIndex(), 6, 3, "x", room + 40, None, others) == []
+    assert nearest_chunks(lm, _NoIndex(), 6, 0, "x", 40, None, others) == []
+
+
 def test_without_an_exact_first_chunk_the_selectors_take_it_too(lm):
     prefix = prefix_cache(lm, _ids(lm, 6, 0))
     chunks = [torch.tensor(_ids(lm, n, 10 + n)) for n in (11, 9, 14)]
@@ -77,7 +113,8 @@ def test_without_an_exact_first_chunk_the_selectors_take_it_too(lm):
 @pytest.fixture(scope="module")
 def neighboured(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     path = tmp_path_factory.mktemp("rag-nc") / "idx"
-    rag = KVRag.build(DOCS, path, model=str(tiny_model_dir), split=SPLIT, neighbour_context=2, show_progress=False)
+    rag = KVRag.build(DOCS, path, model=str(tiny_model_dir), split=SPLIT, neighbour_context=2, neighbour_kv="prefill",
+                      show_progress=False)
     return rag, path
 
 
@@ -154,3 +191,41 @@ def test_neighbour_context_must_match_the_index_and_be_non_negative(neighboured,
         KVRag.build(DOCS[:1], path, model=str(tiny_model_dir), neighbour_context=1, show_progress=False)
     with pytest.raises(ValueError, match="neighbour_context must be >= 0"):
         KVRag.build(DOCS, tmp_path / "new", model=str(tiny_model_dir), neighbour_context=-1, show_progress=False)
+
+
+def test_a_build_that_places_the_neighbours_stored_caches(tiny_model_dir, tmp_path):
+    path = tmp_path / "idx"
+    rag = KVRag.build(DOCS, path, model=str(tiny_model_dir), split=SPLIT, neighbour_context=2, show_progress=False)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["neighbour_context"] == 2 and manifest["neighbour_kv"] == rag.neighbour_kv == "stored"
+    for record in rag.index.records():
+        ids = chunk_token_ids(rag.lm.tokenizer, record.text)
+        neighbours = nearest_chunks(rag.lm, rag.index, rag.prefix.length, 2, record.key, len(ids),
+                                    rag.embedder.encode([record.text])[0])
+        assert len(neighbours) == 2
+        # what the build stored: the chunk prefilled after its neighbours' plain caches, placed
+        placed = [(n.ids, rag.kvstore.load(lead_key(n.key))) for n in neighbours]
+        expected = chunk_cache_after(rag.lm, placed_prefix(rag.lm, rag.prefix, placed), ids)
+        stored = rag.kvstore.load(record.key)
+        assert all((a - b).abs().max().item() <= 1e-4 for a, b in zip(stored, expected))
+        prefilled = cache_after_neighbours(rag.lm, rag.prefix, rag.kvstore, neighbours, ids, "prefill")
+        plain = next(chunk_caches(rag.lm, rag.prefix, [ids]))[1]
+        # nearer to the caches computed after the neighbours' tokens than to the plain one
+        assert (stored[1] - prefilled[1]).norm() < (plain[1] - prefilled[1]).norm()
+    # a neighbour's plain cache gone: computed again, stored again, and the chunk's cache unchanged
+    record = rag.index.records()[0]
+    ids = chunk_token_ids(rag.lm.tokenizer, record.text)
+    neighbours = nearest_chunks(rag.lm, rag.index, rag.prefix.length, 2, record.key, len(ids),
+                                rag.embedder.encode([record.text])[0])
+    rag.kvstore.store._path(lead_key(neighbours[0].key)).unlink()
+    again = cache_after_neighbours(rag.lm, rag.prefix, rag.kvstore, neighbours, ids)
+    assert rag.kvstore.is_valid(lead_key(neighbours[0].key))
+    assert all((a - b).abs().max().item() <= 1e-4 for a, b in zip(again, rag.kvstore.load(record.key)))
+    with pytest.raises(ValueError, match="neighbour_kv must be one of"):
+        cache_after_neighbours(rag.lm, rag.prefix, rag.kvstore, neighbours, ids, "exact")
+    rag.close()
+    with pytest.raises(IndexMismatchError, match="as 'stored', not 'prefill'"):
+        KVRag.build(DOCS[:1], path, model=str(tiny_model_dir), neighbour_kv="prefill", show_progress=False)
+    with pytest.raises(ValueError, match="neighbour_kv must be one of"):
+        KVRag.build(DOCS, tmp_path / "new", model=str(tiny_model_dir), neighbour_context=1, neighbour_kv="x",
+                    show_progress=False)

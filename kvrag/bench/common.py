@@ -1,8 +1,9 @@
 """Helpers shared by the benchmarks: mode specs, hardware/version stamps, output files, plots.
 
 A mode spec is ``full``, ``prefix``, ``reuse``, ``cacheblend@RATIO``, ``probe@RATIO`` or
-``attnlink@K`` (leading tokens recomputed per chunk); `parse_modes` turns a comma list into
-labelled `FuseConfig`s. Nothing here imports torch at module level, so mounting ``kvrag bench``
+``attnlink@K`` (leading tokens recomputed per chunk), and in the quality benchmark also
+``oracle@RATIO`` (the tokens whose stored K/V deviate most from a full prefill); `parse_modes` turns
+a comma list into labelled `FuseConfig`s. Nothing here imports torch at module level, so mounting ``kvrag bench``
 stays cheap.
 """
 
@@ -31,6 +32,7 @@ class ModeSpec:
 
     label: str
     config: FuseConfig
+    oracle: bool = False  # recompute the stale tokens a full prefill shows deviate most (quality bench only)
 
 
 def parse_mode(text: str) -> ModeSpec:
@@ -40,6 +42,8 @@ def parse_mode(text: str) -> ModeSpec:
     """
     spec, _, option = text.strip().partition("/")
     name, _, arg = spec.partition("@")
+    if name == "oracle" and not option:
+        return ModeSpec(text.strip(), FuseConfig(mode="reuse", ratio=float(arg or 0.15)), oracle=True)
     if option:
         if name == "cacheblend":
             return ModeSpec(text.strip(), FuseConfig(mode=name, ratio=float(arg or 0.15), score=option))
@@ -57,9 +61,13 @@ def parse_mode(text: str) -> ModeSpec:
     raise ValueError(f"mode {name!r} takes no @value, got {text!r}")
 
 
-def parse_modes(text: str) -> list[ModeSpec]:
-    """Parse a comma list of mode specs; ``full`` is always included (first): every ratio needs it."""
+def parse_modes(text: str, oracle: bool = False) -> list[ModeSpec]:
+    """Parse a comma list of mode specs; ``full`` is always included (first): every ratio needs it.
+    ``oracle@R`` is accepted only with ``oracle`` (the quality benchmark, which can compute it).
+    """
     specs = [parse_mode(t) for t in text.split(",") if t.strip()]
+    if not oracle and any(s.oracle for s in specs):
+        raise ValueError("oracle@R needs a full prefill of real passages; only `kvrag bench quality` runs it")
     labels = [s.label for s in specs]
     if len(set(labels)) != len(labels):
         raise ValueError(f"--modes lists a mode twice: {text!r}")

@@ -37,7 +37,7 @@ from kvrag.bench import common
 from kvrag.bench.quality import build_index, load_questions, passage_keys, passage_text
 
 if TYPE_CHECKING:
-    from kvrag.kvgen import PrefixCache
+    from kvrag.kvgen import KV, PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +103,10 @@ class Tally:
         return k, v
 
 
-def measure_question(rag: Any, item: dict[str, Any], stored: Tally, neutral: Tally | None,
-                     neutral_prefix: PrefixCache | None) -> dict[str, Any]:
-    """Compare one question's stored chunk caches (and those computed after ``neutral_prefix``) with
-    the caches a full prefill of its prompt gives the same tokens.
+def stored_and_full(rag: Any, item: dict[str, Any]) -> tuple[list[list[int]], list[tuple[KV, KV]]]:
+    """An item's passages' token ids, and for each passage after the first its stored cache paired
+    with the K/V that a full prefill of the fused prompt gives the same tokens: ``(full, stored)``,
+    float32 pre-RoPE ``[L, H, n, D]`` each.
     """
     from kvrag.kvgen import chunk_caches
     from kvrag.prompt import chunk_token_ids
@@ -117,27 +117,41 @@ def measure_question(rag: Any, item: dict[str, Any], stored: Tally, neutral: Tal
     # The whole chunk run prefilled after the prefix is the full prompt's prefill up to the question,
     # which the chunk tokens never attend to.
     _, (full_k, full_v) = next(chunk_caches(lm, rag.prefix, [sum(chunk_ids, [])]))
-    first = len(chunk_ids[0])
-    full_k, full_v = full_k[:, :, first:].float(), full_v[:, :, first:].float()
-    others = {} if neutral_prefix is None else dict(chunk_caches(lm, neutral_prefix, chunk_ids[1:]))
-    dk_parts, dv_parts, nk_parts, nv_parts, offsets = [], [], [], [], []
-    pos = 0
-    for j, (chunk, cids) in enumerate(zip(chunks[1:], chunk_ids[1:])):
+    pairs, pos = [], len(chunk_ids[0])
+    for chunk, cids in zip(chunks[1:], chunk_ids[1:]):
         n = len(cids)
-        ref = (full_k[:, :, pos : pos + n], full_v[:, :, pos : pos + n])
         keys, values = rag.load_chunk(chunk)
-        dk, dv, nk, nv = stored.add(ref, (keys.float().to(full_k.device), values.float().to(full_k.device)))
-        dk_parts.append(dk)
-        dv_parts.append(dv)
-        nk_parts.append(nk)
-        nv_parts.append(nv)
-        offsets.append(torch.arange(n))
+        ref = (full_k[:, :, pos : pos + n].float(), full_v[:, :, pos : pos + n].float())
+        pairs.append((ref, (keys.float().to(full_k.device), values.float().to(full_k.device))))
+        pos += n
+    return chunk_ids, pairs
+
+
+def relative_deviation(dk: torch.Tensor, dv: torch.Tensor, nk: torch.Tensor, nv: torch.Tensor) -> torch.Tensor:
+    """Per layer and token ``[L, n]``: squared K error over the layer's mean squared key norm, plus
+    the same for V (the inputs are `Tally.add`'s outputs, chunks side by side).
+    """
+    return (dk / nk.mean(1, keepdim=True).clamp_min(1e-30) + dv / nv.mean(1, keepdim=True).clamp_min(1e-30)).cpu()
+
+
+def measure_question(rag: Any, item: dict[str, Any], stored: Tally, neutral: Tally | None,
+                     neutral_prefix: PrefixCache | None) -> dict[str, Any]:
+    """Compare one question's stored chunk caches (and those computed after ``neutral_prefix``) with
+    the caches a full prefill of its prompt gives the same tokens.
+    """
+    from kvrag.kvgen import chunk_caches
+
+    chunk_ids, pairs = stored_and_full(rag, item)
+    others = {} if neutral_prefix is None else dict(chunk_caches(rag.lm, neutral_prefix, chunk_ids[1:]))
+    parts: list[list[torch.Tensor]] = [[], [], [], []]  # dk, dv, nk, nv
+    offsets = []
+    for j, (ref, got) in enumerate(pairs):
+        for part, t in zip(parts, stored.add(ref, got)):
+            part.append(t)
+        offsets.append(torch.arange(ref[0].shape[2]))
         if neutral is not None:
             neutral.add(ref, (others[j][0].float(), others[j][1].float()))
-        pos += n
-    nk_all, nv_all = torch.cat(nk_parts, 1), torch.cat(nv_parts, 1)
-    dev = (torch.cat(dk_parts, 1) / nk_all.mean(1, keepdim=True).clamp_min(1e-30)
-           + torch.cat(dv_parts, 1) / nv_all.mean(1, keepdim=True).clamp_min(1e-30)).cpu()  # [L, n]
+    dev = relative_deviation(*(torch.cat(part, 1) for part in parts))  # [L, n]
     total = dev.sum(0)
     offset = torch.cat(offsets).clamp_max(OFFSET_BLOCK * OFFSET_BUCKETS - 1) // OFFSET_BLOCK
     bucket_sum = torch.zeros(OFFSET_BUCKETS).index_add_(0, offset, total)
@@ -150,6 +164,21 @@ def measure_question(rag: Any, item: dict[str, Any], stored: Tally, neutral: Tal
         "offset_sum": bucket_sum.tolist(),
         "offset_n": bucket_n.tolist(),
     }
+
+
+def oracle_positions(rag: Any, item: dict[str, Any], ratio: float) -> torch.Tensor:
+    """Fused-prompt positions of the ``ratio`` of an item's chunk tokens (as `probe` counts them)
+    whose stored K/V deviate most from a full prefill, summed over layers: the selection an exact
+    KV-deviation (HKVD) check would make, for measuring how far such a selector could go.
+    """
+    chunk_ids, pairs = stored_and_full(rag, item)
+    if not pairs:
+        return torch.zeros(0, dtype=torch.long)
+    tally = Tally(rag.lm.spec.n_layers)
+    parts = list(zip(*(tally.add(ref, got) for ref, got in pairs)))
+    total = relative_deviation(*(torch.cat(part, 1) for part in parts)).sum(0)
+    keep = min(math.ceil(ratio * sum(map(len, chunk_ids)) - 1e-9), int(total.numel()))
+    return total.topk(keep).indices + rag.prefix.length + len(chunk_ids[0])
 
 
 def _neutral_prefix(rag: Any, items: list[dict[str, Any]], count: int) -> tuple[PrefixCache, int]:

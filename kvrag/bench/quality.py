@@ -33,7 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help="HF id/folder, .gguf file, or 'smollm2'")
     parser.add_argument("--n", type=int, default=20, help="questions (the first N of the file)")
     parser.add_argument(
-        "--modes", default=DEFAULT_MODES, help="comma list: full, prefix, reuse, cacheblend@R, probe@R, attnlink@K"
+        "--modes", default=DEFAULT_MODES,
+        help="comma list: full, prefix, reuse, cacheblend@R, probe@R, attnlink@K, oracle@R (recompute the R of the "
+             "tokens whose stored K/V deviate most from a full prefill: the bound of a KV-deviation selector; its "
+             "TTFT leaves out that prefill)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--max-chunk-tokens", type=int, default=2048, help="passages longer than this are split")
@@ -41,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--neighbour-context", type=int, default=None, metavar="N",
                         help="build the caches after each passage's N nearest passages (KVRag.build "
                              "neighbour_context; default 0, an existing --index keeps its own)")
+    parser.add_argument("--neighbour-kv", default=None, choices=["stored", "prefill"],
+                        help="how the neighbours are put before a chunk (KVRag.build neighbour_kv)")
     parser.add_argument("--index", default=None, help="index directory (default: a temporary one)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
     parser.add_argument("--device", default=None)
@@ -96,6 +101,12 @@ def answer_row(
 ) -> dict[str, Any]:
     """One mode's answer; with ``score_ids`` (``full``'s answer) also their NLL under the same fusion."""
     cfg = spec.config
+    selector = None
+    if spec.oracle:  # chosen from a full prefill, outside the answer's timing
+        from kvrag.bench.deviation import oracle_positions
+        from kvrag.fuse import FixedSelector
+
+        selector = FixedSelector(oracle_positions(rag, item, cfg.ratio))
     ans = rag.answer(
         item["question"],
         chunks=keys,
@@ -104,6 +115,7 @@ def answer_row(
         fuse_config=cfg,
         max_new_tokens=max_new_tokens,
         score_ids=score_ids,
+        selector=selector,
     )
     if score_ids is None:  # full's own answer: greedy decoding already saw each token's probability
         nll = -sum(ans.token_logprobs) / len(ans.token_logprobs) if ans.token_logprobs else math.nan
@@ -241,7 +253,7 @@ def pareto_plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def build_index(args: argparse.Namespace, items: list[dict[str, Any]], index_dir: Path,
-                neighbour_context: int | None = None) -> tuple[Any, float]:
+                neighbour_context: int | None = None, neighbour_kv: str | None = None) -> tuple[Any, float]:
     from kvrag.config import SplitConfig
     from kvrag.rag import KVRag
 
@@ -254,6 +266,7 @@ def build_index(args: argparse.Namespace, items: list[dict[str, Any]], index_dir
         split=split,
         device=args.device,
         neighbour_context=neighbour_context,
+        neighbour_kv=neighbour_kv,
         show_progress=False,
     )
     return rag, time.perf_counter() - t0
@@ -281,7 +294,8 @@ def write_outputs(args: argparse.Namespace, items: list[dict[str, Any]], specs: 
     table = summary_markdown(summary)
     partial = "" if done == len(items) else f" (partial: {done} of {len(items)} questions so far)"
     context = extra.get("neighbour_context") or 0
-    caches = (f"; chunk caches computed after each passage's {context} nearest passages" if context
+    placed = " (their stored caches placed)" if extra.get("neighbour_kv") == "stored" else ""
+    caches = (f"; chunk caches computed after each passage's {context} nearest passages{placed}" if context
               else "; chunk caches computed after the prompt prefix")
     (out / "quality.md").write_text(
         f"# kvrag bench quality\n\n`{payload['command']}`\n\n{done} questions from "
@@ -297,15 +311,16 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     common.set_threads(args.threads)
-    specs = common.parse_modes(args.modes)
+    specs = common.parse_modes(args.modes, oracle=True)
     items = load_questions(Path(args.data), args.n)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvrag-bench-") as tmp:
         rag, build_s = build_index(args, items, Path(args.index) if args.index else Path(tmp) / "index",
-                                   args.neighbour_context)
+                                   args.neighbour_context, args.neighbour_kv)
         extra = {"index_chunks": len(rag.index), "index_build_s": build_s,
-                 "neighbour_context": rag.neighbour_context}
+                 "neighbour_context": rag.neighbour_context,
+                 "neighbour_kv": rag.neighbour_kv if rag.neighbour_context else None}
         with rag:
             for item in items[: args.warmup]:
                 run_question(rag, item, specs, 0, args.max_new_tokens)

@@ -141,12 +141,11 @@ def nearest_chunks(
     return chosen
 
 
-def neighbour_context_ids(
-    lm: LoadedModel, index: ChunkIndex, prefix_len: int, count: int, key: str, n_tokens: int, vector: np.ndarray,
-) -> list[int]:
-    """The token ids put before a chunk when its cache is computed with neighbour context (`nearest_chunks`)."""
-    chosen = nearest_chunks(lm, index, prefix_len, count, key, n_tokens, vector)
-    return [t for n in chosen for t in n.ids[n.start:]]
+def check_neighbour_kv(how: str) -> str:
+    """``how`` if it names a way to put the neighbours before a chunk (`NEIGHBOUR_KV`), else ValueError."""
+    if how not in NEIGHBOUR_KV:
+        raise ValueError(f"neighbour_kv must be one of {NEIGHBOUR_KV}, got {how!r}")
+    return how
 
 
 def cache_after_neighbours(lm: LoadedModel, prefix: PrefixCache, kvstore: KVStore, neighbours: Sequence[Neighbour],
@@ -158,11 +157,9 @@ def cache_after_neighbours(lm: LoadedModel, prefix: PrefixCache, kvstore: KVStor
     cache costs. ``"prefill"`` prefills the neighbours' tokens together with the chunk: exact for that
     context, but each chunk then costs its neighbours' tokens too (about ``count + 1`` times as much).
     """
-    if how == "prefill":
+    if check_neighbour_kv(how) == "prefill":
         context = [t for n in neighbours for t in n.ids[n.start:]]
         return next(chunk_caches_after(lm, prefix, [(context, ids)]))[1]
-    if how != "stored":
-        raise ValueError(f"neighbour_kv must be one of {NEIGHBOUR_KV}, got {how!r}")
     placed = []
     for n in neighbours:
         try:
@@ -189,11 +186,9 @@ class Builder:
         prefix: PrefixCache, codec_state_dir: Path, batch_tokens: int = 4096, context_chunks: int = 0,
         neighbour_kv: str = "stored",
     ) -> None:
-        if neighbour_kv not in NEIGHBOUR_KV:
-            raise ValueError(f"neighbour_kv must be one of {NEIGHBOUR_KV}, got {neighbour_kv!r}")
         self.lm, self.index, self.kvstore, self.embedder = lm, index, kvstore, embedder
         self.prefix, self.codec_state_dir, self.batch_tokens = prefix, codec_state_dir, batch_tokens
-        self.context_chunks, self.neighbour_kv = context_chunks, neighbour_kv
+        self.context_chunks, self.neighbour_kv = context_chunks, check_neighbour_kv(neighbour_kv)
 
     @property
     def codec_ready(self) -> bool:

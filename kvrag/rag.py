@@ -19,7 +19,14 @@ from typing import Any
 import torch
 
 from kvrag import hf_compat
-from kvrag.build import NEIGHBOUR_KV, Builder, BuildStats, cache_after_neighbours, nearest_chunks, split_documents
+from kvrag.build import (
+    Builder,
+    BuildStats,
+    cache_after_neighbours,
+    check_neighbour_kv,
+    nearest_chunks,
+    split_documents,
+)
 from kvrag.codec.base import Codec, make_codec
 from kvrag.config import FuseConfig, GenerateConfig, SplitConfig
 from kvrag.documents import Document, Loaded, load_documents
@@ -162,10 +169,9 @@ class KVRag:
         else:
             if neighbour_context is not None and neighbour_context < 0:
                 raise ValueError(f"neighbour_context must be >= 0, got {neighbour_context}")
-            if neighbour_kv is not None and neighbour_kv not in NEIGHBOUR_KV:
-                raise ValueError(f"neighbour_kv must be one of {NEIGHBOUR_KV}, got {neighbour_kv!r}")
             rag = cls._create(path, model, embedder, split or SplitConfig(), codec, codec_level, index_kind, dtype,
-                              device, batch_tokens, instruction, neighbour_context or 0, neighbour_kv or "stored")
+                              device, batch_tokens, instruction, neighbour_context or 0,
+                              check_neighbour_kv(neighbour_kv or "stored"))
         rag.add(loaded, show_progress=show_progress)
         return rag
 

@@ -13,7 +13,7 @@ from test_fuse import _reference_logits
 from test_rag import DOCS, SPLIT
 
 from kvrag import FuseConfig, KVRag, hf_compat
-from kvrag.build import cache_after_neighbours, nearest_chunks, neighbour_context_ids
+from kvrag.build import cache_after_neighbours, nearest_chunks
 from kvrag.errors import IndexMismatchError
 from kvrag.fuse import FusionInput, fuse, segments
 from kvrag.kvgen import chunk_cache_after, chunk_caches, chunk_caches_after, lead_key, placed_prefix, prefix_cache
@@ -122,8 +122,9 @@ def _expected_cache(rag: KVRag, key: str):
     """The cache of ``key`` computed from scratch after its two nearest chunks in the built index."""
     record = rag.index.get(key)
     ids = chunk_token_ids(rag.lm.tokenizer, record.text)
-    context = neighbour_context_ids(rag.lm, rag.index, rag.prefix.length, 2, key, len(ids),
-                                    rag.embedder.encode([record.text])[0])
+    neighbours = nearest_chunks(rag.lm, rag.index, rag.prefix.length, 2, key, len(ids),
+                                rag.embedder.encode([record.text])[0])
+    context = [t for n in neighbours for t in n.ids[n.start:]]
     return context, next(chunk_caches_after(rag.lm, rag.prefix, [(context, ids)]))[1]
 
 

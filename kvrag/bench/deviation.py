@@ -127,10 +127,12 @@ def stored_and_full(rag: Any, item: dict[str, Any]) -> tuple[list[list[int]], li
     return chunk_ids, pairs
 
 
-def relative_deviation(dk: torch.Tensor, dv: torch.Tensor, nk: torch.Tensor, nv: torch.Tensor) -> torch.Tensor:
-    """Per layer and token ``[L, n]``: squared K error over the layer's mean squared key norm, plus
-    the same for V (the inputs are `Tally.add`'s outputs, chunks side by side).
+def token_deviation(pairs: list[tuple[KV, KV]], tally: Tally) -> torch.Tensor:
+    """Add each ``(full, stored)`` pair of `stored_and_full` to ``tally``; per layer and token of the
+    pairs side by side ``[L, n]``: the squared K error over the layer's mean squared key norm, plus the
+    same for V.
     """
+    dk, dv, nk, nv = (torch.cat(part, 1) for part in zip(*(tally.add(ref, got) for ref, got in pairs)))
     return (dk / nk.mean(1, keepdim=True).clamp_min(1e-30) + dv / nv.mean(1, keepdim=True).clamp_min(1e-30)).cpu()
 
 
@@ -142,17 +144,13 @@ def measure_question(rag: Any, item: dict[str, Any], stored: Tally, neutral: Tal
     from kvrag.kvgen import chunk_caches
 
     chunk_ids, pairs = stored_and_full(rag, item)
-    others = {} if neutral_prefix is None else dict(chunk_caches(rag.lm, neutral_prefix, chunk_ids[1:]))
-    parts: list[list[torch.Tensor]] = [[], [], [], []]  # dk, dv, nk, nv
-    offsets = []
-    for j, (ref, got) in enumerate(pairs):
-        for part, t in zip(parts, stored.add(ref, got)):
-            part.append(t)
-        offsets.append(torch.arange(ref[0].shape[2]))
-        if neutral is not None:
+    dev = token_deviation(pairs, stored)  # [L, n]
+    if neutral is not None and neutral_prefix is not None:
+        others = dict(chunk_caches(rag.lm, neutral_prefix, chunk_ids[1:]))
+        for j, (ref, _) in enumerate(pairs):
             neutral.add(ref, (others[j][0].float(), others[j][1].float()))
-    dev = relative_deviation(*(torch.cat(part, 1) for part in parts))  # [L, n]
     total = dev.sum(0)
+    offsets = [torch.arange(ref[0].shape[2]) for ref, _ in pairs]
     offset = torch.cat(offsets).clamp_max(OFFSET_BLOCK * OFFSET_BUCKETS - 1) // OFFSET_BLOCK
     bucket_sum = torch.zeros(OFFSET_BUCKETS).index_add_(0, offset, total)
     bucket_n = torch.zeros(OFFSET_BUCKETS).index_add_(0, offset, torch.ones_like(total))
@@ -174,9 +172,7 @@ def oracle_positions(rag: Any, item: dict[str, Any], ratio: float) -> torch.Tens
     chunk_ids, pairs = stored_and_full(rag, item)
     if not pairs:
         return torch.zeros(0, dtype=torch.long)
-    tally = Tally(rag.lm.spec.n_layers)
-    parts = list(zip(*(tally.add(ref, got) for ref, got in pairs)))
-    total = relative_deviation(*(torch.cat(part, 1) for part in parts)).sum(0)
+    total = token_deviation(pairs, Tally(rag.lm.spec.n_layers)).sum(0)
     keep = min(math.ceil(ratio * sum(map(len, chunk_ids)) - 1e-9), int(total.numel()))
     return total.topk(keep).indices + rag.prefix.length + len(chunk_ids[0])
 

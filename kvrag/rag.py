@@ -381,7 +381,7 @@ class KVRag:
         yield from stream_into(answer, self.lm, fused.cache, fused.logits, fused.n_tokens, gcfg, t0)
         if score_ids:
             hf_compat.crop_cache(fused.cache, fused.n_tokens)  # back to the fused prompt alone
-            answer.score_nll = self._teacher_nll(fused, score_ids)
+            answer.score_nll = _mean_nll(self._teacher_logprobs(fused, score_ids), score_ids)
 
     def answer(self, question: str, k: int = 4, mode: str = "cacheblend", ratio: float = 0.15, *,
                chunks: Sequence[str | RetrievedChunk] | None = None, max_new_tokens: int = 64,
@@ -423,14 +423,26 @@ class KVRag:
     def nll(self, question: str, target_ids: Sequence[int], chunks: Sequence[str | RetrievedChunk],
             mode: str = "full", ratio: float = 0.15, fuse_config: FuseConfig | None = None) -> float:
         """Mean teacher-forced negative log-likelihood of ``target_ids`` after the fused prompt."""
+        logprobs = self.teacher_logprobs(question, target_ids, chunks, mode, ratio, fuse_config)
+        return _mean_nll(logprobs, target_ids)
+
+    def teacher_logprobs(self, question: str, target_ids: Sequence[int], chunks: Sequence[str | RetrievedChunk],
+                         mode: str = "full", ratio: float = 0.15, fuse_config: FuseConfig | None = None
+                         ) -> torch.Tensor:
+        """Log-probabilities over the vocabulary at each step of ``target_ids`` fed after the fused
+        prompt: ``[len(target_ids), vocab]`` float32, row ``i`` predicting ``target_ids[i]``.
+
+        E.g. where a mode's greedy answer departs from ``full``'s, the two models' margins between the
+        tokens they chose.
+        """
         if not target_ids:
             raise ValueError("target_ids is empty")
         fcfg = fuse_config or FuseConfig(mode=mode, ratio=ratio)
         _, _, fused, _ = self._prepare(question, len(chunks), chunks, fcfg)
-        return self._teacher_nll(fused, target_ids)
+        return self._teacher_logprobs(fused, target_ids)
 
-    def _teacher_nll(self, fused: FusionResult, target_ids: Sequence[int]) -> float:
-        """Mean NLL of ``target_ids`` fed after the fused prompt (the cache must hold just the prompt)."""
+    def _teacher_logprobs(self, fused: FusionResult, target_ids: Sequence[int]) -> torch.Tensor:
+        """Log-softmax rows for ``target_ids`` fed after the fused prompt (the cache must hold just the prompt)."""
         device = fused.logits.device
         target = torch.tensor(list(target_ids), device=device)
         logits = [fused.logits[None]]
@@ -440,8 +452,7 @@ class KVRag:
                 out = self.lm.model(input_ids=target[None, :-1], position_ids=pos[None],
                                     past_key_values=fused.cache, use_cache=True)
             logits.append(out.logits[0].float())
-        logprobs = torch.log_softmax(torch.cat(logits), dim=-1)
-        return float(-logprobs.gather(1, target[:, None]).mean())
+        return torch.log_softmax(torch.cat(logits), dim=-1)
 
     def close(self) -> None:
         self.index.close()
@@ -475,6 +486,12 @@ def stream_into(answer: Answer, lm: LoadedModel, cache: Any, logits: torch.Tenso
         yield tail
     answer.text = streamer.emitted.strip()
     answer.timings["total_s"] = time.perf_counter() - t0
+
+
+def _mean_nll(logprobs: torch.Tensor, target_ids: Sequence[int]) -> float:
+    """Mean negative log-probability of ``target_ids`` under `KVRag.teacher_logprobs` rows."""
+    target = torch.tensor(list(target_ids), device=logprobs.device)
+    return float(-logprobs.gather(1, target[:, None]).mean())
 
 
 def _check_question(question: str) -> None:

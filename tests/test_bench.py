@@ -33,10 +33,19 @@ def test_parse_modes() -> None:
         parse_modes("full,blend@0.1")
     with pytest.raises(ValueError, match="takes no"):
         parse_modes("reuse@3")
-    oracle = parse_modes("oracle@0.2", oracle=True)[1]
+    oracle = parse_modes("oracle@0.2", quality=True)[1]
     assert oracle.oracle and oracle.config.mode == "reuse" and oracle.config.ratio == 0.2
     with pytest.raises(ValueError, match="only `kvrag bench quality`"):
         parse_modes("full,oracle@0.2")
+    # full@DTYPE is a second full prefill, never the reference; the plain full still comes first
+    specs = parse_modes("full@bfloat16,reuse,full", quality=True)
+    assert [s.label for s in specs] == ["full", "full@bfloat16", "reuse"]
+    assert specs[0].reference and specs[0].dtype is None
+    assert not specs[1].reference and specs[1].dtype == "bfloat16" and specs[1].config.mode == "full"
+    with pytest.raises(ValueError, match="only `kvrag bench quality`"):
+        parse_modes("full@bfloat16")
+    with pytest.raises(ValueError, match="full@DTYPE takes one of"):
+        parse_modes("full@int8", quality=True)
 
 
 def _speed(out: Path, device: str, tiers: str = "disk,ram") -> dict:
@@ -148,7 +157,7 @@ def test_bench_quality_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
             "--n",
             "3",
             "--modes",
-            "full,reuse,cacheblend@0.15,probe@0.15,attnlink@4,oracle@0.5",
+            "full,reuse,cacheblend@0.15,probe@0.15,attnlink@4,oracle@0.5,full@float32,full@bfloat16",
             "--max-new-tokens",
             "3",
             "--device",
@@ -163,9 +172,17 @@ def test_bench_quality_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert payload["index_chunks"] == 5  # shared passages stored once
     assert payload["neighbour_context"] == 0
     assert "partial" not in (out / "quality.md").read_text()
-    assert len(payload["rows"]) == 18
+    assert len(payload["rows"]) == 24
     summary = {s["mode"]: s for s in payload["summary"]}
-    assert list(summary) == ["full", "reuse", "cacheblend@0.15", "probe@0.15", "attnlink@4", "oracle@0.5"]
+    assert list(summary) == ["full", "reuse", "cacheblend@0.15", "probe@0.15", "attnlink@4", "oracle@0.5",
+                             "full@float32", "full@bfloat16"]
+    # the model loaded again in its own dtype answers exactly as full does; bfloat16 is a real second model
+    rows = {(r["id"], r["mode"]): r for r in payload["rows"]}
+    for qid in {r["id"] for r in payload["rows"]}:
+        assert rows[qid, "full@float32"]["token_ids"] == rows[qid, "full"]["token_ids"]
+        assert rows[qid, "full@float32"]["delta_nll"] == pytest.approx(0.0, abs=1e-6)
+        assert rows[qid, "full@bfloat16"]["delta_nll"] != 0.0
+    assert summary["full@float32"]["recompute_fraction"] == summary["full@bfloat16"]["recompute_fraction"] == 1.0
     # the oracle recomputes half the chunk tokens (from the second passage on) over the stored caches
     assert summary["reuse"]["recompute_fraction"] < summary["oracle@0.5"]["recompute_fraction"] < 1.0
     full = summary["full"]
@@ -273,3 +290,36 @@ def test_oracle_picks_the_tokens_whose_stored_cache_deviates_most(tmp_path: Path
         picked = sorted(oracle_positions(rag, items[0], ratio).tolist())
     second = rag.prefix.length + lens[0]
     assert picked == [second + 1, second + 4, second + lens[1]]
+
+
+def test_departures_script_on_a_tiny_run(tmp_path: Path, tiny_model_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    from kvrag.bench.metrics import departure
+
+    data, out, index = _qa_file(tmp_path / "q.jsonl"), tmp_path / "out", tmp_path / "idx"
+    rc = main(["bench", "quality", "--data", str(data), "--model", str(tiny_model_dir), "--n", "3", "--modes",
+               "full,reuse,attnlink@1", "--max-new-tokens", "6", "--warmup", "0", "--device", "cpu",
+               "--index", str(index), "--out", str(out)])
+    assert rc == 0
+    script = Path(__file__).resolve().parents[1] / "scripts" / "departures.py"
+    result, again = tmp_path / "departures.json", tmp_path / "again.json"
+    again.write_text((out / "quality.json").read_text())  # a second run with the same full answers
+    subprocess.run([sys.executable, str(script), "--quality", str(out / "quality.json"), str(again), "--index",
+                    str(index), "--threads", "1", "--out", str(result)], check=True, capture_output=True)
+    payload = json.loads(result.read_text())
+    run = json.loads((out / "quality.json").read_text())
+    full = {r["id"]: r["token_ids"] for r in run["rows"] if r["mode"] == "full"}
+    expected = {(r["id"], r["mode"]): departure(r["token_ids"], full[r["id"]])
+                for r in run["rows"] if r["mode"] != "full"}
+    for path in (out / "quality.json", again):
+        rows = [r for r in payload["rows"] if r["run"] == str(path)]
+        assert {(r["id"], r["mode"]): r["step"] for r in rows} == expected
+    margins = [r["margin"] for r in payload["rows"] if r["margin"] is not None]
+    assert margins  # the random model's stale caches do change some answers
+    assert min(margins) >= -1e-4  # full's greedy token is its own argmax: it never prefers the other one
+    first = {s["mode"]: s for s in payload["summary"] if s["run"] == str(out / "quality.json")}
+    assert list(first) == ["reuse", "attnlink@1"] and len(payload["summary"]) == 4
+    assert first["reuse"]["departures"] == sum(s is not None for (_, mode), s in expected.items() if mode == "reuse")
+    assert result.with_suffix(".md").read_text().count("\n|") >= 6

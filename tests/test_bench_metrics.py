@@ -54,6 +54,17 @@ def test_agreement_and_first_token() -> None:
     assert m.first_token_agreement([], []) == 1.0
 
 
+def test_departure_and_the_reference_margin_there() -> None:
+    assert m.departure([5, 6, 7], [5, 6, 7]) is None
+    assert m.departure([5, 9, 7], [5, 6, 7]) == 1
+    assert m.departure([5, 6], [5, 6, 7]) == 2 and m.departure([5, 6, 7, 8], [5, 6, 7]) == 3
+    assert m.departure([], [4]) == 0
+    logprobs = [[-0.1, -2.0, -3.0], [-1.2, -0.4, -1.9]]  # the reference chose 0, then 1
+    assert m.reference_margin(logprobs, [0, 2], [0, 1], 1) == pytest.approx(-0.4 + 1.9)
+    assert m.reference_margin(logprobs, [1], [0, 1], 0) == pytest.approx(1.9)
+    assert math.isnan(m.reference_margin(logprobs, [0], [0, 1], 1))  # the other answer had ended
+
+
 def test_summary_stats() -> None:
     s = m.summary([1, 2, 3, 4, 10])
     assert s["mean"] == pytest.approx(4.0) and s["p50"] == 3.0

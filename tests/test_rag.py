@@ -82,6 +82,12 @@ def test_scoring_during_an_answer_equals_nll_and_greedy_logprobs_score_the_answe
     assert all(lp <= 0 for lp in full.token_logprobs)
     own = rag.nll("Where is sediment?", full.token_ids, keys, mode="full")
     assert -sum(full.token_logprobs) / len(full.token_logprobs) == pytest.approx(own, abs=1e-4)
+    if mode == "full":  # teacher-forced, full's rows pick its greedy tokens with the log-probs decoding saw
+        rows = rag.teacher_logprobs("Where is sediment?", full.token_ids, keys, mode="full")
+        assert rows.shape == (len(full.token_ids), rag.lm.model.config.vocab_size)
+        assert rows.argmax(-1).tolist() == full.token_ids
+        picked = rows.gather(1, torch.tensor(full.token_ids)[:, None]).squeeze(1)
+        assert picked.tolist() == pytest.approx(full.token_logprobs, abs=1e-4)
     scored = rag.answer("Where is sediment?", chunks=keys, mode=mode, max_new_tokens=6, score_ids=full.token_ids)
     assert scored.score_nll == pytest.approx(rag.nll("Where is sediment?", full.token_ids, keys, mode=mode),
                                              abs=1e-4)

@@ -2,8 +2,9 @@
 
 A mode spec is ``full``, ``prefix``, ``reuse``, ``cacheblend@RATIO``, ``probe@RATIO`` or
 ``attnlink@K`` (leading tokens recomputed per chunk), and in the quality benchmark also
-``oracle@RATIO`` (the tokens whose stored K/V deviate most from a full prefill); `parse_modes` turns
-a comma list into labelled `FuseConfig`s. Nothing here imports torch at module level, so mounting ``kvrag bench``
+``oracle@RATIO`` (the tokens whose stored K/V deviate most from a full prefill) and ``full@DTYPE``
+(full prefill with the model loaded in another dtype); `parse_modes` turns a comma list into
+labelled `FuseConfig`s. Nothing here imports torch at module level, so mounting ``kvrag bench``
 stays cheap.
 """
 
@@ -33,12 +34,22 @@ class ModeSpec:
     label: str
     config: FuseConfig
     oracle: bool = False  # recompute the stale tokens a full prefill shows deviate most (quality bench only)
+    dtype: str | None = None  # full prefill with the model loaded in this dtype instead (quality bench only)
+
+    @property
+    def reference(self) -> bool:
+        """Whether this is the ``full`` every other mode is compared with."""
+        return self.config.mode == "full" and self.dtype is None
+
+
+PRECISIONS = ("bfloat16", "float16", "float32")
 
 
 def parse_mode(text: str) -> ModeSpec:
     """``cacheblend@0.15`` -> ratio 0.15 (``cacheblend@0.15/kv`` also picks the token score: ``kv``,
     ``attention`` or ``kv_attention``); ``probe@0.2`` -> ratio 0.2 (``probe@0.2/0.75`` also sets
-    ``probe_from``); ``attnlink@16`` -> 16 link tokens; bare names use defaults.
+    ``probe_from``); ``attnlink@16`` -> 16 link tokens; ``full@bfloat16`` -> full prefill with the
+    model in bfloat16 (how far precision alone moves the answer); bare names use defaults.
     """
     spec, _, option = text.strip().partition("/")
     name, _, arg = spec.partition("@")
@@ -50,6 +61,10 @@ def parse_mode(text: str) -> ModeSpec:
         if name == "probe":
             return ModeSpec(text.strip(), FuseConfig(mode=name, ratio=float(arg or 0.15), probe_from=float(option)))
         raise ValueError(f"only cacheblend (/score) and probe (/probe_from) take a /option, got {text!r}")
+    if name == "full" and arg and not option:
+        if arg not in PRECISIONS:
+            raise ValueError(f"full@DTYPE takes one of {PRECISIONS}, got {text!r}")
+        return ModeSpec(text.strip(), FuseConfig(mode="full"), dtype=arg)
     if name not in FUSE_MODES:
         raise ValueError(f"unknown mode {text!r}; expected one of {FUSE_MODES} (optionally NAME@VALUE)")
     if not arg:
@@ -61,18 +76,21 @@ def parse_mode(text: str) -> ModeSpec:
     raise ValueError(f"mode {name!r} takes no @value, got {text!r}")
 
 
-def parse_modes(text: str, oracle: bool = False) -> list[ModeSpec]:
+def parse_modes(text: str, quality: bool = False) -> list[ModeSpec]:
     """Parse a comma list of mode specs; ``full`` is always included (first): every ratio needs it.
-    ``oracle@R`` is accepted only with ``oracle`` (the quality benchmark, which can compute it).
+    ``oracle@R`` and ``full@DTYPE`` are accepted only with ``quality`` (the quality benchmark, which
+    runs them).
     """
     specs = [parse_mode(t) for t in text.split(",") if t.strip()]
-    if not oracle and any(s.oracle for s in specs):
+    if not quality and any(s.oracle for s in specs):
         raise ValueError("oracle@R needs a full prefill of real passages; only `kvrag bench quality` runs it")
+    if not quality and any(s.dtype for s in specs):
+        raise ValueError("full@DTYPE compares answers across precisions; only `kvrag bench quality` runs it")
     labels = [s.label for s in specs]
     if len(set(labels)) != len(labels):
         raise ValueError(f"--modes lists a mode twice: {text!r}")
-    full = [s for s in specs if s.config.mode == "full"] or [ModeSpec("full", FuseConfig(mode="full"))]
-    return full[:1] + [s for s in specs if s.config.mode != "full"]
+    full = [s for s in specs if s.reference] or [ModeSpec("full", FuseConfig(mode="full"))]
+    return full[:1] + [s for s in specs if not s.reference]
 
 
 def parse_ints(text: str, name: str) -> list[int]:

@@ -1,7 +1,8 @@
 """Answer-quality metrics: SQuAD token F1 / exact match, Rouge-L, agreement, summary stats.
 
-Pure Python, no model: every function takes strings (or numbers) and returns a float in [0, 1]
-(or a dict of floats). Normalisation follows the official SQuAD v1.1 script: lower-case, drop
+Pure Python, no model: the scores take strings (or numbers) and return a float in [0, 1] (or a dict
+of floats); `departure` and `reference_margin` locate where an answer leaves the reference's.
+Normalisation follows the official SQuAD v1.1 script: lower-case, drop
 punctuation, drop the articles ``a``/``an``/``the``, collapse whitespace.
 """
 
@@ -12,6 +13,7 @@ import re
 import string
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Any
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = frozenset(string.punctuation)
@@ -89,6 +91,29 @@ def first_token_agreement(token_ids: Sequence[int], reference_ids: Sequence[int]
     if not token_ids or not reference_ids:
         return float(not token_ids and not reference_ids)
     return float(token_ids[0] == reference_ids[0])
+
+
+def departure(token_ids: Sequence[int], reference_ids: Sequence[int]) -> int | None:
+    """Index of the first token where an answer departs from the reference answer; None when they
+    are the same. An answer that stops early (or runs on) departs where the shorter one ends.
+    """
+    for i, (a, b) in enumerate(zip(token_ids, reference_ids)):
+        if a != b:
+            return i
+    return None if len(token_ids) == len(reference_ids) else min(len(token_ids), len(reference_ids))
+
+
+def reference_margin(reference_logprobs: Any, token_ids: Sequence[int],
+                     reference_ids: Sequence[int], step: int) -> float:
+    """How much more the reference model preferred its own token than the other answer's at ``step``
+    (log-probabilities, nats): ``reference_logprobs[step]`` (a tensor or nested lists ``[T, vocab]``)
+    is its distribution there. Near zero, the reference itself nearly chose the other token. NaN where
+    one answer has already ended.
+    """
+    if step >= len(reference_ids) or step >= len(token_ids):
+        return math.nan
+    row = reference_logprobs[step]
+    return float(row[reference_ids[step]]) - float(row[token_ids[step]])
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--modes", default=DEFAULT_MODES,
         help="comma list: full, prefix, reuse, cacheblend@R, probe@R, attnlink@K, oracle@R (recompute the R of the "
              "tokens whose stored K/V deviate most from a full prefill: the bound of a KV-deviation selector; its "
-             "TTFT leaves out that prefill)",
+             "TTFT leaves out that prefill), full@DTYPE (full prefill with the model loaded in bfloat16/float16/"
+             "float32: how far precision alone moves the answer, the floor under every agreement and ΔNLL)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--max-chunk-tokens", type=int, default=2048, help="passages longer than this are split")
@@ -95,6 +96,24 @@ def passage_keys(rag: Any, item: dict[str, Any]) -> list[str]:
     return keys
 
 
+_TWINS: dict[tuple[int, str], Any] = {}
+
+
+def precision_twin(rag: Any, dtype: str) -> Any:
+    """A `KVRag` over the same index and prompt layout whose model is loaded in ``dtype``, for ``full``
+    answers only (it reads no chunk cache: those were computed by the index's own model). Loaded once.
+    """
+    from kvrag.model import load_model
+    from kvrag.rag import KVRag
+
+    key = (id(rag), dtype)
+    if key not in _TWINS:
+        lm = load_model(rag.lm.source, dtype=dtype, device=str(rag.lm.device))
+        _TWINS[key] = KVRag(rag.path, rag.index, lm, rag.embedder, rag.kvstore.codec,
+                            rag.manifest["prompt"]["instruction"], rag.batch_tokens)
+    return _TWINS[key]
+
+
 def answer_row(
     rag: Any, item: dict[str, Any], keys: list[str], spec: common.ModeSpec, max_new_tokens: int,
     score_ids: list[int] | None = None,
@@ -102,6 +121,8 @@ def answer_row(
     """One mode's answer; with ``score_ids`` (``full``'s answer) also their NLL under the same fusion."""
     cfg = spec.config
     selector = None
+    if spec.dtype:
+        rag = precision_twin(rag, spec.dtype)
     if spec.oracle:  # chosen from a full prefill, outside the answer's timing
         from kvrag.bench.deviation import oracle_positions
         from kvrag.fuse import FixedSelector
@@ -311,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     common.set_threads(args.threads)
-    specs = common.parse_modes(args.modes, oracle=True)
+    specs = common.parse_modes(args.modes, quality=True)
     items = load_questions(Path(args.data), args.n)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

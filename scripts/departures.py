@@ -10,7 +10,9 @@ near ``full`` itself was to choosing the other token there.
 near tie: ``full`` itself almost chose the mode's token, and any small change to the computation
 (bfloat16 instead of float32, for one) can flip it. The index must hold the runs' passages, built
 with the runs' model (``full`` reads no cache, so any such index does); the data file and the
-questions are read from each run's JSON.
+questions are read from each run's JSON. Each mode's mean |ΔNLL| (the run's ΔNLL per question,
+taken absolute so that questions scored better and worse than by ``full`` do not cancel) comes
+with it.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "median_step": statistics.median(r["step"] for r in gone) if gone else None,
             "median_margin": statistics.median(margins) if margins else None,
             **{f"margin_below_{t}": sum(m < t for m in margins) for t in THRESHOLDS},
+            "mean_abs_delta_nll": statistics.fmean(abs(r["delta_nll"]) for r in rs),
         })
     return out
 
@@ -79,17 +82,18 @@ def main() -> None:
                     margin = math.nan
                     if step is not None and key in full_logprobs:
                         margin = metrics.reference_margin(full_logprobs[key], modes[mode]["token_ids"], full, step)
-                    rows.append({"run": path, "id": qid, "mode": mode, "step": step, "margin": margin})
+                    rows.append({"run": path, "id": qid, "mode": mode, "step": step, "margin": margin,
+                                 "delta_nll": modes[mode].get("delta_nll", math.nan)})
                 print(path, qid, steps, flush=True)
     summary = summarise(rows)
     out, stamp = Path(args.out), common.stamp(args)
     common.write_json(out, {**stamp, "index": args.index, "summary": summary, "rows": rows})
     headers = ["run", "mode", "answers", "departures", "median step", "full's median margin (nats)",
-               *[f"margin < {t}" for t in THRESHOLDS]]
+               *[f"margin < {t}" for t in THRESHOLDS], "mean |ΔNLL|"]
     table = common.markdown_table(headers, [
         [s["run"], s["mode"], s["answers"], s["departures"], "–" if s["median_step"] is None else s["median_step"],
          math.nan if s["median_margin"] is None else s["median_margin"],
-         *[s[f"margin_below_{t}"] for t in THRESHOLDS]] for s in summary])
+         *[s[f"margin_below_{t}"] for t in THRESHOLDS], s["mean_abs_delta_nll"]] for s in summary])
     out.with_suffix(".md").write_text(f"`{stamp['command']}`\n\n{table}\n")
     print(table)
 

@@ -183,6 +183,9 @@ def test_bench_quality_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
         assert rows[qid, "full@float32"]["delta_nll"] == pytest.approx(0.0, abs=1e-6)
         assert rows[qid, "full@bfloat16"]["delta_nll"] != 0.0
     assert summary["full@float32"]["recompute_fraction"] == summary["full@bfloat16"]["recompute_fraction"] == 1.0
+    assert summary["full@float32"]["abs_delta_nll"] == pytest.approx(0.0, abs=1e-6)
+    assert summary["full@bfloat16"]["abs_delta_nll"] == pytest.approx(
+        sum(abs(rows[q, "full@bfloat16"]["delta_nll"]) for q in {r["id"] for r in payload["rows"]}) / 3)
     # the oracle recomputes half the chunk tokens (from the second passage on) over the stored caches
     assert summary["reuse"]["recompute_fraction"] < summary["oracle@0.5"]["recompute_fraction"] < 1.0
     full = summary["full"]

@@ -61,7 +61,7 @@ def parse_mode(text: str) -> ModeSpec:
         if name == "probe":
             return ModeSpec(text.strip(), FuseConfig(mode=name, ratio=float(arg or 0.15), probe_from=float(option)))
         raise ValueError(f"only cacheblend (/score) and probe (/probe_from) take a /option, got {text!r}")
-    if name == "full" and arg and not option:
+    if name == "full" and arg:
         if arg not in PRECISIONS:
             raise ValueError(f"full@DTYPE takes one of {PRECISIONS}, got {text!r}")
         return ModeSpec(text.strip(), FuseConfig(mode="full"), dtype=arg)

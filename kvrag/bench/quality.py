@@ -96,22 +96,16 @@ def passage_keys(rag: Any, item: dict[str, Any]) -> list[str]:
     return keys
 
 
-_TWINS: dict[tuple[int, str], Any] = {}
-
-
 def precision_twin(rag: Any, dtype: str) -> Any:
     """A `KVRag` over the same index and prompt layout whose model is loaded in ``dtype``, for ``full``
-    answers only (it reads no chunk cache: those were computed by the index's own model). Loaded once.
+    answers only (it reads no chunk cache: those were computed by the index's own model).
     """
     from kvrag.model import load_model
     from kvrag.rag import KVRag
 
-    key = (id(rag), dtype)
-    if key not in _TWINS:
-        lm = load_model(rag.lm.source, dtype=dtype, device=str(rag.lm.device))
-        _TWINS[key] = KVRag(rag.path, rag.index, lm, rag.embedder, rag.kvstore.codec,
-                            rag.manifest["prompt"]["instruction"], rag.batch_tokens)
-    return _TWINS[key]
+    lm = load_model(rag.lm.source, dtype=dtype, device=str(rag.lm.device))
+    return KVRag(rag.path, rag.index, lm, rag.embedder, rag.kvstore.codec, rag.manifest["prompt"]["instruction"],
+                 rag.batch_tokens)
 
 
 def answer_row(
@@ -121,8 +115,6 @@ def answer_row(
     """One mode's answer; with ``score_ids`` (``full``'s answer) also their NLL under the same fusion."""
     cfg = spec.config
     selector = None
-    if spec.dtype:
-        rag = precision_twin(rag, spec.dtype)
     if spec.oracle:  # chosen from a full prefill, outside the answer's timing
         from kvrag.bench.deviation import oracle_positions
         from kvrag.fuse import FixedSelector
@@ -159,20 +151,24 @@ def answer_row(
 
 
 def run_question(
-    rag: Any, item: dict[str, Any], specs: list[common.ModeSpec], turn: int, max_new_tokens: int
+    rag: Any, item: dict[str, Any], specs: list[common.ModeSpec], turn: int, max_new_tokens: int,
+    twins: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Answer with ``full`` first, then with every other mode (rotated per question), each fused once.
 
     Agreement, first-token agreement and ΔNLL compare each mode with ``full``'s answer; a mode's NLL
     of that answer is measured on the cache it answered from (`KVRag.answer` ``score_ids``).
+    ``twins`` maps a ``full@DTYPE`` mode's dtype to its `precision_twin`.
     """
+    twins = twins or {}
     keys = passage_keys(rag, item)
     full = answer_row(rag, item, keys, specs[0], max_new_tokens)
     others = specs[1:]
     order = others[turn % len(others) :] + others[: turn % len(others)] if others else []
     rows = {specs[0].label: full}
     for spec in order:
-        rows[spec.label] = answer_row(rag, item, keys, spec, max_new_tokens, full["token_ids"] or None)
+        rows[spec.label] = answer_row(twins.get(spec.dtype or "", rag), item, keys, spec, max_new_tokens,
+                                      full["token_ids"] or None)
     for spec in specs:
         row = rows[spec.label]
         row["agreement"] = metrics.agreement(row["answer"], full["answer"])
@@ -346,13 +342,14 @@ def run(args: argparse.Namespace) -> int:
         extra = {"index_chunks": len(rag.index), "index_build_s": build_s,
                  "neighbour_context": rag.neighbour_context,
                  "neighbour_kv": rag.neighbour_kv if rag.neighbour_context else None}
+        twins = {s.dtype: precision_twin(rag, s.dtype) for s in specs if s.dtype}  # each model loaded once
         with rag:
             for item in items[: args.warmup]:
-                run_question(rag, item, specs, 0, args.max_new_tokens)
+                run_question(rag, item, specs, 0, args.max_new_tokens, twins)
             rows: list[dict[str, Any]] = []
             table = ""
             for turn, item in enumerate(tqdm(items, desc="questions", unit="q", disable=None)):
-                rows += run_question(rag, item, specs, turn, args.max_new_tokens)
+                rows += run_question(rag, item, specs, turn, args.max_new_tokens, twins)
                 table = write_outputs(args, items, specs, rows, extra)  # partial results survive an interruption
                 log.info("question %d/%d done", turn + 1, len(items))
     print(table)

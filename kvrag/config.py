@@ -11,6 +11,7 @@ from typing import Literal
 SplitMode = Literal["semantic", "fixed", "document"]
 FuseMode = Literal["full", "prefix", "reuse", "cacheblend", "attnlink", "probe"]
 FUSE_MODES: tuple[str, ...] = ("full", "prefix", "reuse", "cacheblend", "attnlink", "probe")
+ATTENTION_KERNELS: tuple[str, ...] = ("auto", "blocks", "flex")
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,12 @@ class FuseConfig:
         probe_from: ``probe`` first runs the question alone over the stored caches, then recomputes
             the chunk tokens the question attends to most, summed over the layers from
             ``int(probe_from * n_layers)`` up (0 sums every layer), in [0, 1).
+        attention: how tokens selected at scattered positions attend to the cache: ``"blocks"``
+            (the decoder layer runs once per position-ordered block, each under a dense mask),
+            ``"flex"`` (one decoder call per layer, its attention FlexAttention under a block mask;
+            compiled on CUDA, an unfused reference elsewhere) or ``"auto"`` (the default: on CUDA,
+            where it compiles and runs, ``flex`` for selections attending to at least
+            ``kvrag.fuse.FLEX_MIN_KEYS`` keys; ``blocks`` otherwise). Both are exact.
     """
 
     mode: str = "cacheblend"
@@ -93,8 +100,11 @@ class FuseConfig:
     link_tokens: int = 16
     score: str = "kv_attention"
     probe_from: float = 0.33
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KERNELS:
+            raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
         if self.score not in ("kv", "attention", "kv_attention"):
             raise ValueError(f"score must be 'kv', 'attention' or 'kv_attention', got {self.score!r}")
         if self.mode not in FUSE_MODES:

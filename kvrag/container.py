@@ -17,13 +17,13 @@ import io
 import json
 import os
 import struct
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 
 import torch
 
+from kvrag.checksum import crc32
 from kvrag.codec.base import Codec
 from kvrag.errors import CorruptChunkError
 
@@ -49,7 +49,7 @@ def encode_chunk(
     blobs = [codec.encode_layer(keys[i], values[i], i) for i in range(keys.shape[0])]
     table, offset = [], 0
     for blob in blobs:
-        table.append([offset, len(blob), zlib.crc32(blob)])
+        table.append([offset, len(blob), crc32(blob)])
         offset += len(blob)
     header = {
         "key": key,
@@ -60,7 +60,7 @@ def encode_chunk(
         "layers": table,
     }
     head = json.dumps(header, sort_keys=True).encode()
-    return _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(head), zlib.crc32(head)) + head + b"".join(blobs)
+    return _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(head), crc32(head)) + head + b"".join(blobs)
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ def _parse_header(key: str, preamble: bytes, read: Any) -> ChunkHeader:
     if head_len > _MAX_HEADER:
         raise CorruptChunkError(key, f"header length {head_len} is implausible")
     head = read(head_len)
-    if len(head) != head_len or zlib.crc32(head) != head_crc:
+    if len(head) != head_len or crc32(head) != head_crc:
         raise CorruptChunkError(key, "header checksum mismatch")
     try:
         meta = json.loads(head)
@@ -156,6 +156,10 @@ class ChunkReader:
         """The codec this reader decodes with."""
         return self._codec
 
+    def fileno(self) -> int | None:
+        """The OS file descriptor of the open file (None for in-memory streams)."""
+        return _fileno(self._fh)
+
     def close(self) -> None:
         self._fh.close()
 
@@ -170,7 +174,7 @@ class ChunkReader:
         offset, length, _ = self.header.layers[layer]
         self._fh.seek(self.header.data_start + offset)
         blob = self._fh.read(length)
-        self._check(layer, len(blob), lambda: zlib.crc32(blob))
+        self._check(layer, len(blob), lambda: crc32(blob))
         return blob
 
     def _check(self, layer: int, size: int, crc: Callable[[], int]) -> None:
@@ -242,7 +246,7 @@ class ChunkReader:
         def crc() -> int:
             value = 0
             for piece in pieces:
-                value = zlib.crc32(piece, value)
+                value = crc32(piece, value)
             return value
 
         self._check(layer, filled, crc)

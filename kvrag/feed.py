@@ -6,14 +6,17 @@ side, ``[kv_heads, n, head_dim]`` with zeros for chunks that have no cache — o
 and prepares the next layers while the current one is recomputed:
 
 - `TensorFeed`: caches already in memory (``[L, H, n, D]`` per chunk), on the host (pinned or not)
-  or on the device. On CUDA, host caches are copied on a side stream ``depth`` layers ahead; on the
-  CPU a worker thread puts the chunks side by side ``depth`` layers ahead.
+  or on the device. On CUDA, host caches are copied on a side stream of the highest priority
+  ``depth`` layers ahead; on the CPU a worker thread puts the chunks side by side ``depth`` layers ahead.
 - `StoreFeed`: caches in a `KVStore`. A worker thread reads and checks ``depth`` layers ahead into
   a staging buffer (pinned on CUDA); file reads, checksums and the codecs' decoders release the GIL
   for their bulk work. Codecs that describe their blobs as planes (``raw``, ``int8``:
-  `Codec.planes`) are read still encoded, every chunk's rows scattered side by side by one
-  positioned read per chunk, and decoded for the whole region at once — on CUDA on the GPU, after
-  a side stream has copied the (smaller) encoded bytes there. Other codecs (``cachegen``) decode
+  `Codec.planes`) are read still encoded and decoded for the whole region at once
+  (`kvrag.staging`). On the CPU every chunk's rows are scattered side by side by one positioned
+  read per chunk. On CUDA each chunk's blob is read whole into its own slot — for files, all chunks
+  of a layer in a few batched calls that hold no GIL (`kvrag.extents`), so loading does not slow the
+  thread that launches fusion's kernels — then a side stream copies the (smaller) encoded bytes to
+  the GPU, which puts the planes side by side and decodes them. Other codecs (``cachegen``) decode
   on the host, chunk by chunk, into a buffer that the GPU then puts side by side.
 
 ``wait_s`` accumulates the time the fusion loop spent blocked on a layer that was not ready yet:
@@ -35,11 +38,14 @@ import torch
 
 from kvrag.errors import CorruptChunkError
 from kvrag.kvgen import KV
+from kvrag.staging import ExtentReads, PlaneLayout
 
 log = logging.getLogger(__name__)
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # [H, n, D] each: one layer of the whole chunk region
 DEFAULT_DEPTH = 2
+# where plane-coded layers are read whole per chunk and put side by side after the upload (`PlaneLayout`)
+PACKED_STAGING_DEVICES = {"cuda"}
 
 
 class ChunkFeed(ABC):
@@ -116,7 +122,7 @@ class _DeviceCopier:
     """Copies host layers to a CUDA device on a side stream, through a ring of pinned buffers."""
 
     def __init__(self, device: torch.device, shape: tuple[int, ...], dtype: torch.dtype, ring: int) -> None:
-        self.device, self.stream = device, torch.cuda.Stream(device)
+        self.device, self.stream = device, _copy_stream(device)
         self.host = [torch.empty(shape, dtype=dtype, pin_memory=True) for _ in range(ring)]
         self.events: list[torch.cuda.Event | None] = [None] * ring
 
@@ -132,6 +138,14 @@ class _DeviceCopier:
         dev, event = _on_stream(self.stream, lambda: host.to(self.device, non_blocking=True))
         self.events[i % len(self.host)] = event
         return dev, event
+
+
+def _copy_stream(device: torch.device) -> Any:
+    """A side stream of the highest priority: the copies' decoding kernels are scheduled ahead of
+    the blocks of fusion's long kernels still waiting for a multiprocessor, so a layer is ready
+    when fusion reaches it.
+    """
+    return torch.cuda.Stream(device, priority=-100)  # below the device's range: its highest priority
 
 
 def _on_stream(stream: Any, work: Callable[[], Any]) -> tuple[Any, torch.cuda.Event]:
@@ -170,7 +184,7 @@ class TensorFeed(ChunkFeed):
         self._async = _is_cuda(self.device) and bool(host)
         self._prefetch: _Prefetcher | None = None
         if self._async:
-            self._stream = torch.cuda.Stream(self.device)
+            self._stream = _copy_stream(self.device)
             self._prefetch = _Prefetcher(self._upload, n_layers, depth)
         elif self.device.type == "cpu" and self._shape is not None:  # the concatenation off the fusion thread
             self._prefetch = _Prefetcher(lambda i: (self._gather(i, self.device), None), n_layers, depth)
@@ -233,6 +247,8 @@ class StoreFeed(ChunkFeed):
         self._shape = self._probe_shape()
         self._copier: _DeviceCopier | None = None
         self._planar = self._planar_layout()
+        self._extents = ExtentReads.of(self._readers, self._planar) if self._planar is not None else None
+        self._workers = workers
         if _is_cuda(self.device) and self._shape is not None:
             h, d = self._shape
             size, kind = (self._planar.nbytes, torch.uint8) if self._planar else (2 * h * self.total * d, dtype)
@@ -269,7 +285,7 @@ class StoreFeed(ChunkFeed):
             return int(kv[0].shape[1]), int(kv[0].shape[3])
         return None
 
-    def _planar_layout(self) -> _Planar | None:
+    def _planar_layout(self) -> PlaneLayout | None:
         """The side-by-side plane layout when every open chunk's codec has one, the same one."""
         if self._shape is None:
             return None
@@ -280,7 +296,8 @@ class StoreFeed(ChunkFeed):
         planes = first.codec.planes(*shape, first.header.dtype) if first is not None and len(layouts) == 1 else None
         if first is None or planes is None:
             return None
-        return _Planar(first.codec, planes, first.header.dtype, self.lengths, self.offsets)
+        packed = self.device.type in PACKED_STAGING_DEVICES
+        return PlaneLayout(first.codec, planes, first.header.dtype, self.lengths, self.offsets, packed)
 
     def _read(self, j: int, read: Callable[[Any], None]) -> bool:
         """``read(reader)`` for chunk ``j`` if it has an open file; False when it has none or the read
@@ -359,7 +376,10 @@ class StoreFeed(ChunkFeed):
             slot, host = 0, torch.empty(planar.nbytes, dtype=torch.uint8)
             planar.bind([host.numpy()])
 
-        self._each_chunk(lambda j: self._read(j, lambda reader: reader.read_layer_into(i, planar.pieces[slot][j])))
+        if self._extents is not None:
+            self._read_extents(i, host)
+        else:
+            self._each_chunk(lambda j: self._read(j, lambda reader: reader.read_layer_into(i, planar.pieces[slot][j])))
 
         def decode(staged: torch.Tensor) -> LayerKV:
             keys, values = planar.decode(staged, self.dtype)
@@ -381,6 +401,17 @@ class StoreFeed(ChunkFeed):
             self._copier.events[slot] = out[1]
         self.decode_s += time.perf_counter() - t0
         return out
+
+    def _read_extents(self, i: int, host: torch.Tensor) -> None:
+        """Layer ``i`` of every chunk read whole into its slot of ``host`` and checked, in batches that
+        hold no GIL (`kvrag.extents`); chunks that fail are recovered.
+        """
+        table = self._extents
+        assert table is not None
+        failed = table.read_layer(i, host.data_ptr(), self._workers, self._pool)
+        for j, why in failed:
+            with self._lock:
+                self._recover_chunk(j, CorruptChunkError(self.keys[j] or "", f"layer {i} {why}"))
 
     def _layer(self, i: int) -> LayerKV:
         if self._prefetch is None:
@@ -404,40 +435,3 @@ class StoreFeed(ChunkFeed):
             if reader is not None:
                 reader.close()
         self._readers = [None] * len(self.keys)
-
-
-class _Planar:
-    """Where each chunk's layer blob goes in a staging buffer that holds the region plane by plane,
-    every plane ``[rows, total, width]`` bytes with the chunks' tokens side by side (`Codec.planes`).
-    """
-
-    def __init__(self, codec: Any, planes: list[tuple[int, int]], dtype: torch.dtype,
-                 lengths: Sequence[int], offsets: Sequence[int]) -> None:
-        self.codec, self.planes, self.dtype = codec, planes, dtype
-        self.lengths, self.offsets = list(lengths), list(offsets)
-        self.total = sum(self.lengths)
-        self.starts = [0]
-        for rows, width in planes:
-            self.starts.append(self.starts[-1] + rows * self.total * width)
-        self.nbytes = self.starts[-1]
-        self.pieces: list[list[list[memoryview]]] = []  # [buffer][chunk] -> the blob's pieces in order
-
-    def bind(self, buffers: Sequence[Any]) -> None:
-        """Cut the pieces of every chunk out of each staging buffer (uint8 numpy arrays)."""
-        self.pieces = [[self._chunk_pieces(memoryview(buf), j) for j in range(len(self.lengths))]
-                       for buf in buffers]
-
-    def _chunk_pieces(self, buf: memoryview, j: int) -> list[memoryview]:
-        off, n = self.offsets[j], self.lengths[j]
-        pieces = []
-        for (rows, width), start in zip(self.planes, self.starts):
-            for r in range(rows):
-                at = start + (r * self.total + off) * width
-                pieces.append(buf[at : at + n * width])
-        return pieces
-
-    def decode(self, staged: torch.Tensor, out_dtype: torch.dtype) -> LayerKV:
-        """Keys and values ``[H, total, D]`` of the region from a filled staging buffer (any device)."""
-        planes = [staged[a:b].view(rows, self.total, width)
-                  for (rows, width), a, b in zip(self.planes, self.starts, self.starts[1:])]
-        return self.codec.decode_planes(planes, self.dtype, out_dtype)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from test_fuse import _setup
 
+from kvrag import extents
 from kvrag.codec.base import make_codec
 from kvrag.config import FuseConfig
 from kvrag.errors import CorruptChunkError
@@ -64,10 +65,15 @@ def test_store_feed_equals_the_stored_caches(tmp_path, setup, workers):
         assert feed.decode_s > 0
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("codec", ["raw", "int8"])
-def test_store_feed_decodes_planes_of_every_chunk_at_once_like_each_chunk(tmp_path, setup, codec):
-    """Encoded rows scattered side by side and decoded together, a chunk without cache zeroed and a
-    corrupt one recomputed: what decoding each chunk's layer alone gives."""
+def test_store_feed_decodes_planes_of_every_chunk_at_once_like_each_chunk(monkeypatch, tmp_path, setup, codec, packed):
+    """Encoded rows staged side by side (or packed per chunk and unpacked, the CUDA path) and decoded
+    together, a chunk without cache zeroed and a corrupt one recomputed: what decoding each chunk's
+    layer alone gives."""
+    import kvrag.feed as feed_mod
+
+    monkeypatch.setattr(feed_mod, "PACKED_STAGING_DEVICES", {"cuda", "cpu"} if packed else set())
     lm, _, _, kv, _ = setup
     kvstore, keys = _store(tmp_path, lm, kv, codec)
     decoded = [kvstore.load(key) for key in keys]
@@ -79,12 +85,36 @@ def test_store_feed_decodes_planes_of_every_chunk_at_once_like_each_chunk(tmp_pa
     recover = lambda j: asked.append(j) or decoded[j]  # noqa: E731
     with StoreFeed(kvstore, [None, keys[1], keys[2]], LENS, lm.spec.n_layers, "cpu", torch.float32,
                    recover=recover) as feed:
-        assert feed._planar is not None
+        assert feed._planar is not None and feed._planar.packed == packed
+        assert (feed._extents is not None) == packed  # packed slots of files: batched extent reads
         got = [feed.layer(layer) for layer in range(lm.spec.n_layers)]
     assert asked == [2]
     for layer, (k, v) in enumerate(got):
         ek, ev = _expected(decoded, layer, (False, True, True))
         assert torch.equal(k, ek) and torch.equal(v, ev)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("codec", ["raw", "int8"])
+@pytest.mark.parametrize("lens", [(6, 6, 6, 6), (5, 7, 5, 7, 7)])
+def test_packed_staging_puts_runs_of_equally_long_chunks_side_by_side(monkeypatch, tmp_path, codec, lens, batched):
+    """Equally long chunks next to each other (one strided copy) or apart (an indexed copy), read in
+    batches without the GIL (`kvrag.extents`) or chunk by chunk where those cannot run."""
+    import kvrag.feed as feed_mod
+
+    monkeypatch.setattr(feed_mod, "PACKED_STAGING_DEVICES", {"cuda", "cpu"})
+    if not batched:
+        monkeypatch.setattr(extents, "available", lambda: False)
+    lm, _, _, kv, _ = _setup("llama", seed=4, lens=lens)
+    kvstore, keys = _store(tmp_path, lm, kv, codec)
+    decoded = [kvstore.load(key) for key in keys]
+    with StoreFeed(kvstore, keys, lens, lm.spec.n_layers, "cpu", torch.float32, workers=2) as feed:
+        assert feed._planar is not None and len(feed._planar.runs) == len(set(lens))
+        assert (feed._extents is not None) == batched
+        for layer in range(lm.spec.n_layers):
+            k, v = feed.layer(layer)
+            ek, ev = _expected(decoded, layer, [True] * len(lens))
+            assert torch.equal(k, ek) and torch.equal(v, ev)
 
 
 def test_store_feed_wants_layers_in_order(tmp_path, setup):

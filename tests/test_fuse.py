@@ -327,3 +327,54 @@ def test_probe_without_any_stored_cache_recomputes_once(setup):
     result = fuse(lm, FusionInput(prefix, chunks, [None] * len(chunks), suffix), FuseConfig(mode="probe"))
     assert (result.logits - _reference_logits(lm, ids)).abs().max().item() <= 1e-4
     assert result.n_selected == [ids.numel() - prefix.length] * lm.spec.n_layers
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("config", [FuseConfig(mode="cacheblend", ratio=0.3), FuseConfig(mode="probe", ratio=0.3),
+                                    FuseConfig(mode="attnlink", link_tokens=5)])
+def test_a_scattered_selection_runs_in_one_call_per_layer_exactly(monkeypatch, arch, config):
+    """`FuseConfig.attention` ``flex`` (one decoder call per layer under a `ScatterBias`; here the
+    unfused FlexAttention the CPU runs) gives what the masked blocks give."""
+    import dataclasses
+
+    import kvrag.fuse as fuse_mod
+    from kvrag.scatter_attention import ScatterBias
+
+    lm, prefix, chunks, kv, suffix = _setup(arch, seed=7)
+    blocks = fuse(lm, FusionInput(prefix, chunks, kv, suffix), dataclasses.replace(config, attention="blocks"))
+    biases = []
+    real = fuse_mod._blocks
+
+    def spy(*args):
+        out = real(*args)
+        biases.extend(b[2] for b in out if isinstance(b[2], ScatterBias))
+        return out
+
+    monkeypatch.setattr(fuse_mod, "_blocks", spy)
+    scattered = fuse(lm, FusionInput(prefix, chunks, kv, suffix), dataclasses.replace(config, attention="flex"))
+    assert biases
+    assert (scattered.logits - blocks.logits).abs().max().item() <= 1e-4
+    assert torch.equal(scattered.selected, blocks.selected) and scattered.n_selected == blocks.n_selected
+    for (k, v), (rk, rv) in zip(hf_compat.cache_layers(scattered.cache), hf_compat.cache_layers(blocks.cache)):
+        assert (k - rk).abs().max().item() <= 1e-4 and (v - rv).abs().max().item() <= 1e-4
+
+
+def test_attention_kernel_choice_and_when_a_selection_runs_under_flex_attention():
+    import kvrag.fuse as fuse_mod
+
+    assert fuse_mod.attention_kernel("auto", torch.device("cpu")) is None  # masked blocks on the CPU
+    assert fuse_mod.attention_kernel("blocks", torch.device("cpu")) is None
+    assert fuse_mod.attention_kernel("flex", torch.device("cpu")) == 0
+    lm = wrap_model(tiny_model("llama"), None, "llama")
+    sel = torch.tensor([3, 9, 20, 40])
+    (only,) = fuse_mod._blocks(lm, sel, 45, torch.float32, None, True, 41)
+    assert type(only[2]).__name__ == "ScatterBias" and only[1] == 41
+    short = fuse_mod._blocks(lm, sel, 45, torch.float32, None, True, 42)  # attends to fewer keys than that
+    windowed = fuse_mod._blocks(lm, sel, 45, torch.float32, 16, True, 0)  # the window hides keys: masks
+    assert all(type(b[2]).__name__ != "ScatterBias" for b in short + windowed)
+
+
+def test_fuse_config_rejects_an_unknown_attention_kernel():
+    with pytest.raises(ValueError, match="attention"):
+        FuseConfig(attention="dense")

@@ -18,6 +18,7 @@ Outputs in ``--out``: ``speed.json``, ``speed.md`` and ``speed.png`` (TTFT vs co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 import statistics
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrag.bench import common
+from kvrag.config import ATTENTION_KERNELS
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "pinned on CUDA), gpu (resident in GPU memory); comma list")
     parser.add_argument("--codec", default="raw", help="codec of the stored caches: raw, int8, cachegen "
                         "(fitted on the first length's chunks)")
+    parser.add_argument("--attention", default="auto", choices=ATTENTION_KERNELS,
+                        help="kernel for selections spread over the prompt (FuseConfig.attention), every mode")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1, …")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
@@ -433,7 +437,8 @@ def write_outputs(args: argparse.Namespace, lm: Any, name: str, results: list[di
 
 def run(args: argparse.Namespace) -> int:
     common.set_threads(args.threads)
-    specs = common.parse_modes(args.modes)
+    specs = [dataclasses.replace(s, config=dataclasses.replace(s.config, attention=args.attention))
+             for s in common.parse_modes(args.modes)]
     if args.repeats < 1 or args.chunk_tokens < 1:
         raise ValueError(f"--repeats and --chunk-tokens must be >= 1, got {args.repeats}, {args.chunk_tokens}")
     lm, name = load_lm(args, resolve_device(args.device))

@@ -48,6 +48,20 @@ def test_parse_modes() -> None:
         parse_modes("full@int8", quality=True)
 
 
+def test_flags_set_fuse_settings_for_every_mode() -> None:
+    from kvrag.bench.common import with_fuse_settings
+
+    specs = with_fuse_settings(parse_modes("cacheblend@0.05,probe@0.1"), "0,1,2", "flex")
+    assert all(s.config.check_layers == (0, 1, 2) and s.config.attention == "flex" for s in specs)
+    assert specs[1].config.ratio == 0.05 and specs[2].config.mode == "probe"  # the rest as parsed
+    kept = with_fuse_settings(parse_modes("cacheblend@0.05"))
+    assert kept[1].config == parse_modes("cacheblend@0.05")[1].config
+    with pytest.raises(ValueError, match="--check-layers"):
+        with_fuse_settings(parse_modes("reuse"), "1;2")
+    with pytest.raises(ValueError, match="check_layers"):
+        with_fuse_settings(parse_modes("reuse"), "2,1")
+
+
 def _speed(out: Path, device: str, tiers: str = "disk,ram") -> dict:
     rc = main(
         [

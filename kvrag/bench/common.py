@@ -10,6 +10,7 @@ stays cheap.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata as md
 import json
 import math
@@ -91,6 +92,22 @@ def parse_modes(text: str, quality: bool = False) -> list[ModeSpec]:
         raise ValueError(f"--modes lists a mode twice: {text!r}")
     full = [s for s in specs if s.reference] or [ModeSpec("full", FuseConfig(mode="full"))]
     return full[:1] + [s for s in specs if not s.reference]
+
+
+def with_fuse_settings(specs: list[ModeSpec], check_layers: str | None = None,
+                       attention: str | None = None) -> list[ModeSpec]:
+    """The modes with FuseConfig fields that a command-line flag sets for all of them replaced:
+    ``check_layers`` (a comma list such as ``0,1,2``) and ``attention``; None leaves a field as it is.
+    """
+    changes: dict[str, Any] = {}
+    if check_layers is not None:
+        try:
+            changes["check_layers"] = tuple(int(t) for t in check_layers.split(",") if t.strip())
+        except ValueError:
+            raise ValueError(f"--check-layers must be a comma list of layer indices, got {check_layers!r}") from None
+    if attention is not None:
+        changes["attention"] = attention
+    return [dataclasses.replace(s, config=dataclasses.replace(s.config, **changes)) for s in specs]
 
 
 def parse_ints(text: str, name: str) -> list[int]:

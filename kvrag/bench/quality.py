@@ -39,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "TTFT leaves out that prefill), full@DTYPE (full prefill with the model loaded in bfloat16/float16/"
              "float32: how far precision alone moves the answer, the floor under every agreement and ΔNLL)",
     )
+    parser.add_argument("--check-layers", default=None, metavar="L,L,...",
+                        help="cacheblend's check layers (FuseConfig.check_layers; default 1,2,3)")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--max-chunk-tokens", type=int, default=2048, help="passages longer than this are split")
     parser.add_argument("--warmup", type=int, default=1, help="questions answered by every mode first, not counted")
@@ -332,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     common.set_threads(args.threads)
-    specs = common.parse_modes(args.modes, quality=True)
+    specs = common.with_fuse_settings(common.parse_modes(args.modes, quality=True), args.check_layers)
     items = load_questions(Path(args.data), args.n)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,6 @@ Outputs in ``--out``: ``speed.json``, ``speed.md`` and ``speed.png`` (TTFT vs co
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import logging
 import statistics
@@ -117,6 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(fitted on the first length's chunks)")
     parser.add_argument("--attention", default="auto", choices=ATTENTION_KERNELS,
                         help="kernel for selections spread over the prompt (FuseConfig.attention), every mode")
+    parser.add_argument("--check-layers", default=None, metavar="L,L,...",
+                        help="cacheblend's check layers (FuseConfig.check_layers; default 1,2,3)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1, …")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
@@ -437,8 +438,7 @@ def write_outputs(args: argparse.Namespace, lm: Any, name: str, results: list[di
 
 def run(args: argparse.Namespace) -> int:
     common.set_threads(args.threads)
-    specs = [dataclasses.replace(s, config=dataclasses.replace(s.config, attention=args.attention))
-             for s in common.parse_modes(args.modes)]
+    specs = common.with_fuse_settings(common.parse_modes(args.modes), args.check_layers, args.attention)
     if args.repeats < 1 or args.chunk_tokens < 1:
         raise ValueError(f"--repeats and --chunk-tokens must be >= 1, got {args.repeats}, {args.chunk_tokens}")
     lm, name = load_lm(args, resolve_device(args.device))

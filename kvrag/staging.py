@@ -106,6 +106,7 @@ class PlaneLayout:
             else:
                 self.runs.append((self.lengths[j], self.slots[j], [j]))
         self.pieces: list[list[list[memoryview]]] = []  # [buffer][chunk] -> the blob's pieces in order
+        self._tokens: dict[torch.device, list[torch.Tensor | None]] = {}
 
     def bind(self, buffers: Sequence[Any]) -> None:
         """Cut the pieces of every chunk out of each staging buffer (uint8 numpy arrays)."""
@@ -129,21 +130,34 @@ class PlaneLayout:
         """The region's planes ``[rows, total, width]`` from a packed staging buffer (any device)."""
         planes = [torch.empty((rows, self.total, width), dtype=torch.uint8, device=staged.device)
                   for rows, width in self.planes]
-        for n, at, chunks in self.runs:
+        for (n, at, chunks), tokens in zip(self.runs, self._run_tokens(staged.device)):
             blobs = staged[at : at + len(chunks) * n * self.per_token].view(len(chunks), -1)  # [c, blob]
-            offsets = [self.offsets[j] for j in chunks]
-            side_by_side = offsets == list(range(offsets[0], offsets[0] + n * len(chunks), n))
+            first = self.offsets[chunks[0]]
             start = 0
             for (rows, width), plane in zip(self.planes, planes):
                 part = blobs[:, start : start + rows * n * width].view(len(chunks), rows, n, width)
                 start += rows * n * width
-                if side_by_side:  # [rows, c, n, width] into consecutive tokens: one strided copy
-                    plane[:, offsets[0] : offsets[0] + n * len(chunks)].view(rows, len(chunks), n, width).copy_(
+                if tokens is None:  # [rows, c, n, width] into consecutive tokens: one strided copy
+                    plane[:, first : first + n * len(chunks)].view(rows, len(chunks), n, width).copy_(
                         part.transpose(0, 1))
                 else:
-                    tokens = torch.tensor([o + t for o in offsets for t in range(n)], device=staged.device)
                     plane.index_copy_(1, tokens, part.transpose(0, 1).reshape(rows, len(chunks) * n, width))
         return planes
+
+    def _run_tokens(self, device: torch.device) -> list[torch.Tensor | None]:
+        """Per run, the region tokens its chunks cover, in slot order (None where they are consecutive,
+        in order); made once per device.
+        """
+        if device not in self._tokens:
+            made: list[torch.Tensor | None] = []
+            for n, _, chunks in self.runs:
+                offsets = [self.offsets[j] for j in chunks]
+                if offsets == list(range(offsets[0], offsets[0] + n * len(chunks), n)):
+                    made.append(None)
+                else:
+                    made.append(torch.tensor([o + t for o in offsets for t in range(n)], device=device))
+            self._tokens[device] = made
+        return self._tokens[device]
 
     def decode(self, staged: torch.Tensor, out_dtype: torch.dtype) -> LayerKV:
         """Keys and values ``[H, total, D]`` of the region from a filled staging buffer (any device)."""

@@ -90,7 +90,8 @@ class FuseConfig:
             ``"flex"`` (one decoder call per layer, its attention FlexAttention under a block mask;
             compiled on CUDA, an unfused reference elsewhere) or ``"auto"`` (the default: on CUDA,
             where it compiles and runs, ``flex`` for selections attending to at least
-            ``kvrag.fuse.FLEX_MIN_KEYS`` keys; ``blocks`` otherwise). Both are exact.
+            ``kvrag.fuse.FLEX_MIN_KEYS`` keys; ``blocks`` otherwise). Both are exact. FlexAttention
+            is compiled by the first fusion that uses it in a process, which is then slow.
     """
 
     mode: str = "cacheblend"

@@ -253,7 +253,7 @@ class StoreFeed(ChunkFeed):
             h, d = self._shape
             size, kind = (self._planar.nbytes, torch.uint8) if self._planar else (2 * h * self.total * d, dtype)
             self._copier = _DeviceCopier(self.device, (size,), kind, depth + 1)
-            if self._planar is not None:
+            if self._planar is not None and self._extents is None:  # batched reads take addresses, not pieces
                 self._planar.bind([buf.numpy() for buf in self._copier.host])
         self._prefetch = _Prefetcher(self._produce, n_layers, depth) if self._shape is not None else None
 
@@ -374,11 +374,12 @@ class StoreFeed(ChunkFeed):
             host = self._copier.buffer(i)
         else:
             slot, host = 0, torch.empty(planar.nbytes, dtype=torch.uint8)
-            planar.bind([host.numpy()])
 
         if self._extents is not None:
             self._read_extents(i, host)
         else:
+            if self._copier is None:
+                planar.bind([host.numpy()])
             self._each_chunk(lambda j: self._read(j, lambda reader: reader.read_layer_into(i, planar.pieces[slot][j])))
 
         def decode(staged: torch.Tensor) -> LayerKV:

@@ -42,7 +42,7 @@ class ExtentReads:
         if not planar.packed or not open_chunks or None in fds or not extents.available():
             return None
         return cls(open_chunks, fds, [readers[j] for j in open_chunks], [planar.slots[j] for j in open_chunks],
-                   [planar.lengths[j] * planar.per_token for j in open_chunks])
+                   [planar.slot_size(j) for j in open_chunks])
 
     def read_layer(self, i: int, base: int, workers: int, pool: ThreadPoolExecutor | None) -> list[tuple[int, str]]:
         """Read layer ``i`` of the live chunks into the buffer at address ``base``; the chunks that
@@ -97,7 +97,7 @@ class PlaneLayout:
         at = 0
         for j in order:
             self.slots[j] = at
-            at += self.lengths[j] * self.per_token
+            at += self.slot_size(j)
         self.runs: list[tuple[int, int, list[int]]] = []
         for j in order:
             run = self.runs[-1] if self.runs else None
@@ -113,9 +113,13 @@ class PlaneLayout:
         cut = self._slot if self.packed else self._chunk_pieces
         self.pieces = [[cut(memoryview(buf), j) for j in range(len(self.lengths))] for buf in buffers]
 
+    def slot_size(self, j: int) -> int:
+        """Bytes of chunk ``j``'s layer blob: its packed slot."""
+        return self.lengths[j] * self.per_token
+
     def _slot(self, buf: memoryview, j: int) -> list[memoryview]:
         at = self.slots[j]
-        return [buf[at : at + self.lengths[j] * self.per_token]]
+        return [buf[at : at + self.slot_size(j)]]
 
     def _chunk_pieces(self, buf: memoryview, j: int) -> list[memoryview]:
         off, n = self.offsets[j], self.lengths[j]

@@ -74,8 +74,9 @@ class FuseConfig:
         mode: one of ``full``, ``prefix``, ``reuse``, ``cacheblend``, ``attnlink``, ``probe``.
         ratio: the fraction of chunk tokens recomputed, in (0, 1]: ``cacheblend``'s target after
             its last check layer, ``probe``'s selection through every layer.
-        check_layers: layers after which ``cacheblend`` ranks tokens by KV deviation and narrows the
-            selected set (gradual filtering); the last one reaches ``ratio``.
+        check_layers: layers at which ``cacheblend`` ranks the selected tokens by the deviation of
+            their fresh K/V rows there and narrows the set before the layer's attention and MLP run
+            (gradual filtering); the last one reaches ``ratio``.
         first_ratio_scale: at the first check layer ``cacheblend`` keeps
             ``min(1, ratio * first_ratio_scale)``; later checks interpolate geometrically to ``ratio``.
         link_tokens: ``attnlink``'s number of leading tokens recomputed in every chunk after the first.

@@ -122,13 +122,13 @@ class Selector:
         raise NotImplementedError
 
     def checks(self, layer: int) -> bool:
-        """Whether `narrow` runs after ``layer`` (it then needs the KV deviation)."""
+        """Whether `narrow` runs at ``layer``, on the K/V deviation of its fresh rows, before its body."""
         return False
 
     def narrow(
         self, layer: int, sel: torch.Tensor, deviation: torch.Tensor, seg: Segments
     ) -> torch.Tensor | None:
-        """Indices into ``sel`` to keep after ``layer`` (None keeps all)."""
+        """Indices into ``sel`` that ``layer``'s body and the layers after it run on (None keeps all)."""
         return None
 
     def probe_from(self, seg: Segments, n_layers: int) -> int | None:
@@ -180,10 +180,12 @@ class AttnLinkSelector(Selector):
 class CacheBlendSelector(Selector):
     """CacheBlend's HKVD with gradual filtering.
 
-    All stale chunk tokens (those after the first chunk, see `Segments.stale`) are recomputed up to
-    the first check layer; after each check layer the tokens with the largest KV deviation (fresh vs
-    stored) are kept, shrinking geometrically from ``ratio * first_ratio_scale`` to ``ratio`` of the
-    chunk tokens at the last check layer. Forced tokens (suffix, chunks without cache) are always kept.
+    All stale chunk tokens (those after the first chunk, see `Segments.stale`) are recomputed below
+    the first check layer. At each check layer their fresh K/V rows there are compared with the
+    stored ones, and the tokens with the largest deviation are kept, shrinking geometrically from
+    ``ratio * first_ratio_scale`` to ``ratio`` of the chunk tokens at the last check layer; the
+    layer's attention and MLP run on the kept tokens alone, and the dropped ones keep their fresh
+    K/V rows at that layer. Forced tokens (suffix, chunks without cache) are always kept.
     """
 
     def __init__(self, config: FuseConfig) -> None:
@@ -568,23 +570,41 @@ class _LayerLoop:
             if placement is not None:
                 feed, cos, sin = placement
                 _place_layer(scatter, feed.layer(layer_idx), seg, cos, sin)
-            check = selector.checks(layer_idx)
-            if check:  # the stored rows, to measure how far the fresh ones deviate
-                keys, values, _ = scatter.full()
-                scatter.old_keys, scatter.old_values = keys[:, :, sel], values[:, :, sel]
+            if selector.checks(layer_idx):
+                keep = self.narrow(layer_idx, sel, hidden, scatter)
+                if keep is not None:
+                    sel, hidden = sel[keep], hidden[:, keep]
+                    blocks = _blocks(lm, sel, seg.total, hidden.dtype, self.window, self.causal_ok, self.flex_from)
             n_selected.append(int(sel.numel()))
             hidden_in = hidden
             hidden = _run_layer(lm, layer_idx, hidden, sel, blocks, self.cache)
             if attention is not None and layer_idx >= attention_from:
                 attention += question_attention(lm, layer_idx, hidden_in[:, -n_suffix:], sel[-n_suffix:],
                                                 q_rope, None, scatter)
-            if not check:
-                continue
-            dev = _token_scores(lm, self.score, layer_idx, hidden_in, sel, scatter, seg)
-            keep = selector.narrow(layer_idx, sel.cpu(), dev.cpu(), seg)
-            scatter.old_keys = scatter.old_values = None
-            if keep is not None and keep.numel() < sel.numel():
-                keep = keep.to(sel.device)
-                sel, hidden = sel[keep], hidden[:, keep]
-                blocks = _blocks(self.lm, sel, seg.total, hidden.dtype, self.window, self.causal_ok, self.flex_from)
         return hidden, sel, n_selected
+
+    def narrow(self, layer_idx: int, sel: torch.Tensor, hidden_in: torch.Tensor,
+               scatter: hf_compat.ScatterLayer) -> torch.Tensor | None:
+        """A check before layer ``layer_idx``'s body: which of the selected tokens (``hidden_in``:
+        their input to the layer) the layer runs on, as indices into ``sel`` on its device (None: all).
+
+        Every selected token's fresh K/V rows are written first, from the layer's projections alone,
+        and ranked against the stored rows; the tokens the selector drops keep those fresh rows, so
+        running the layer's attention and MLP on the kept tokens alone gives what running it on all
+        of them and then dropping the rest would, at the cost of the K/V projections for the rest.
+        """
+        lm = self.lm
+        keys, values, _ = scatter.full()
+        scatter.old_keys, scatter.old_values = keys[:, :, sel], values[:, :, sel]
+        fresh_k, fresh_v = hf_compat.layer_keys_values(
+            lm.model, layer_idx, hidden_in, hf_compat.position_embeddings(lm.model, hidden_in, sel))
+        keys[:, :, sel] = fresh_k.to(keys.dtype)
+        values[:, :, sel] = fresh_v.to(values.dtype)
+        try:
+            score = _token_scores(lm, self.score, layer_idx, hidden_in, sel, scatter, self.seg)
+            keep = self.selector.narrow(layer_idx, sel.cpu(), score.cpu(), self.seg)
+        finally:
+            scatter.old_keys = scatter.old_values = None
+        if keep is None or keep.numel() == sel.numel():
+            return None
+        return keep.to(sel.device)

@@ -138,6 +138,31 @@ class ScatterCache(Cache):
         return dynamic_cache([self.layer(i).full()[:2] for i in range(len(self.layers))])
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``(-x₂, x₁)`` for the halves ``x₁, x₂`` of the last dimension (the rotary pairing)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate keys ``[B, H, S, D]`` by ``cos``/``sin`` ``[B, S, R]`` (``R <= D``: partial rotary),
+    as the decoder layers do.
+    """
+    cos, sin = cos[:, None].to(k.dtype), sin[:, None].to(k.dtype)
+    rot = cos.shape[-1]
+    k_rot, k_pass = k[..., :rot], k[..., rot:]
+    out = k_rot * cos + rotate_half(k_rot) * sin
+    return torch.cat((out, k_pass), dim=-1) if k_pass.shape[-1] else out
+
+
+def _heads(attn: Any, proj: Any, norm: Any, h: torch.Tensor) -> torch.Tensor:
+    """A projection of the normed layer input ``h`` ``[1, n, hidden]`` split into heads ``[1, heads, n, D]``
+    (the per-head norm applied where the model has one).
+    """
+    x = proj(h).view(1, h.shape[1], -1, attn.head_dim)  # [1, n, heads, D]
+    return (x if norm is None else norm(x)).transpose(1, 2)
+
+
 def layer_queries(model: Any, idx: int, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Rotated queries ``[1, n_heads, n, D]`` that decoder layer ``idx`` computes for ``hidden``
     (its input, ``[1, n, hidden]``) whose positions have the `position_embeddings` ``rope`` (q-norm
@@ -145,18 +170,21 @@ def layer_queries(model: Any, idx: int, hidden: torch.Tensor, rope: tuple[torch.
     """
     layer = decoder_layers(model)[idx]
     attn = layer.self_attn
+    return apply_rope(_heads(attn, attn.q_proj, getattr(attn, "q_norm", None), layer.input_layernorm(hidden)), *rope)
+
+
+def layer_keys_values(
+    model: Any, idx: int, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotated keys and the values ``[1, n_kv_heads, n, D]`` decoder layer ``idx`` writes to its
+    cache for ``hidden`` (its input, ``[1, n, hidden]``) at the positions of ``rope``, without
+    running the rest of the layer.
+    """
+    layer = decoder_layers(model)[idx]
+    attn = layer.self_attn
     h = layer.input_layernorm(hidden)
-    head_dim = attn.head_dim
-    q = attn.q_proj(h).view(1, h.shape[1], -1, head_dim)  # [1, n, heads, D]
-    if hasattr(attn, "q_norm"):
-        q = attn.q_norm(q)
-    q = q.transpose(1, 2)
-    cos, sin = rope[0][:, None], rope[1][:, None]
-    rot = cos.shape[-1]
-    half = rot // 2
-    q_rot = q[..., :rot]
-    rotated = q_rot * cos + torch.cat((-q_rot[..., half:], q_rot[..., :half]), dim=-1) * sin
-    return torch.cat((rotated, q[..., rot:]), dim=-1) if rot < q.shape[-1] else rotated
+    keys = apply_rope(_heads(attn, attn.k_proj, getattr(attn, "k_norm", None), h), *rope)
+    return keys, _heads(attn, attn.v_proj, None, h)
 
 
 def position_embeddings(model: Any, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

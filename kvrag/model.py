@@ -25,6 +25,7 @@ import torch
 
 from kvrag import hf_compat
 from kvrag.errors import UnsupportedModelError
+from kvrag.hf_compat import apply_rope, rotate_half
 
 log = logging.getLogger(__name__)
 
@@ -225,27 +226,13 @@ def rope_at(model: Any, positions: torch.Tensor, like: torch.Tensor) -> tuple[to
     return hf_compat.rotary(model)(like, pos.to(like.device))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate keys ``[B, H, S, D]`` by ``cos``/``sin`` ``[B, S, R]`` (``R <= D``: partial rotary)."""
-    cos, sin = cos[:, None].to(k.dtype), sin[:, None].to(k.dtype)
-    rot = cos.shape[-1]
-    k_rot, k_pass = k[..., :rot], k[..., rot:]
-    out = k_rot * cos + _rotate_half(k_rot) * sin
-    return torch.cat((out, k_pass), dim=-1) if k_pass.shape[-1] else out
-
-
 def unapply_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Inverse of `apply_rope` (divides out ``attention_scaling``, since cos² + sin² = scale²)."""
     cos, sin = cos[:, None].to(torch.float32), sin[:, None].to(torch.float32)
     rot = cos.shape[-1]
     k_rot, k_pass = k[..., :rot].to(torch.float32), k[..., rot:]
     scale_sq = cos * cos + sin * sin
-    out = ((k_rot * cos - _rotate_half(k_rot) * sin) / scale_sq).to(k.dtype)
+    out = ((k_rot * cos - rotate_half(k_rot) * sin) / scale_sq).to(k.dtype)
     return torch.cat((out, k_pass), dim=-1) if k_pass.shape[-1] else out
 
 

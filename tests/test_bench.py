@@ -207,6 +207,18 @@ def test_bench_quality_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
     for row in payload["rows"]:
         assert 0.0 <= row["f1"] <= 1.0 and 0.0 <= row["agreement"] <= 1.0 and row["ttft_s"] > 0
         assert 0.0 < row["recompute_fraction"] <= 1.0
+    # question-by-question comparisons with reuse and with the precision floor
+    pairs = {(p["mode"], p["baseline"]): p for p in payload["paired"]}
+    assert set(pairs) == {(m, b) for b in ("reuse", "full@bfloat16") for m in summary if m not in (b, "full")}
+    for (mode, base), p in pairs.items():
+        diffs = [rows[q, mode]["agreement"] - rows[q, base]["agreement"] for q in {r["id"] for r in payload["rows"]}]
+        assert p["n"] == 3 and p["agreement_diff"] == pytest.approx(sum(diffs) / 3)
+        lo, hi = p["agreement_diff_ci"]
+        assert min(diffs) - 1e-9 <= lo <= p["agreement_diff"] <= hi <= max(diffs) + 1e-9
+        assert p["separated"] == (lo > 0 or hi < 0)
+    lo, hi = summary["full"]["agreement_ci"]
+    assert lo == hi == 1.0
+    assert "against a baseline mode" in (out / "quality.md").read_text()
 
 
 def test_bench_codec_answer_effect_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -340,3 +352,9 @@ def test_departures_script_on_a_tiny_run(tmp_path: Path, tiny_model_dir: Path) -
     assert list(first) == ["reuse", "attnlink@1"] and len(payload["summary"]) == 4
     assert first["reuse"]["departures"] == sum(s is not None for (_, mode), s in expected.items() if mode == "reuse")
     assert result.with_suffix(".md").read_text().count("\n|") >= 6
+    # the paired comparison of the same run, alone and pooled with its copy (each question counted once)
+    paired = Path(__file__).resolve().parents[1] / "scripts" / "paired.py"
+    for extra in ([], ["--pool"]):
+        shown = subprocess.run([sys.executable, str(paired), str(out / "quality.json"), str(again), *extra],
+                               check=True, capture_output=True, text=True).stdout
+        assert shown.count("| attnlink@1 | reuse | 3 |") == (1 if extra else 2)

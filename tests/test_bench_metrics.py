@@ -72,6 +72,22 @@ def test_summary_stats() -> None:
     assert math.isnan(m.summary([])["mean"])
 
 
+def test_bootstrap_interval_of_the_mean() -> None:
+    assert m.bootstrap_interval([0.5] * 7) == (0.5, 0.5)
+    values = [0.0] * 10 + [1.0] * 10
+    lo, hi = m.bootstrap_interval(values)
+    # the mean of 20 fair coin flips: standard error 0.112, so the 95 % interval is about 0.5 ± 0.22
+    assert 0.25 < lo < 0.33 and 0.67 < hi < 0.75
+    assert m.bootstrap_interval(values) == (lo, hi)  # seeded: the same report every time
+    narrow = m.bootstrap_interval(values, level=0.5)
+    assert lo < narrow[0] < 0.5 < narrow[1] < hi
+    paired = m.bootstrap_interval([0.1, 0.2, 0.0, 0.3, 0.1])  # every difference >= 0: the interval too
+    assert 0.0 <= paired[0] < paired[1] <= 0.3
+    assert all(math.isnan(v) for v in m.bootstrap_interval([]))
+    with pytest.raises(ValueError, match="level"):
+        m.bootstrap_interval(values, level=1.0)
+
+
 def test_mode_specs_with_a_cacheblend_score():
     from kvrag.bench.common import parse_mode
 

@@ -378,3 +378,68 @@ def test_attention_kernel_choice_and_when_a_selection_runs_under_flex_attention(
 def test_fuse_config_rejects_an_unknown_attention_kernel():
     with pytest.raises(ValueError, match="attention"):
         FuseConfig(attention="dense")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_layer_keys_values_are_the_rows_the_decoder_layer_writes(arch):
+    lm, prefix, chunks, kv, suffix = _setup(arch, seed=7)
+    ids = torch.cat([prefix.ids, *chunks, suffix])
+    with torch.no_grad():
+        out = lm.model(ids[None], use_cache=True, output_hidden_states=True)
+        ref = hf_compat.cache_layers(out.past_key_values)
+        rows = torch.tensor([0, 5, 17, ids.numel() - 1])
+        for idx in range(lm.spec.n_layers):
+            hidden = out.hidden_states[idx][:, rows]
+            keys, values = hf_compat.layer_keys_values(
+                lm.model, idx, hidden, hf_compat.position_embeddings(lm.model, hidden, rows))
+            assert keys.shape == values.shape == (1, lm.spec.n_kv_heads, rows.numel(), lm.spec.head_dim)
+            assert (keys - ref[idx][0][:, :, rows]).abs().max().item() <= 1e-5
+            assert (values - ref[idx][1][:, :, rows]).abs().max().item() <= 1e-5
+
+
+def _narrowed_after_each_check(lm, inp: FusionInput, config: FuseConfig):
+    """CacheBlend's loop as first written: a check layer runs on every selected token, and only the
+    layers after it run on the kept ones. Logits and per-layer K/V."""
+    from kvrag.fuse import _blocks, _open_feed, _place_layer, _prefixed_layers, _token_scores, make_selector, segments
+
+    seg, selector = segments(inp), make_selector(config)
+    ids = torch.cat([inp.prefix.ids, *inp.chunk_ids, inp.suffix_ids])
+    cache = hf_compat.ScatterCache(_prefixed_layers(lm, inp, seg))
+    feed = _open_feed(lm, inp, seg, torch.float32)
+    cos, sin = rope_at(lm.model, torch.arange(seg.prefix_len, seg.suffix_start), cache.layer(0).full()[0])
+    sel = selector.initial(seg).nonzero().squeeze(1)
+    hidden = hf_compat.embed_tokens(lm.model, ids[sel])[None]
+    with torch.no_grad():
+        for idx in range(lm.spec.n_layers):
+            layer = cache.layer(idx)
+            _place_layer(layer, feed.layer(idx), seg, cos, sin)
+            layer.old_keys, layer.old_values = (t[:, :, sel] for t in layer.full()[:2])
+            layer.rows = sel
+            ((_, _, mask, rope),) = _blocks(lm, sel, seg.total, torch.float32, None, False, 0)
+            out = hf_compat.run_decoder_layer(lm.model, idx, hidden, mask, sel, rope, cache)
+            if selector.checks(idx):
+                keep = selector.narrow(idx, sel, _token_scores(lm, config.score, idx, hidden, sel, layer, seg), seg)
+                sel, out = sel[keep], out[:, keep]
+            hidden = out
+        logits = hf_compat.final_logits(lm.model, hidden[:, -1:])[0, -1]
+    return logits, [layer.full()[:2] for layer in cache.layers]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("score", ["kv", "attention", "kv_attention"])
+def test_cacheblend_narrowing_before_a_check_layers_body_changes_no_result(arch, score):
+    """A check layer's attention and MLP run on the kept tokens alone; the dropped ones keep the fresh K/V
+    rows their projections give, so the result is that of running the layer on all of them first."""
+    lm, prefix, chunks, kv, suffix = _setup(arch, seed=8)
+    inp = FusionInput(prefix, chunks, kv, suffix)
+    config = FuseConfig(mode="cacheblend", ratio=0.2, check_layers=(1, 2), score=score)
+    result = fuse(lm, inp, config)
+    logits, layers = _narrowed_after_each_check(lm, inp, config)
+    assert (result.logits - logits).abs().max().item() <= 1e-4
+    for (k, v), (rk, rv) in zip(hf_compat.cache_layers(result.cache), layers):
+        assert (k - rk).abs().max().item() <= 1e-4 and (v - rv).abs().max().item() <= 1e-4
+    chunk_tokens = sum(c.numel() for c in chunks)
+    first = math.ceil(min(1.0, 0.2 * config.first_ratio_scale) * chunk_tokens - 1e-9)
+    # layer 0 runs every candidate; check layer 1's body already runs on the first cut only
+    assert result.n_selected[:3] == [chunk_tokens - chunks[0].numel() + suffix.numel(),
+                                     first + suffix.numel(), math.ceil(0.2 * chunk_tokens) + suffix.numel()]

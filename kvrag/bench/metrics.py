@@ -1,4 +1,5 @@
-"""Answer-quality metrics: SQuAD token F1 / exact match, Rouge-L, agreement, summary stats.
+"""Answer-quality metrics: SQuAD token F1 / exact match, Rouge-L, agreement, summary stats and
+bootstrap intervals.
 
 Pure Python, no model: the scores take strings (or numbers) and return a float in [0, 1] (or a dict
 of floats); `departure` and `reference_margin` locate where an answer leaves the reference's.
@@ -9,6 +10,7 @@ punctuation, drop the articles ``a``/``an``/``the``, collapse whitespace.
 from __future__ import annotations
 
 import math
+import random
 import re
 import string
 from collections import Counter
@@ -131,3 +133,23 @@ def summary(values: Sequence[float]) -> dict[str, float]:
     vals = [float(v) for v in values]
     mean = sum(vals) / len(vals) if vals else math.nan
     return {"mean": mean, "p50": percentile(vals, 50), "p90": percentile(vals, 90), "n": len(vals)}
+
+
+def bootstrap_interval(values: Sequence[float], level: float = 0.95, resamples: int = 4000,
+                       seed: int = 0) -> tuple[float, float]:
+    """Percentile-bootstrap interval of the mean of ``values`` (questions resampled with replacement);
+    seeded, so a report is reproducible. NaN for no values.
+
+    Pass per-question differences (a mode minus another on the same questions) for a paired interval:
+    one that excludes 0 separates the two modes on this data.
+    """
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    vals = [float(v) for v in values]
+    if not vals:
+        return math.nan, math.nan
+    rng = random.Random(seed)
+    n = len(vals)
+    means = [sum(rng.choices(vals, k=n)) / n for _ in range(resamples)]
+    tail = (1 - level) / 2 * 100
+    return percentile(means, tail), percentile(means, 100 - tail)

@@ -212,9 +212,62 @@ def summarise(rows: list[dict[str, Any]], specs: list[common.ModeSpec]) -> list[
                 "ttft_p50_s": ttft["p50"],
                 "ttft_p90_s": ttft["p90"],
                 "ttft_speedup": full_ttft / ttft["mean"],
+                "agreement_ci": list(metrics.bootstrap_interval([r["agreement"] for r in rs])),
+                "abs_delta_nll_ci": list(metrics.bootstrap_interval([abs(r["delta_nll"]) for r in rs])),
             }
         )
     return out
+
+
+# modes every other one is compared with question by question, where a run has them
+PAIRED_BASELINES = ("reuse", "full@bfloat16")
+
+
+def paired(rows: list[dict[str, Any]], specs: list[common.ModeSpec]) -> list[dict[str, Any]]:
+    """Each mode against each `PAIRED_BASELINES` mode of the run, on the questions both answered:
+    the mean per-question difference in agreement and in |ΔNLL|, with 95 % bootstrap intervals.
+
+    ``separated`` says whether the agreement interval excludes 0 (the mode agrees with ``full``
+    more, or less, than the baseline does beyond what the choice of questions explains).
+    """
+    labels = [s.label for s in specs]
+    by_mode: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        by_mode.setdefault(r["mode"], {})[r["id"]] = r
+    out = []
+    for base in (b for b in PAIRED_BASELINES if b in by_mode):
+        for label in labels:
+            if label in (base, "full") or label not in by_mode:
+                continue
+            ids = [i for i in by_mode[label] if i in by_mode[base]]
+            mode, ref = by_mode[label], by_mode[base]
+            agree = [mode[i]["agreement"] - ref[i]["agreement"] for i in ids]
+            closer = [abs(mode[i]["delta_nll"]) - abs(ref[i]["delta_nll"]) for i in ids]
+            lo, hi = metrics.bootstrap_interval(agree)
+            out.append({
+                "mode": label, "baseline": base, "n": len(ids),
+                "agreement_diff": metrics.summary(agree)["mean"], "agreement_diff_ci": [lo, hi],
+                "abs_delta_nll_diff": metrics.summary(closer)["mean"],
+                "abs_delta_nll_diff_ci": list(metrics.bootstrap_interval(closer)),
+                "separated": bool(lo > 0 or hi < 0),
+            })
+    return out
+
+
+def paired_markdown(pairs: list[dict[str, Any]]) -> str:
+    headers = ["mode", "against", "questions", "agreement diff", "95 % interval", "\\|ΔNLL\\| diff", "95 % interval",
+               "agreement separated"]
+    rows = [
+        [p["mode"], p["baseline"], p["n"], f"{p['agreement_diff']:+.3f}", _interval(p["agreement_diff_ci"], "+.3f"),
+         f"{p['abs_delta_nll_diff']:+.4f}", _interval(p["abs_delta_nll_diff_ci"], "+.4f"),
+         "yes" if p["separated"] else "no"]
+        for p in pairs
+    ]
+    return common.markdown_table(headers, rows)
+
+
+def _interval(ci: list[float], fmt: str = ".3f") -> str:
+    return f"[{ci[0]:{fmt}}, {ci[1]:{fmt}}]"
 
 
 def summary_markdown(summary: list[dict[str, Any]]) -> str:
@@ -224,9 +277,10 @@ def summary_markdown(summary: list[dict[str, Any]]) -> str:
         "Rouge-L",
         "EM",
         "agreement",
+        "agreement 95 % interval",
         "first-token",
         "ΔNLL",
-        "|ΔNLL|",
+        "mean \\|ΔNLL\\|",
         "TTFT mean ms",
         "p50 ms",
         "p90 ms",
@@ -240,6 +294,7 @@ def summary_markdown(summary: list[dict[str, Any]]) -> str:
             s["rouge_l"],
             s["em"],
             s["agreement"],
+            _interval(s["agreement_ci"]),
             s["first_token_agreement"],
             s["delta_nll"],
             s["abs_delta_nll"],
@@ -300,6 +355,7 @@ def write_outputs(args: argparse.Namespace, items: list[dict[str, Any]], specs: 
     """Write ``quality.json``, ``quality.md`` and the Pareto plot for the rows so far; the table."""
     out = Path(args.out)
     summary = summarise(rows, specs)
+    pairs = paired(rows, specs)
     done = len({r["id"] for r in rows})
     payload = {
         **common.stamp(args),
@@ -311,6 +367,7 @@ def write_outputs(args: argparse.Namespace, items: list[dict[str, Any]], specs: 
         "warmup": args.warmup,
         **extra,
         "summary": summary,
+        "paired": pairs,
         "rows": rows,
     }
     common.write_json(out / "quality.json", payload)
@@ -325,6 +382,8 @@ def write_outputs(args: argparse.Namespace, items: list[dict[str, Any]], specs: 
         f"`{Path(args.data).name}`{partial}, model `{args.model}`, mean prompt {summary[0]['prompt_tokens']:.0f} "
         f"tokens{caches}; CPU {payload['hardware']['cpu']} ({payload['hardware']['cpus_usable']} usable cores)."
         f"\n\n{table}\n"
+        + (f"\nQuestion by question against a baseline mode (95 % bootstrap intervals of the mean difference; "
+           f"\\|ΔNLL\\| below 0 is closer to `full`):\n\n{paired_markdown(pairs)}\n" if pairs else "")
     )
     pareto_plot(summary, out / "quality_pareto.png", f"{Path(args.data).name}, {done} q, {args.model}")
     return table

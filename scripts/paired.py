@@ -1,0 +1,54 @@
+"""Question-by-question comparisons of `kvrag bench quality` runs with a baseline mode, from their
+``quality.json`` files: the table the bench writes itself (`kvrag.bench.quality.paired`), for runs
+made before it did, or for several runs on the same questions pooled.
+
+    python scripts/paired.py benchmarks/quality-musique-precision/quality.json \
+        benchmarks/quality-hotpotqa-precision/quality.json
+
+Each file is compared on its own; ``--pool`` pools the rows of every file first (runs over
+different questions of one data set, e.g. questions 1–10 and 11–20). A mode answered twice for one
+question (in two pooled runs) keeps its first answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from kvrag.bench import common
+from kvrag.bench.quality import paired, paired_markdown
+
+
+def specs_of(rows: list[dict[str, Any]]) -> list[common.ModeSpec]:
+    labels = list(dict.fromkeys(r["mode"] for r in rows))
+    return common.parse_modes(",".join(labels), quality=True)
+
+
+def first_answers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for r in rows:
+        if (r["id"], r["mode"]) not in seen:
+            seen.add((r["id"], r["mode"]))
+            out.append(r)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("quality", nargs="+", type=Path, help="quality.json files of `kvrag bench quality` runs")
+    parser.add_argument("--pool", action="store_true", help="pool every file's rows into one comparison")
+    args = parser.parse_args()
+    runs = [(path, json.loads(path.read_text())["rows"]) for path in args.quality]
+    if args.pool:
+        runs = [(Path(" + ".join(str(p) for p, _ in runs)), first_answers([r for _, rows in runs for r in rows]))]
+    for path, rows in runs:
+        pairs = paired(rows, specs_of(rows))
+        print(f"## {path}\n")
+        print(paired_markdown(pairs) if pairs else "(no baseline mode in this run)", end="\n\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -87,7 +87,8 @@ class FusionResult:
     cache: Any  # transformers DynamicCache over all N tokens
     logits: torch.Tensor  # [vocab] float32, of the last prompt token
     n_tokens: int
-    n_selected: list[int]  # per layer: how many tokens were recomputed
+    n_selected: list[int]  # per layer: how many tokens its attention and MLP ran on (a check layer also
+    # projects the K/V of the tokens it then drops; those are not counted)
     fuse_s: float
     selected: torch.Tensor = field(repr=False)  # positions recomputed in the last layer
     load_wait_s: float = 0.0  # time the layer loop waited for stored layers (loading not hidden)

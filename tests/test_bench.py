@@ -215,7 +215,7 @@ def test_bench_quality_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
         assert p["n"] == 3 and p["agreement_diff"] == pytest.approx(sum(diffs) / 3)
         lo, hi = p["agreement_diff_ci"]
         assert min(diffs) - 1e-9 <= lo <= p["agreement_diff"] <= hi <= max(diffs) + 1e-9
-        assert p["separated"] == (lo > 0 or hi < 0)
+        assert p["separated"] is None  # three questions are too few for a verdict
     lo, hi = summary["full"]["agreement_ci"]
     assert lo == hi == 1.0
     assert "against a baseline mode" in (out / "quality.md").read_text()

@@ -221,6 +221,7 @@ def summarise(rows: list[dict[str, Any]], specs: list[common.ModeSpec]) -> list[
 
 # modes every other one is compared with question by question, where a run has them
 PAIRED_BASELINES = ("reuse", "full@bfloat16")
+MIN_PAIRED_QUESTIONS = 10  # fewer, and a bootstrap interval says little: no verdict
 
 
 def paired(rows: list[dict[str, Any]], specs: list[common.ModeSpec]) -> list[dict[str, Any]]:
@@ -228,7 +229,8 @@ def paired(rows: list[dict[str, Any]], specs: list[common.ModeSpec]) -> list[dic
     the mean per-question difference in agreement and in |ΔNLL|, with 95 % bootstrap intervals.
 
     ``separated`` says whether the agreement interval excludes 0 (the mode agrees with ``full``
-    more, or less, than the baseline does beyond what the choice of questions explains).
+    more, or less, than the baseline does beyond what the choice of questions explains); None
+    below `MIN_PAIRED_QUESTIONS` questions.
     """
     labels = [s.label for s in specs]
     by_mode: dict[str, dict[str, dict[str, Any]]] = {}
@@ -249,7 +251,7 @@ def paired(rows: list[dict[str, Any]], specs: list[common.ModeSpec]) -> list[dic
                 "agreement_diff": metrics.summary(agree)["mean"], "agreement_diff_ci": [lo, hi],
                 "abs_delta_nll_diff": metrics.summary(closer)["mean"],
                 "abs_delta_nll_diff_ci": list(metrics.bootstrap_interval(closer)),
-                "separated": bool(lo > 0 or hi < 0),
+                "separated": bool(lo > 0 or hi < 0) if len(ids) >= MIN_PAIRED_QUESTIONS else None,
             })
     return out
 
@@ -260,7 +262,7 @@ def paired_markdown(pairs: list[dict[str, Any]]) -> str:
     rows = [
         [p["mode"], p["baseline"], p["n"], f"{p['agreement_diff']:+.3f}", _interval(p["agreement_diff_ci"], "+.3f"),
          f"{p['abs_delta_nll_diff']:+.4f}", _interval(p["abs_delta_nll_diff_ci"], "+.4f"),
-         "yes" if p["separated"] else "no"]
+         {True: "yes", False: "no", None: "too few questions"}[p["separated"]]]
         for p in pairs
     ]
     return common.markdown_table(headers, rows)

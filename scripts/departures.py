@@ -89,7 +89,7 @@ def main() -> None:
     out, stamp = Path(args.out), common.stamp(args)
     common.write_json(out, {**stamp, "index": args.index, "summary": summary, "rows": rows})
     headers = ["run", "mode", "answers", "departures", "median step", "full's median margin (nats)",
-               *[f"margin < {t}" for t in THRESHOLDS], "mean |ΔNLL|"]
+               *[f"margin < {t}" for t in THRESHOLDS], "mean \\|ΔNLL\\|"]
     table = common.markdown_table(headers, [
         [s["run"], s["mode"], s["answers"], s["departures"], "–" if s["median_step"] is None else s["median_step"],
          math.nan if s["median_margin"] is None else s["median_margin"],

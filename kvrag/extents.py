@@ -53,12 +53,12 @@ def _kernel() -> Any:
     except ImportError:
         return None
     crc = _crc_function()
+    if crc is None:
+        return None
     try:
         pread = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t,
                                  ctypes.c_int64)(("pread", ctypes.CDLL(None)))
     except (OSError, AttributeError):
-        return None
-    if crc is None:
         return None
 
     @numba.njit(nogil=True)

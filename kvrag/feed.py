@@ -38,11 +38,10 @@ import torch
 
 from kvrag.errors import CorruptChunkError
 from kvrag.kvgen import KV
-from kvrag.staging import ExtentReads, PlaneLayout
+from kvrag.staging import ExtentReads, LayerKV, PlaneLayout
 
 log = logging.getLogger(__name__)
 
-LayerKV = tuple[torch.Tensor, torch.Tensor]  # [H, n, D] each: one layer of the whole chunk region
 DEFAULT_DEPTH = 2
 # where plane-coded layers are read whole per chunk and put side by side after the upload (`PlaneLayout`)
 PACKED_STAGING_DEVICES = {"cuda"}

@@ -17,13 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvrag.bench import common
 from kvrag.bench.quality import paired, paired_markdown
-
-
-def specs_of(rows: list[dict[str, Any]]) -> list[common.ModeSpec]:
-    labels = list(dict.fromkeys(r["mode"] for r in rows))
-    return common.parse_modes(",".join(labels), quality=True)
 
 
 def first_answers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -45,7 +39,7 @@ def main() -> None:
     if args.pool:
         runs = [(Path(" + ".join(str(p) for p, _ in runs)), first_answers([r for _, rows in runs for r in rows]))]
     for path, rows in runs:
-        pairs = paired(rows, specs_of(rows))
+        pairs = paired(rows, list(dict.fromkeys(r["mode"] for r in rows)))
         print(f"## {path}\n")
         print(paired_markdown(pairs) if pairs else "(no baseline mode in this run)", end="\n\n")
 

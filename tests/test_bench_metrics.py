@@ -89,20 +89,19 @@ def test_bootstrap_interval_of_the_mean() -> None:
 
 
 def test_paired_comparison_with_reuse_and_its_verdict() -> None:
-    from kvrag.bench import common
     from kvrag.bench.quality import paired
 
     def row(qid: int, mode: str, agreement: float, delta_nll: float) -> dict:
         return {"id": str(qid), "mode": mode, "agreement": agreement, "delta_nll": delta_nll}
 
-    specs = common.parse_modes("full,reuse,cacheblend@0.15,probe@0.15", quality=True)
+    labels = ["full", "reuse", "cacheblend@0.15", "probe@0.15"]
     rows = [r for q in range(12) for r in (
         row(q, "full", 1.0, 0.0),
         row(q, "reuse", 0.5 + 0.02 * q, 0.05),
         row(q, "cacheblend@0.15", 0.5 + 0.02 * q + (0.1 if q % 2 else -0.1), -0.02),  # as often above as below
         row(q, "probe@0.15", 0.8 + 0.02 * q, 0.01),  # 0.3 above reuse on every question
     )]
-    pairs = {p["mode"]: p for p in paired(rows, specs)}
+    pairs = {p["mode"]: p for p in paired(rows, labels)}
     assert set(pairs) == {"cacheblend@0.15", "probe@0.15"}  # no full@bfloat16 in this run
     probe, blend = pairs["probe@0.15"], pairs["cacheblend@0.15"]
     assert probe["n"] == 12 and probe["agreement_diff"] == pytest.approx(0.3)
@@ -112,7 +111,7 @@ def test_paired_comparison_with_reuse_and_its_verdict() -> None:
     lo, hi = blend["agreement_diff_ci"]
     assert -0.1 <= lo < 0 < hi <= 0.1
     assert blend["abs_delta_nll_diff"] == pytest.approx(-0.03)  # |−0.02| against 0.05
-    few = paired([r for r in rows if int(r["id"]) < 5], specs)
+    few = paired([r for r in rows if int(r["id"]) < 5], labels)
     assert all(p["separated"] is None and p["n"] == 5 for p in few)
 
 

@@ -186,6 +186,7 @@ def summarise(rows: list[dict[str, Any]], specs: list[common.ModeSpec]) -> list[
     for spec in specs:
         rs = by_mode[spec.label]
         ttft = metrics.summary([r["ttft_s"] for r in rs])
+        abs_delta_nll = [abs(r["delta_nll"]) for r in rs]
         mean = {
             k: metrics.summary([r[k] for r in rs])["mean"]
             for k in (
@@ -207,13 +208,13 @@ def summarise(rows: list[dict[str, Any]], specs: list[common.ModeSpec]) -> list[
                 "n": len(rs),
                 **mean,
                 # signed ΔNLL can cancel over questions scored better and worse than by full
-                "abs_delta_nll": metrics.summary([abs(r["delta_nll"]) for r in rs])["mean"],
+                "abs_delta_nll": metrics.summary(abs_delta_nll)["mean"],
                 "ttft_mean_s": ttft["mean"],
                 "ttft_p50_s": ttft["p50"],
                 "ttft_p90_s": ttft["p90"],
                 "ttft_speedup": full_ttft / ttft["mean"],
                 "agreement_ci": list(metrics.bootstrap_interval([r["agreement"] for r in rs])),
-                "abs_delta_nll_ci": list(metrics.bootstrap_interval([abs(r["delta_nll"]) for r in rs])),
+                "abs_delta_nll_ci": list(metrics.bootstrap_interval(abs_delta_nll)),
             }
         )
     return out
@@ -224,15 +225,15 @@ PAIRED_BASELINES = ("reuse", "full@bfloat16")
 MIN_PAIRED_QUESTIONS = 10  # fewer, and a bootstrap interval says little: no verdict
 
 
-def paired(rows: list[dict[str, Any]], specs: list[common.ModeSpec]) -> list[dict[str, Any]]:
-    """Each mode against each `PAIRED_BASELINES` mode of the run, on the questions both answered:
-    the mean per-question difference in agreement and in |ΔNLL|, with 95 % bootstrap intervals.
+def paired(rows: list[dict[str, Any]], labels: list[str]) -> list[dict[str, Any]]:
+    """Each mode (``labels``, in the run's order) against each `PAIRED_BASELINES` mode of the run, on
+    the questions both answered: the mean per-question difference in agreement and in |ΔNLL|, with
+    95 % bootstrap intervals.
 
     ``separated`` says whether the agreement interval excludes 0 (the mode agrees with ``full``
     more, or less, than the baseline does beyond what the choice of questions explains); None
     below `MIN_PAIRED_QUESTIONS` questions.
     """
-    labels = [s.label for s in specs]
     by_mode: dict[str, dict[str, dict[str, Any]]] = {}
     for r in rows:
         by_mode.setdefault(r["mode"], {})[r["id"]] = r
@@ -357,7 +358,7 @@ def write_outputs(args: argparse.Namespace, items: list[dict[str, Any]], specs: 
     """Write ``quality.json``, ``quality.md`` and the Pareto plot for the rows so far; the table."""
     out = Path(args.out)
     summary = summarise(rows, specs)
-    pairs = paired(rows, specs)
+    pairs = paired(rows, [s.label for s in specs])
     done = len({r["id"] for r in rows})
     payload = {
         **common.stamp(args),

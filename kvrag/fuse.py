@@ -425,24 +425,28 @@ def _run_layer(lm: LoadedModel, layer_idx: int, hidden: torch.Tensor, sel: torch
 
 def _token_scores(
     lm: LoadedModel, score: str, layer_idx: int, hidden_in: torch.Tensor, sel: torch.Tensor,
-    layer: hf_compat.ScatterLayer, seg: Segments,
+    layer: hf_compat.ScatterLayer, seg: Segments, stored: KV, fresh: KV, rope: tuple[torch.Tensor, torch.Tensor],
 ) -> torch.Tensor:
-    """The ranking score of each selected token at a check layer (higher is kept)."""
+    """The ranking score of each selected token at a check layer (higher is kept).
+
+    ``stored`` and ``fresh`` are the selected tokens' stored and fresh K/V rows ``[1, H, n_sel, D]``
+    at the layer, ``rope`` their rotary embeddings.
+    """
     if score == "kv":
-        return kv_deviation(layer, sel)
-    attention = suffix_attention(lm, layer_idx, hidden_in, sel, layer, seg)
+        return kv_deviation(stored, fresh)
+    attention = suffix_attention(lm, layer_idx, hidden_in, sel, layer, seg, rope)
     if score == "attention":
         return attention
-    return kv_deviation(layer, sel) * attention
+    return kv_deviation(stored, fresh) * attention
 
 
-def kv_deviation(layer: hf_compat.ScatterLayer, rows: torch.Tensor) -> torch.Tensor:
-    """Per selected token: squared K and V change vs the stored rows, each relative to its scale."""
-    assert layer.old_keys is not None and layer.old_values is not None
-    keys, values, _ = layer.full()
-    new_k, new_v = keys[:, :, rows].float(), values[:, :, rows].float()
-    dk = (new_k - layer.old_keys.float()).pow(2).sum(dim=(0, 1, 3))
-    dv = (new_v - layer.old_values.float()).pow(2).sum(dim=(0, 1, 3))
+def kv_deviation(stored: KV, fresh: KV) -> torch.Tensor:
+    """Per token: squared K and V change of the ``fresh`` rows vs the ``stored`` ones (each
+    ``(keys, values)`` ``[1, H, n, D]``), each relative to the fresh rows' mean squared norm.
+    """
+    new_k, new_v = fresh[0].float(), fresh[1].float()
+    dk = (new_k - stored[0].float()).pow(2).sum(dim=(0, 1, 3))
+    dv = (new_v - stored[1].float()).pow(2).sum(dim=(0, 1, 3))
     scale_k = new_k.pow(2).sum(dim=(0, 1, 3)).mean().clamp_min(1e-12)
     scale_v = new_v.pow(2).sum(dim=(0, 1, 3)).mean().clamp_min(1e-12)
     return dk / scale_k + dv / scale_v
@@ -450,15 +454,15 @@ def kv_deviation(layer: hf_compat.ScatterLayer, rows: torch.Tensor) -> torch.Ten
 
 def suffix_attention(
     lm: LoadedModel, layer_idx: int, hidden_in: torch.Tensor, sel: torch.Tensor,
-    layer: hf_compat.ScatterLayer, seg: Segments,
+    layer: hf_compat.ScatterLayer, seg: Segments, rope: tuple[torch.Tensor, torch.Tensor],
 ) -> torch.Tensor:
     """Attention mass the question suffix puts on each selected token at ``layer_idx``: ``[n_sel]``.
 
-    ``hidden_in`` is the layer's input for the selected tokens ``[1, n_sel, hidden]``; the suffix
-    is the tail of the selection.
+    ``hidden_in`` is the layer's input for the selected tokens ``[1, n_sel, hidden]`` and ``rope``
+    their rotary embeddings; the suffix is the tail of the selection.
     """
     n_suffix = seg.total - seg.suffix_start
-    q_rope = hf_compat.position_embeddings(lm.model, hidden_in, sel[-n_suffix:])
+    q_rope = (rope[0][:, -n_suffix:], rope[1][:, -n_suffix:])
     return question_attention(lm, layer_idx, hidden_in[:, -n_suffix:], sel[-n_suffix:], q_rope, sel, layer)
 
 
@@ -572,7 +576,7 @@ class _LayerLoop:
                 feed, cos, sin = placement
                 _place_layer(scatter, feed.layer(layer_idx), seg, cos, sin)
             if selector.checks(layer_idx):
-                keep = self.narrow(layer_idx, sel, hidden, scatter)
+                keep = self.narrow(layer_idx, sel, hidden, scatter, _rope_of(blocks))
                 if keep is not None:
                     sel, hidden = sel[keep], hidden[:, keep]
                     blocks = _blocks(lm, sel, seg.total, hidden.dtype, self.window, self.causal_ok, self.flex_from)
@@ -585,27 +589,30 @@ class _LayerLoop:
         return hidden, sel, n_selected
 
     def narrow(self, layer_idx: int, sel: torch.Tensor, hidden_in: torch.Tensor,
-               scatter: hf_compat.ScatterLayer) -> torch.Tensor | None:
+               scatter: hf_compat.ScatterLayer, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
         """A check before layer ``layer_idx``'s body: which of the selected tokens (``hidden_in``:
-        their input to the layer) the layer runs on, as indices into ``sel`` on its device (None: all).
+        their input to the layer, ``rope``: their rotary embeddings) the layer runs on, as indices
+        into ``sel`` on its device (None: all).
 
         Every selected token's fresh K/V rows are written first, from the layer's projections alone,
         and ranked against the stored rows; the tokens the selector drops keep those fresh rows, so
         running the layer's attention and MLP on the kept tokens alone gives what running it on all
         of them and then dropping the rest would, at the cost of the K/V projections for the rest.
         """
-        lm = self.lm
         keys, values, _ = scatter.full()
-        scatter.old_keys, scatter.old_values = keys[:, :, sel], values[:, :, sel]
-        fresh_k, fresh_v = hf_compat.layer_keys_values(
-            lm.model, layer_idx, hidden_in, hf_compat.position_embeddings(lm.model, hidden_in, sel))
-        keys[:, :, sel] = fresh_k.to(keys.dtype)
-        values[:, :, sel] = fresh_v.to(values.dtype)
-        try:
-            score = _token_scores(lm, self.score, layer_idx, hidden_in, sel, scatter, self.seg)
-            keep = self.selector.narrow(layer_idx, sel.cpu(), score.cpu(), self.seg)
-        finally:
-            scatter.old_keys = scatter.old_values = None
+        stored = keys[:, :, sel], values[:, :, sel]
+        fresh = hf_compat.layer_keys_values(self.lm.model, layer_idx, hidden_in, rope)
+        keys[:, :, sel] = fresh[0].to(keys.dtype)
+        values[:, :, sel] = fresh[1].to(values.dtype)
+        score = _token_scores(self.lm, self.score, layer_idx, hidden_in, sel, scatter, self.seg, stored, fresh, rope)
+        keep = self.selector.narrow(layer_idx, sel.cpu(), score.cpu(), self.seg)
         if keep is None or keep.numel() == sel.numel():
             return None
         return keep.to(sel.device)
+
+
+def _rope_of(blocks: list[Block]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary embeddings ``[1, n_sel, R]`` of the whole selection, from its blocks'."""
+    if len(blocks) == 1:
+        return blocks[0][3]
+    return (torch.cat([b[3][0] for b in blocks], dim=1), torch.cat([b[3][1] for b in blocks], dim=1))

@@ -92,8 +92,7 @@ class ScatterLayer(DynamicLayer):
     Before the decoder layer runs, `rows` is set to the sequence positions of the selected tokens;
     `update` writes the fresh keys/values there and returns the full tensors (or their first `limit`
     positions, when the selected tokens attend no further), so the selected tokens attend to the
-    whole (partly stored, partly fresh) sequence. A selector measuring the deviation of fresh rows
-    from stored ones keeps the stored rows in `old_keys`/`old_values`.
+    whole (partly stored, partly fresh) sequence.
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -103,8 +102,6 @@ class ScatterLayer(DynamicLayer):
         self.is_initialized = True
         self.rows: torch.Tensor | None = None
         self.limit: int | None = None
-        self.old_keys: torch.Tensor | None = None
-        self.old_values: torch.Tensor | None = None
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any

@@ -148,6 +148,19 @@ def _deviation(lm, inp, config, ref_cache) -> float:
     return err
 
 
+def test_kv_deviation_is_each_tokens_change_relative_to_the_fresh_rows_scale():
+    from kvrag.fuse import kv_deviation
+
+    fresh_k = torch.ones(1, 2, 3, 4)  # each token's squared K norm: 8
+    fresh_v = torch.full((1, 2, 3, 4), 2.0)  # each token's squared V norm: 32
+    stored_k, stored_v = fresh_k.clone(), fresh_v.clone()
+    stored_k[0, 0, 1, 0] = 3.0  # token 1: squared K change 4, relative 0.5
+    stored_v[0, 1, 2] = 0.0  # token 2: squared V change 16, relative 0.5
+    stored_v[0, 0, 2, 0] = 4.0  # token 2: another 4, relative 0.125
+    dev = kv_deviation((stored_k, stored_v), (fresh_k, fresh_v))
+    assert dev.tolist() == pytest.approx([0.0, 0.5, 0.625])
+
+
 def test_kv_deviation_from_full_shrinks_as_ratio_grows():
     ratios = (0.1, 0.3, 0.6, 1.0)
     totals = [0.0] * len(ratios)
@@ -193,8 +206,9 @@ def test_suffix_attention_matches_the_models_attention_weights(arch):
     sel = torch.arange(ids.numel())
     for idx in (0, 2):
         scatter = hf_compat.ScatterLayer(*layers[idx])
+        rope = hf_compat.position_embeddings(lm.model, out.hidden_states[idx], sel)
         with torch.no_grad():
-            ours = suffix_attention(lm, idx, out.hidden_states[idx], sel, scatter, seg)
+            ours = suffix_attention(lm, idx, out.hidden_states[idx], sel, scatter, seg, rope)
         ref = out.attentions[idx][0, :, -suffix.numel():].sum(dim=(0, 1))
         assert (ours - ref).abs().max().item() <= 1e-4
 
@@ -413,12 +427,14 @@ def _narrowed_after_each_check(lm, inp: FusionInput, config: FuseConfig):
         for idx in range(lm.spec.n_layers):
             layer = cache.layer(idx)
             _place_layer(layer, feed.layer(idx), seg, cos, sin)
-            layer.old_keys, layer.old_values = (t[:, :, sel] for t in layer.full()[:2])
+            stored = tuple(t[:, :, sel].clone() for t in layer.full()[:2])
             layer.rows = sel
             ((_, _, mask, rope),) = _blocks(lm, sel, seg.total, torch.float32, None, False, 0)
             out = hf_compat.run_decoder_layer(lm.model, idx, hidden, mask, sel, rope, cache)
             if selector.checks(idx):
-                keep = selector.narrow(idx, sel, _token_scores(lm, config.score, idx, hidden, sel, layer, seg), seg)
+                fresh = tuple(t[:, :, sel] for t in layer.full()[:2])
+                scores = _token_scores(lm, config.score, idx, hidden, sel, layer, seg, stored, fresh, rope)
+                keep = selector.narrow(idx, sel, scores, seg)
                 sel, out = sel[keep], out[:, keep]
             hidden = out
         logits = hf_compat.final_logits(lm.model, hidden[:, -1:])[0, -1]

@@ -7,7 +7,8 @@ made before it did, or for several runs on the same questions pooled.
 
 Each file is compared on its own; ``--pool`` pools the rows of every file first (runs over
 different questions of one data set, e.g. questions 1–10 and 11–20). A mode answered twice for one
-question (in two pooled runs) keeps its first answer.
+question (in two pooled runs) keeps its first answer. Before the comparisons, a table of every mode
+on its own: agreement with ``full`` and mean |ΔNLL|, each with its 95 % bootstrap interval.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvrag.bench import common, metrics
 from kvrag.bench.quality import paired, paired_markdown
 
 
@@ -30,6 +32,26 @@ def first_answers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def modes_markdown(rows: list[dict[str, Any]]) -> str:
+    """Per mode, in the rows' order: questions, agreement and mean |ΔNLL| with 95 % bootstrap intervals."""
+    by_mode: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_mode.setdefault(r["mode"], []).append(r)
+    table = []
+    for mode, rs in by_mode.items():
+        agree = [r["agreement"] for r in rs]
+        closeness = [abs(r["delta_nll"]) for r in rs]
+        table.append([mode, len(rs), f"{metrics.summary(agree)['mean']:.3f}", _interval(agree),
+                      f"{metrics.summary(closeness)['mean']:.4f}", _interval(closeness, ".4f")])
+    return common.markdown_table(
+        ["mode", "questions", "agreement", "95 % interval", "mean \\|ΔNLL\\|", "95 % interval"], table)
+
+
+def _interval(values: list[float], fmt: str = ".3f") -> str:
+    lo, hi = metrics.bootstrap_interval(values)
+    return f"[{lo:{fmt}}, {hi:{fmt}}]"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("quality", nargs="+", type=Path, help="quality.json files of `kvrag bench quality` runs")
@@ -41,6 +63,7 @@ def main() -> None:
     for path, rows in runs:
         pairs = paired(rows, list(dict.fromkeys(r["mode"] for r in rows)))
         print(f"## {path}\n")
+        print(modes_markdown(rows), end="\n\n")
         print(paired_markdown(pairs) if pairs else "(no baseline mode in this run)", end="\n\n")
 
 

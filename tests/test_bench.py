@@ -358,3 +358,6 @@ def test_departures_script_on_a_tiny_run(tmp_path: Path, tiny_model_dir: Path) -
         shown = subprocess.run([sys.executable, str(paired), str(out / "quality.json"), str(again), *extra],
                                check=True, capture_output=True, text=True).stdout
         assert shown.count("| attnlink@1 | reuse | 3 |") == (1 if extra else 2)
+        # each mode on its own first: its questions and its agreement as the run summarised it
+        agreement = next(s["agreement"] for s in run["summary"] if s["mode"] == "attnlink@1")
+        assert shown.count(f"| attnlink@1 | 3 | {agreement:.3f} | [") == (1 if extra else 2)

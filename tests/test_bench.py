@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -361,3 +363,49 @@ def test_departures_script_on_a_tiny_run(tmp_path: Path, tiny_model_dir: Path) -
         # each mode on its own first: its questions and its agreement as the run summarised it
         agreement = next(s["agreement"] for s in run["summary"] if s["mode"] == "attnlink@1")
         assert shown.count(f"| attnlink@1 | 3 | {agreement:.3f} | [") == (1 if extra else 2)
+
+
+def _script(name: str) -> Any:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_context_sensitivity_counts_the_changed_rows_above_the_first_layer() -> None:
+    sensitivity = _script("selection_oracles").sensitivity
+    plain = (torch.ones(3, 2, 4, 5), torch.full((3, 2, 4, 5), 2.0))  # squared norms per token: K 10, V 40
+    context = (plain[0].clone(), plain[1].clone())
+    context[0][0, :, 1] = 9.0  # layer 0: below the first layer counted
+    context[0][2, 0, 2, 0] = 3.0  # layer 2, token 2: squared K change 4, relative 0.4
+    context[1][1, 1, 3] = 0.0  # layer 1, token 3: squared V change 20, relative 0.5
+    assert sensitivity(context, plain, 1).tolist() == pytest.approx([0.0, 0.0, 0.4, 0.5])
+    assert sensitivity(plain, plain, 0).abs().sum().item() == 0.0
+
+
+def test_selection_oracles_script_on_a_tiny_run(tmp_path: Path, tiny_model_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    data, out, index = _qa_file(tmp_path / "q.jsonl"), tmp_path / "out", tmp_path / "idx"
+    rc = main(["bench", "quality", "--data", str(data), "--model", str(tiny_model_dir), "--n", "2", "--modes",
+               "full,probe@0.15", "--max-new-tokens", "4", "--warmup", "0", "--device", "cpu",
+               "--neighbour-context", "1", "--index", str(index), "--out", str(out)])
+    assert rc == 0
+    script = Path(__file__).resolve().parents[1] / "scripts" / "selection_oracles.py"
+    result = tmp_path / "oracles.json"
+    subprocess.run([sys.executable, str(script), "--data", str(data), "--index", str(index), "--quality",
+                    str(out / "quality.json"), "--n", "2", "--threads", "1", "--out", str(result)],
+                   check=True, capture_output=True)
+    payload = json.loads(result.read_text())
+    run = {r["id"]: r for r in json.loads((out / "quality.json").read_text())["rows"] if r["mode"] == "probe@0.15"}
+    assert [r["id"] for r in payload["rows"]] == ["q0", "q1"]
+    for row in payload["rows"]:
+        assert row["probe@0.15"] == run[row["id"]]["agreement"]
+        assert 0.0 <= row["att*dev"] <= 1.0 and 0.0 <= row["att*sens"] <= 1.0
+        assert math.isfinite(row["att*dev_delta_nll"]) and math.isfinite(row["att*sens_delta_nll"])
+    assert set(payload["summary"]) == {"probe@0.15", "att*dev", "att*sens"}

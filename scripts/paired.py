@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrag.bench import common, metrics
-from kvrag.bench.quality import paired, paired_markdown
+from kvrag.bench.quality import interval_text, paired, paired_markdown
 
 
 def first_answers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -41,15 +41,12 @@ def modes_markdown(rows: list[dict[str, Any]]) -> str:
     for mode, rs in by_mode.items():
         agree = [r["agreement"] for r in rs]
         closeness = [abs(r["delta_nll"]) for r in rs]
-        table.append([mode, len(rs), f"{metrics.summary(agree)['mean']:.3f}", _interval(agree),
-                      f"{metrics.summary(closeness)['mean']:.4f}", _interval(closeness, ".4f")])
+        table.append([mode, len(rs), f"{metrics.summary(agree)['mean']:.3f}",
+                      interval_text(metrics.bootstrap_interval(agree)),
+                      f"{metrics.summary(closeness)['mean']:.4f}",
+                      interval_text(metrics.bootstrap_interval(closeness), ".4f")])
     return common.markdown_table(
         ["mode", "questions", "agreement", "95 % interval", "mean \\|ΔNLL\\|", "95 % interval"], table)
-
-
-def _interval(values: list[float], fmt: str = ".3f") -> str:
-    lo, hi = metrics.bootstrap_interval(values)
-    return f"[{lo:{fmt}}, {hi:{fmt}}]"
 
 
 def main() -> None:

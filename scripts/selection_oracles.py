@@ -51,14 +51,12 @@ class ReadingProbe(ProbeSelector):
 def sensitivity(context: tuple[torch.Tensor, torch.Tensor], plain: tuple[torch.Tensor, torch.Tensor],
                 first_layer: int) -> torch.Tensor:
     """Per token: squared K and V change between two caches of one chunk over the layers from
-    ``first_layer`` up, each relative to the plain cache's mean squared norm at the layer.
+    ``first_layer`` up, each relative to the plain cache's mean squared norm at the layer
+    (`token_deviation`'s measure, with the plain cache as the reference).
     """
-    total = torch.zeros(plain[0].shape[2])
-    for a, b in zip(context, plain):
-        a, b = a[first_layer:].float(), b[first_layer:].float()
-        change = (a - b).pow(2).sum(dim=(1, 3))  # [L', n]
-        total += (change / b.pow(2).sum(dim=(1, 3)).mean(1, keepdim=True).clamp_min(1e-30)).sum(0)
-    return total
+    ref = (plain[0][first_layer:].float(), plain[1][first_layer:].float())
+    got = (context[0][first_layer:].float(), context[1][first_layer:].float())
+    return token_deviation([(ref, got)], Tally(ref[0].shape[0])).sum(0)
 
 
 def main() -> None:

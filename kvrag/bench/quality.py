@@ -17,6 +17,7 @@ import logging
 import math
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -261,15 +262,16 @@ def paired_markdown(pairs: list[dict[str, Any]]) -> str:
     headers = ["mode", "against", "questions", "agreement diff", "95 % interval", "\\|ΔNLL\\| diff", "95 % interval",
                "agreement separated"]
     rows = [
-        [p["mode"], p["baseline"], p["n"], f"{p['agreement_diff']:+.3f}", _interval(p["agreement_diff_ci"], "+.3f"),
-         f"{p['abs_delta_nll_diff']:+.4f}", _interval(p["abs_delta_nll_diff_ci"], "+.4f"),
+        [p["mode"], p["baseline"], p["n"], f"{p['agreement_diff']:+.3f}", interval_text(p["agreement_diff_ci"], "+.3f"),
+         f"{p['abs_delta_nll_diff']:+.4f}", interval_text(p["abs_delta_nll_diff_ci"], "+.4f"),
          {True: "yes", False: "no", None: "too few questions"}[p["separated"]]]
         for p in pairs
     ]
     return common.markdown_table(headers, rows)
 
 
-def _interval(ci: list[float], fmt: str = ".3f") -> str:
+def interval_text(ci: Sequence[float], fmt: str = ".3f") -> str:
+    """``[lo, hi]`` of an interval, each bound in ``fmt``."""
     return f"[{ci[0]:{fmt}}, {ci[1]:{fmt}}]"
 
 
@@ -297,7 +299,7 @@ def summary_markdown(summary: list[dict[str, Any]]) -> str:
             s["rouge_l"],
             s["em"],
             s["agreement"],
-            _interval(s["agreement_ci"]),
+            interval_text(s["agreement_ci"]),
             s["first_token_agreement"],
             s["delta_nll"],
             s["abs_delta_nll"],

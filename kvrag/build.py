@@ -128,7 +128,9 @@ def nearest_chunks(
     found += [(score, rec.key, chunk_token_ids(lm.tokenizer, rec.text))
               for rec, score in index.search(vector, count + 1) if rec.key != key]
     found.sort(key=lambda f: -f[0])
-    chosen = [Neighbour(k, ids) for _, k, ids in reversed(found[:count])]
+    unique = list({k: (score, k, ids) for score, k, ids in reversed(found)}.values())  # a key once, at its best
+    unique.sort(key=lambda f: -f[0])
+    chosen = [Neighbour(k, ids) for _, k, ids in reversed(unique[:count])]
     excess = sum(len(n.ids) for n in chosen) - max(0, lm.spec.max_position - prefix_len - n_tokens - 1)
     while excess > 0 and chosen:
         first = chosen[0]
@@ -195,26 +197,42 @@ class Builder:
         codec = self.kvstore.codec
         return not codec.needs_fit or (self.codec_state_dir / "fitted").is_file()
 
-    def run(self, candidates: Sequence[Candidate], stats: BuildStats, show_progress: bool) -> None:
+    def run(self, candidates: Sequence[Candidate], stats: BuildStats, show_progress: bool,
+            caches: bool = True) -> None:
+        """Index the candidates not yet in the index and store the caches they lack.
+
+        ``caches=False`` only embeds and indexes the new chunks: their caches are computed the first
+        time a prompt uses them (`KVRag.load_chunk`), or by a later run with ``caches=True``, which
+        also computes the caches of chunks already indexed without them.
+        """
         from tqdm.auto import tqdm
 
         new = [c for c in candidates if c.record.key not in self.index]
+        todo = [c for c in candidates if c.record.key not in self.index or not self._cached(c)] if caches else new
         stats.chunks, stats.new_chunks = len(candidates), len(new)
-        bar = tqdm(total=len(new), unit="chunk", desc="kvrag build", disable=not show_progress)
+        bar = tqdm(total=len(todo), unit="chunk", desc="kvrag build", disable=not show_progress)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrag-writer") as writer:
-            for start in range(0, len(new), GROUP_CHUNKS):
-                group = list(new[start : start + GROUP_CHUNKS])
+            for start in range(0, len(todo), GROUP_CHUNKS):
+                group = list(todo[start : start + GROUP_CHUNKS])
                 t0 = time.perf_counter()
                 vectors = self.embedder.encode([c.record.text for c in group])
                 stats.embed_s += time.perf_counter() - t0
-                if self.context_chunks:  # first: the neighbours' plain caches are placed from the store
-                    self._store_leads(group, stats, writer)
-                self._store_caches(group, vectors, stats, writer, bar)
-                self.index.add([c.record for c in group], vectors)
+                if caches:
+                    if self.context_chunks:  # first: the neighbours' plain caches are placed from the store
+                        self._store_leads([(c.record.key, c.ids) for c in group], stats, writer)
+                    self._store_caches(group, vectors, stats, writer, bar)
+                else:
+                    bar.update(len(group))
+                self.index.add([c.record for c in group], vectors)  # (keys already indexed are skipped)
                 if not show_progress:
                     continue
                 bar.set_postfix(tok_s=f"{stats.prefill_tokens_per_s:.0f}")
         bar.close()
+
+    def _cached(self, candidate: Candidate) -> bool:
+        """Whether a chunk's caches are stored (with neighbour context: its plain cache too)."""
+        key = candidate.record.key
+        return self.kvstore.contains(key) and (not self.context_chunks or self.kvstore.contains(lead_key(key)))
 
     def _neighbours(self, group: list[Candidate], vectors: np.ndarray, i: int) -> list[Neighbour]:
         """`nearest_chunks` of the group's chunk ``i``, among the index and the rest of the group."""
@@ -225,14 +243,16 @@ class Builder:
         return nearest_chunks(self.lm, self.index, self.prefix.length, self.context_chunks,
                               group[i].record.key, len(group[i].ids), vectors[i], others)
 
-    def _caches(self, group: list[Candidate], vectors: np.ndarray, todo: list[int],
-                stats: BuildStats) -> Iterator[tuple[int, KV]]:
+    def _caches(self, group: list[Candidate], vectors: np.ndarray, todo: list[int], stats: BuildStats,
+                writer: ThreadPoolExecutor) -> Iterator[tuple[int, KV]]:
         """``(position in todo, cache)`` of the chunks to prefill, after the prefix or their neighbours."""
         if not self.context_chunks:
             yield from chunk_caches(self.lm, self.prefix, [group[i].ids for i in todo], self.batch_tokens)
             return
-        for pos, i in enumerate(todo):
-            neighbours = self._neighbours(group, vectors, i)
+        chosen = [self._neighbours(group, vectors, i) for i in todo]
+        if self.neighbour_kv == "stored":  # neighbours indexed without caches get their plain ones, batched
+            self._store_leads([(n.key, n.ids) for neighbours in chosen for n in neighbours], stats, writer)
+        for pos, (i, neighbours) in enumerate(zip(todo, chosen)):
             stats.context_tokens += sum(len(n.ids) - n.start for n in neighbours)
             yield pos, cache_after_neighbours(self.lm, self.prefix, self.kvstore, neighbours, group[i].ids,
                                               self.neighbour_kv)
@@ -247,7 +267,7 @@ class Builder:
         t0 = time.perf_counter()
         pending: list[Future[int]] = []
         held: list[tuple[int, tuple[torch.Tensor, torch.Tensor]]] = []
-        for i, kv in self._caches(group, vectors, positions, stats):
+        for i, kv in self._caches(group, vectors, positions, stats, writer):
             stats.prefilled_chunks += 1
             stats.prefilled_tokens += len(todo[i].ids)
             if not self.codec_ready:
@@ -265,14 +285,18 @@ class Builder:
         stats.stored_bytes += sum(f.result() for f in pending)
         stats.kv_s += time.perf_counter() - t0
 
-    def _store_leads(self, group: list[Candidate], stats: BuildStats, writer: ThreadPoolExecutor) -> None:
-        """With neighbour context: the chunks' plain caches, for when a chunk comes first in a prompt."""
-        leads = [c for c in group if not self.kvstore.contains(lead_key(c.record.key))]
+    def _store_leads(self, chunks: Sequence[tuple[str, list[int]]], stats: BuildStats,
+                     writer: ThreadPoolExecutor) -> None:
+        """With neighbour context: the plain caches (``(key, token ids)`` of each chunk) not stored yet,
+        for when a chunk comes first in a prompt and for placing it before its neighbours.
+        """
+        leads = {key: ids for key, ids in chunks if not self.kvstore.contains(lead_key(key))}
         if not leads:
             return
         t0 = time.perf_counter()
-        pending = [self._submit(writer, lead_key(leads[i].record.key), kv)
-                   for i, kv in chunk_caches(self.lm, self.prefix, [c.ids for c in leads], self.batch_tokens)]
+        keys = list(leads)
+        pending = [self._submit(writer, lead_key(keys[i]), kv)
+                   for i, kv in chunk_caches(self.lm, self.prefix, list(leads.values()), self.batch_tokens)]
         stats.stored_bytes += sum(f.result() for f in pending)
         stats.kv_s += time.perf_counter() - t0
 

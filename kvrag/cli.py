@@ -22,7 +22,7 @@ def _index(args: argparse.Namespace) -> int:
                       codec=args.codec, codec_level=args.codec_level, index_kind=args.index_kind,
                       dtype=args.dtype, device=args.device, batch_tokens=args.batch_tokens,
                       neighbour_context=args.neighbour_context, neighbour_kv=args.neighbour_kv,
-                      show_progress=not args.quiet)
+                      show_progress=not args.quiet, caches=not args.lazy)
     print(f"{args.index}: {len(rag.index)} chunks")
     rag.close()
     return 0
@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --neighbour-context: place the neighbours' stored caches before a chunk (default for a "
                         "new index; about the cost of a plain build again) or prefill their tokens with it (exact, "
                         "up to N+1 times the cost)")
+    p.add_argument("--lazy", action="store_true",
+                   help="index the chunks for retrieval only: each chunk's cache is computed the first time a "
+                        "question uses it (a later run without --lazy computes the missing ones)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

@@ -128,6 +128,7 @@ class KVRag:
         codec_level: int | None = None, index_kind: str = "flat", dtype: str | None = None,
         device: str | None = None, batch_tokens: int = 4096, instruction: str = DEFAULT_INSTRUCTION,
         neighbour_context: int | None = None, neighbour_kv: str | None = None, show_progress: bool = True,
+        caches: bool = True,
     ) -> KVRag:
         """Build (or extend) an index at ``path`` over ``documents``.
 
@@ -154,6 +155,8 @@ class KVRag:
                 costs about its plain prefill again; ``"prefill"`` prefills their tokens with the chunk,
                 exact for that context but up to ``neighbour_context + 1`` times the cost. An existing
                 index keeps its own (indexes that predate the setting used ``"prefill"``).
+            caches: False indexes the chunks for retrieval only (`add`): each chunk's cache is computed
+                the first time a prompt uses it.
 
         Raises:
             InputError: no usable documents.
@@ -172,7 +175,7 @@ class KVRag:
             rag = cls._create(path, model, embedder, split or SplitConfig(), codec, codec_level, index_kind, dtype,
                               device, batch_tokens, instruction, neighbour_context or 0,
                               check_neighbour_kv(neighbour_kv or "stored"))
-        rag.add(loaded, show_progress=show_progress)
+        rag.add(loaded, show_progress=show_progress, caches=caches)
         return rag
 
     @classmethod
@@ -262,8 +265,15 @@ class KVRag:
             self._prefix = prefix_cache(self.lm, self.layout.prefix_ids)
         return self._prefix
 
-    def add(self, documents: Document | Iterable[Document] | Loaded, show_progress: bool = True) -> BuildStats:
-        """Index new documents; chunks already present are skipped (content-hash keys)."""
+    def add(self, documents: Document | Iterable[Document] | Loaded, show_progress: bool = True,
+            caches: bool = True) -> BuildStats:
+        """Index new documents; chunks already present are skipped (content-hash keys).
+
+        ``caches=False`` embeds and indexes the new chunks without computing their caches (a large
+        corpus of which few chunks are ever retrieved, or candidates for neighbour context): a chunk's
+        cache is then computed the first time a prompt uses it, and stored. A later ``add`` of the same
+        documents with ``caches=True`` computes the caches still missing.
+        """
         t0 = time.perf_counter()
         loaded = documents if isinstance(documents, Loaded) else load_documents(documents)
         stats = BuildStats(documents=len(loaded.docs), skipped=list(loaded.skipped))
@@ -271,7 +281,7 @@ class KVRag:
         candidates = split_documents(loaded, self.lm, self.layout, split, self.embedder.encode)
         builder = Builder(self.lm, self.index, self.kvstore, self.embedder, self.prefix,
                           self.path / "codec", self.batch_tokens, self.neighbour_context, self.neighbour_kv)
-        builder.run(candidates, stats, show_progress)
+        builder.run(candidates, stats, show_progress, caches)
         stats.total_s = time.perf_counter() - t0
         log.info("indexed %d new chunks (%d prefilled, %.0f tok/s)", stats.new_chunks,
                  stats.prefilled_chunks, stats.prefill_tokens_per_s)

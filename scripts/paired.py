@@ -9,6 +9,9 @@ Each file is compared on its own; ``--pool`` pools the rows of every file first 
 different questions of one data set, e.g. questions 1–10 and 11–20). A mode answered twice for one
 question (in two pooled runs) keeps its first answer. Before the comparisons, a table of every mode
 on its own: agreement with ``full`` and mean |ΔNLL|, each with its 95 % bootstrap interval.
+
+``--across`` compares two runs of the same questions with each other instead (e.g. the same modes
+over two indexes): each mode of both runs, the second run minus the first, question by question.
 """
 
 from __future__ import annotations
@@ -49,12 +52,44 @@ def modes_markdown(rows: list[dict[str, Any]]) -> str:
         ["mode", "questions", "agreement", "95 % interval", "mean \\|ΔNLL\\|", "95 % interval"], table)
 
 
+def across(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[list[Any]]:
+    """Rows of the ``--across`` table: per mode answered in both runs (not ``full``), the questions
+    both answered and the mean change in agreement and in |ΔNLL| (``after`` minus ``before``) with
+    95 % bootstrap intervals, and on how many questions the answer changed.
+    """
+    first = {(r["id"], r["mode"]): r for r in first_answers(before)}
+    table = []
+    for mode in dict.fromkeys(r["mode"] for r in after):
+        pairs = [(first[(r["id"], mode)], r) for r in first_answers(after)
+                 if r["mode"] == mode and (r["id"], mode) in first]
+        if mode == "full" or not pairs:
+            continue
+        agree = [b["agreement"] - a["agreement"] for a, b in pairs]
+        closer = [abs(b["delta_nll"]) - abs(a["delta_nll"]) for a, b in pairs]
+        table.append([mode, len(pairs), f"{metrics.summary(agree)['mean']:+.3f}",
+                      interval_text(metrics.bootstrap_interval(agree), "+.3f"),
+                      f"{metrics.summary(closer)['mean']:+.4f}",
+                      interval_text(metrics.bootstrap_interval(closer), "+.4f"),
+                      sum(a["answer"] != b["answer"] for a, b in pairs)])
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("quality", nargs="+", type=Path, help="quality.json files of `kvrag bench quality` runs")
     parser.add_argument("--pool", action="store_true", help="pool every file's rows into one comparison")
+    parser.add_argument("--across", action="store_true",
+                        help="two files: each mode of the second run against the same mode of the first")
     args = parser.parse_args()
     runs = [(path, json.loads(path.read_text())["rows"]) for path in args.quality]
+    if args.across:
+        if len(runs) != 2 or args.pool:
+            parser.error("--across takes exactly two files and no --pool")
+        print(f"## {runs[1][0]} against {runs[0][0]}\n")
+        print(common.markdown_table(
+            ["mode", "questions", "agreement change", "95 % interval", "\\|ΔNLL\\| change", "95 % interval",
+             "answers changed"], across(runs[0][1], runs[1][1])))
+        return
     if args.pool:
         runs = [(Path(" + ".join(str(p) for p, _ in runs)), first_answers([r for _, rows in runs for r in rows]))]
     for path, rows in runs:

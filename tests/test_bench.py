@@ -409,3 +409,68 @@ def test_selection_oracles_script_on_a_tiny_run(tmp_path: Path, tiny_model_dir: 
         assert 0.0 <= row["att*dev"] <= 1.0 and 0.0 <= row["att*sens"] <= 1.0
         assert math.isfinite(row["att*dev_delta_nll"]) and math.isfinite(row["att*sens_delta_nll"])
     assert set(payload["summary"]) == {"probe@0.15", "att*dev", "att*sens"}
+
+
+def test_pool_documents_reads_qa_and_corpus_files_each_text_once(tmp_path: Path) -> None:
+    from kvrag.bench.quality import passage_text, pool_documents
+
+    qa = _qa_file(tmp_path / "q.jsonl")
+    corpus = tmp_path / "corpus.json"
+    corpus.write_text(json.dumps([{"title": "Tides", "text": "Delta works on tides."},
+                                  {"title": "Records", "text": "The records were lost in 1998."},
+                                  {"text": "Untitled passage."}]))
+    exclude = {passage_text({"title": "Meeting", "text": "Dr. Smith arrived in Washington at 5 p.m. on Monday."})}
+    docs = pool_documents([qa, corpus], exclude)
+    texts = [t for _, t in docs]
+    # 3 distinct "She met..." texts, Records once (QA file and corpus), Tides, the untitled one; Meeting left out
+    assert len(texts) == len(set(texts)) == 6
+    assert texts.count("Records\nThe records were lost in 1998.") == 1 and not exclude & set(texts)
+    assert "Tides\nDelta works on tides." in texts and "Untitled passage." in texts
+    assert docs[-1][0] == "pool/corpus/2"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"text": "not a list"}))
+    with pytest.raises(ValueError, match="expected a JSON list"):
+        pool_documents([bad], set())
+    bad.write_text(json.dumps([{"title": "no text"}]))
+    with pytest.raises(ValueError, match="passage 0 has no text"):
+        pool_documents([bad], set())
+
+
+def test_bench_quality_with_a_neighbour_pool(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from kvrag import KVRag
+
+    data, out, index = _qa_file(tmp_path / "q.jsonl"), tmp_path / "out", tmp_path / "idx"
+    corpus = tmp_path / "corpus.json"
+    corpus.write_text(json.dumps([{"title": "Smith", "text": f"Dr. Smith met Mr. Jones in London {i}."}
+                                  for i in range(4)]))
+    rc = main(["bench", "quality", "--data", str(data), "--model", str(tiny_model_dir), "--n", "2", "--modes",
+               "full,reuse", "--max-new-tokens", "2", "--warmup", "0", "--device", "cpu", "--neighbour-context", "2",
+               "--neighbour-pool", f"{data},{corpus}", "--index", str(index), "--out", str(out)])
+    assert rc == 0
+    payload = json.loads((out / "quality.json").read_text())
+    # the two questions' 4 distinct passages, and the pool: the third question's own passage and the corpus
+    assert payload["index_chunks"] == 4 + 1 + 4 and payload["neighbour_pool"] == [str(data), str(corpus)]
+    assert "among 9 indexed passages" in (out / "quality.md").read_text()
+    with KVRag.open(index) as rag:
+        cached = {r.text for r in rag.index.records() if rag.kvstore.contains(r.key)}
+    assert cached == {"Meeting\nDr. Smith arrived in Washington at 5 p.m. on Monday.",
+                      "She met Mr. Jones, who had travelled from London 0.",
+                      "She met Mr. Jones, who had travelled from London 1.",
+                      "Records\nThe records were lost in 1998."}
+
+
+def test_paired_across_two_runs_of_the_same_questions() -> None:
+    across = _script("paired").across
+
+    def row(qid: str, mode: str, agreement: float, delta: float, answer: str) -> dict[str, Any]:
+        return {"id": qid, "mode": mode, "agreement": agreement, "delta_nll": delta, "answer": answer}
+
+    before = [row("a", "full", 1, 0, "x"), row("a", "reuse", 0.5, 0.2, "y"), row("b", "reuse", 1.0, -0.1, "x"),
+              row("a", "probe@0.15", 1.0, 0.0, "x")]
+    after = [row("a", "full", 1, 0, "x"), row("a", "reuse", 0.7, -0.1, "z"), row("b", "reuse", 1.0, 0.3, "x"),
+             row("c", "reuse", 0.0, 1.0, "w"), row("b", "probe@0.15", 0.0, 0.0, "q")]
+    table = across(before, after)
+    # reuse on a and b (c is not in the first run): agreement +0.2 and 0, |ΔNLL| -0.1 and +0.2; one answer changed
+    assert [r[0] for r in table] == ["reuse"]  # full is the reference; probe@0.15 shares no question
+    mode, n, agree, _, closer, _, changed = table[0]
+    assert (mode, n, agree, closer, changed) == ("reuse", 2, "+0.100", "+0.0500", 1)

@@ -56,3 +56,19 @@ def test_index_with_neighbour_context(tiny_model_dir: Path, tmp_path: Path, caps
     assert json.loads(capsys.readouterr().out)["manifest"]["neighbour_context"] == 1
     assert main(["index", str(docs), "--index", str(idx), "-q", "--neighbour-context", "2"]) == 2
     assert "neighbour_context=1" in capsys.readouterr().err
+
+
+def test_index_lazy_indexes_without_caches(tiny_model_dir: Path, tmp_path: Path, capsys):
+    from kvrag import KVRag
+
+    docs = tmp_path / "docs.txt"
+    docs.write_text("Gamma labs moved to Lisbon in 2011. " * 6 + "\n\nDelta works on tides. " * 6)
+    idx = tmp_path / "idx"
+    assert main(["index", str(docs), "--index", str(idx), "--model", str(tiny_model_dir), "-q", "--lazy",
+                 "--max-tokens", "32", "--min-tokens", "4"]) == 0
+    with KVRag.open(idx) as rag:
+        keys = [r.key for r in rag.index.records()]
+        assert len(keys) >= 2 and not any(rag.kvstore.contains(k) for k in keys)
+    assert main(["index", str(docs), "--index", str(idx), "-q"]) == 0  # without --lazy: the missing caches
+    with KVRag.open(idx) as rag:
+        assert all(rag.kvstore.is_valid(k) for k in keys)

@@ -230,3 +230,47 @@ def test_a_build_that_places_the_neighbours_stored_caches(tiny_model_dir, tmp_pa
     with pytest.raises(ValueError, match="neighbour_kv must be one of"):
         KVRag.build(DOCS, tmp_path / "new", model=str(tiny_model_dir), neighbour_context=1, neighbour_kv="x",
                     show_progress=False)
+
+
+def test_chunks_indexed_without_caches_are_neighbours_and_get_their_caches_later(tiny_model_dir, tmp_path):
+    path = tmp_path / "idx"
+    pool, cached = DOCS[:2], DOCS[2:]
+    rag = KVRag.build(pool, path, model=str(tiny_model_dir), split=SPLIT, neighbour_context=2, show_progress=False,
+                      caches=False)
+    pool_keys = {r.key for r in rag.index.records()}
+    assert pool_keys and not any(rag.kvstore.contains(k) or rag.kvstore.contains(lead_key(k)) for k in pool_keys)
+    stats = rag.add(cached, show_progress=False)
+    new_keys = {r.key for r in rag.index.records()} - pool_keys
+    assert stats.new_chunks == len(new_keys) > 0
+    for key in new_keys:
+        ids = chunk_token_ids(rag.lm.tokenizer, rag.index.get(key).text)
+        neighbours = nearest_chunks(rag.lm, rag.index, rag.prefix.length, 2, key, len(ids),
+                                    rag.embedder.encode([rag.index.get(key).text])[0])
+        assert len({n.key for n in neighbours}) == len(neighbours) == 2
+        # a neighbour from the uncached pool was given its plain cache, and the chunk was placed after it
+        for n in neighbours:
+            assert rag.kvstore.is_valid(lead_key(n.key))
+        placed = [(n.ids, rag.kvstore.load(lead_key(n.key))) for n in neighbours]
+        expected = chunk_cache_after(rag.lm, placed_prefix(rag.lm, rag.prefix, placed), ids)
+        assert all((a - b).abs().max().item() <= 1e-4 for a, b in zip(rag.kvstore.load(key), expected))
+    assert any(n in pool_keys for key in new_keys for n in (
+        r.key for r, _ in rag.index.search(rag.embedder.encode([rag.index.get(key).text])[0], 3)))
+    # the pool chunks still have no cache of their own; building the pool again computes the missing ones
+    assert not any(rag.kvstore.contains(k) for k in pool_keys)
+    again = rag.add(pool, show_progress=False)
+    assert again.new_chunks == 0 and again.prefilled_chunks == len(pool_keys)
+    assert all(rag.kvstore.is_valid(k) and rag.kvstore.is_valid(lead_key(k)) for k in pool_keys)
+    assert rag.add(pool, show_progress=False).prefilled_chunks == 0
+
+
+def test_a_chunk_both_in_the_index_and_among_the_others_is_one_neighbour(lm, tiny_model_dir, tmp_path):
+    rag = KVRag.build(DOCS, tmp_path / "idx", model=str(tiny_model_dir), split=SPLIT, show_progress=False,
+                      caches=False)
+    records = rag.index.records()
+    target, other = records[0], records[1]
+    vector = rag.embedder.encode([target.text])[0]
+    ids = chunk_token_ids(rag.lm.tokenizer, other.text)
+    neighbours = nearest_chunks(rag.lm, rag.index, rag.prefix.length, len(records) - 1, target.key, 4, vector,
+                                [(2.0, other.key, ids)])
+    keys = [n.key for n in neighbours]
+    assert len(keys) == len(set(keys)) == len(records) - 1 and keys[-1] == other.key  # nearest, right before it

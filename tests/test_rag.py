@@ -236,3 +236,21 @@ def test_a_document_ten_times_the_context_window_is_chunked(tiny_model_dir, tmp_
 def test_open_missing_index(tmp_path):
     with pytest.raises(IndexNotFoundError):
         KVRag.open(tmp_path / "nothing")
+
+
+def test_chunks_indexed_without_caches_are_computed_on_first_use(tiny_model_dir, tiny_lm, tmp_path):
+    path = tmp_path / "idx"
+    rag = KVRag.build(DOCS, path, model=str(tiny_model_dir), split=SPLIT, show_progress=False, caches=False)
+    keys = [r.key for r in rag.index.records()]
+    assert len(keys) >= len(DOCS) and not any(rag.kvstore.contains(k) for k in keys)
+    q = "Who designed the alpha reactor?"
+    first = rag.answer(q, k=2, mode="reuse", max_new_tokens=3)
+    used = [c.key for c in first.chunks]
+    assert all(rag.kvstore.is_valid(k) for k in used)  # computed and stored on first use
+    assert sum(rag.kvstore.contains(k) for k in keys) == len(used)
+    eager = KVRag.build(DOCS, tmp_path / "eager", model=tiny_lm, split=SPLIT, show_progress=False)
+    assert eager.answer(q, chunks=used, mode="reuse", max_new_tokens=3).token_ids == \
+        rag.answer(q, chunks=used, mode="reuse", max_new_tokens=3).token_ids == first.token_ids
+    stats = rag.add(DOCS, show_progress=False)  # the caches still missing
+    assert stats.new_chunks == 0 and stats.prefilled_chunks == len(keys) - len(used)
+    assert all(rag.kvstore.is_valid(k) for k in keys)

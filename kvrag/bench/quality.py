@@ -50,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "neighbour_context; default 0, an existing --index keeps its own)")
     parser.add_argument("--neighbour-kv", default=None, choices=["stored", "prefill"],
                         help="how the neighbours are put before a chunk (KVRag.build neighbour_kv)")
+    parser.add_argument("--neighbour-pool", default=None, metavar="FILE,...",
+                        help="QA JSONL files (their passages) or corpus JSON files (a list of {title, text}) "
+                             "indexed without caches before the questions' passages, so that neighbour context "
+                             "chooses each passage's neighbours from a corpus, not from the benchmark's passages "
+                             "alone")
     parser.add_argument("--index", default=None, help="index directory (default: a temporary one)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
     parser.add_argument("--device", default=None)
@@ -82,6 +87,30 @@ def passage_text(ctx: dict[str, str]) -> str:
 
 def passage_documents(items: list[dict[str, Any]]) -> list[tuple[str, str]]:
     return [(f"{item['id']}/{j}", passage_text(ctx)) for item in items for j, ctx in enumerate(item["ctxs"])]
+
+
+def pool_documents(paths: Sequence[Path], exclude: set[str]) -> list[tuple[str, str]]:
+    """``(id, text)`` of the passages in ``paths`` (QA JSONL files, or JSON files holding a list of
+    ``{title, text}``), each text once, leaving out the texts in ``exclude``.
+    """
+    seen = set(exclude)
+    docs = []
+    for path in paths:
+        if path.suffix == ".jsonl":
+            with open(path, encoding="utf-8") as fh:
+                passages = [ctx for line in fh if line.strip() for ctx in json.loads(line).get("ctxs", [])]
+        else:
+            passages = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(passages, list):
+                raise ValueError(f"{path}: expected a JSON list of {{title, text}} passages")
+        for j, ctx in enumerate(passages):
+            if not isinstance(ctx, dict) or not isinstance(ctx.get("text"), str):
+                raise ValueError(f"{path}: passage {j} has no text")
+            text = passage_text(ctx)
+            if text not in seen:
+                seen.add(text)
+                docs.append((f"pool/{path.stem}/{j}", text))
+    return docs
 
 
 def passage_keys(rag: Any, item: dict[str, Any]) -> list[str]:
@@ -336,22 +365,21 @@ def pareto_plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def build_index(args: argparse.Namespace, items: list[dict[str, Any]], index_dir: Path,
-                neighbour_context: int | None = None, neighbour_kv: str | None = None) -> tuple[Any, float]:
+                neighbour_context: int | None = None, neighbour_kv: str | None = None,
+                pool: Sequence[Path] = ()) -> tuple[Any, float]:
+    """The index over the questions' passages (with caches), after the ``pool`` passages (without)."""
     from kvrag.config import SplitConfig
     from kvrag.rag import KVRag
 
     t0 = time.perf_counter()
     split = SplitConfig(mode="document", max_tokens=args.max_chunk_tokens, min_tokens=0)
-    rag = KVRag.build(
-        passage_documents(items),
-        index_dir,
-        model=args.model,
-        split=split,
-        device=args.device,
-        neighbour_context=neighbour_context,
-        neighbour_kv=neighbour_kv,
-        show_progress=False,
-    )
+    docs = passage_documents(items)
+    first = pool_documents(pool, {text for _, text in docs}) if pool else docs
+    rag = KVRag.build(first, index_dir, model=args.model, split=split, device=args.device,
+                      neighbour_context=neighbour_context, neighbour_kv=neighbour_kv, show_progress=False,
+                      caches=not pool)
+    if pool:
+        rag.add(docs, show_progress=False)
     return rag, time.perf_counter() - t0
 
 
@@ -380,7 +408,8 @@ def write_outputs(args: argparse.Namespace, items: list[dict[str, Any]], specs: 
     partial = "" if done == len(items) else f" (partial: {done} of {len(items)} questions so far)"
     context = extra.get("neighbour_context") or 0
     placed = " (their stored caches placed)" if extra.get("neighbour_kv") == "stored" else ""
-    caches = (f"; chunk caches computed after each passage's {context} nearest passages{placed}" if context
+    among = (f" among {extra['index_chunks']} indexed passages" if extra.get("neighbour_pool") else "")
+    caches = (f"; chunk caches computed after each passage's {context} nearest passages{among}{placed}" if context
               else "; chunk caches computed after the prompt prefix")
     (out / "quality.md").write_text(
         f"# kvrag bench quality\n\n`{payload['command']}`\n\n{done} questions from "
@@ -403,9 +432,11 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvrag-bench-") as tmp:
+        pool = [Path(p) for p in args.neighbour_pool.split(",") if p] if args.neighbour_pool else []
         rag, build_s = build_index(args, items, Path(args.index) if args.index else Path(tmp) / "index",
-                                   args.neighbour_context, args.neighbour_kv)
+                                   args.neighbour_context, args.neighbour_kv, pool)
         extra = {"index_chunks": len(rag.index), "index_build_s": build_s,
+                 "neighbour_pool": [str(p) for p in pool],
                  "neighbour_context": rag.neighbour_context,
                  "neighbour_kv": rag.neighbour_kv if rag.neighbour_context else None}
         twins = {s.dtype: precision_twin(rag, s.dtype) for s in specs if s.dtype}  # each model loaded once

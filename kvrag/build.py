@@ -125,12 +125,11 @@ def nearest_chunks(
     if count < 1:
         return []
     found = list(others)
+    taken = {key, *(k for _, k, _ in others)}  # (a chunk among the others may be indexed already)
     found += [(score, rec.key, chunk_token_ids(lm.tokenizer, rec.text))
-              for rec, score in index.search(vector, count + 1) if rec.key != key]
+              for rec, score in index.search(vector, count + 1) if rec.key not in taken]
     found.sort(key=lambda f: -f[0])
-    unique = list({k: (score, k, ids) for score, k, ids in reversed(found)}.values())  # a key once, at its best
-    unique.sort(key=lambda f: -f[0])
-    chosen = [Neighbour(k, ids) for _, k, ids in reversed(unique[:count])]
+    chosen = [Neighbour(k, ids) for _, k, ids in reversed(found[:count])]
     excess = sum(len(n.ids) for n in chosen) - max(0, lm.spec.max_position - prefix_len - n_tokens - 1)
     while excess > 0 and chosen:
         first = chosen[0]

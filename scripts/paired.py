@@ -58,12 +58,12 @@ def across(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[li
     95 % bootstrap intervals, and on how many questions the answer changed.
     """
     first = {(r["id"], r["mode"]): r for r in first_answers(before)}
+    by_mode: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
+    for r in first_answers(after):
+        if r["mode"] != "full" and (r["id"], r["mode"]) in first:
+            by_mode.setdefault(r["mode"], []).append((first[(r["id"], r["mode"])], r))
     table = []
-    for mode in dict.fromkeys(r["mode"] for r in after):
-        pairs = [(first[(r["id"], mode)], r) for r in first_answers(after)
-                 if r["mode"] == mode and (r["id"], mode) in first]
-        if mode == "full" or not pairs:
-            continue
+    for mode, pairs in by_mode.items():
         agree = [b["agreement"] - a["agreement"] for a, b in pairs]
         closer = [abs(b["delta_nll"]) - abs(a["delta_nll"]) for a, b in pairs]
         table.append([mode, len(pairs), f"{metrics.summary(agree)['mean']:+.3f}",

@@ -93,6 +93,12 @@ class FuseConfig:
             where it compiles and runs, ``flex`` for selections attending to at least
             ``kvrag.fuse.FLEX_MIN_KEYS`` keys; ``blocks`` otherwise). Both are exact. FlexAttention
             is compiled by the first fusion that uses it in a process, which is then slow.
+        adaptive: let the loading controller (`kvrag.control`) plan fusions that load from the
+            store: recompute the last chunks from their text when loading them would take longer
+            than recomputing them, and raise ``cacheblend``'s ratio (up to its
+            ceiling) while loading would still hide the recompute. ``ratio`` stays the floor. Plans
+            use the throughputs measured by earlier fusions of the same `KVRag` (or benchmark
+            workload); until then nothing changes.
     """
 
     mode: str = "cacheblend"
@@ -103,6 +109,7 @@ class FuseConfig:
     score: str = "kv_attention"
     probe_from: float = 0.33
     attention: str = "auto"
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:

@@ -11,7 +11,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from kvrag.build import (
 )
 from kvrag.codec.base import Codec, make_codec
 from kvrag.config import FuseConfig, GenerateConfig, SplitConfig
+from kvrag.control import LoadController, LoadPlan, fusion_shape, observe
 from kvrag.documents import Document, Loaded, load_documents
 from kvrag.embed import Embedder
 from kvrag.errors import CorruptChunkError, IndexMismatchError, InputError
@@ -76,15 +77,19 @@ class Answer:
     recompute_fraction: float = 0.0
     score_nll: float = math.nan  # teacher-forced NLL of ``score_ids`` under this fusion, when asked
     token_logprobs: list[float] = field(default_factory=list)  # log-probability of each generated token
+    load_plan: LoadPlan | None = None  # the loading controller's plan, for an adaptive fusion
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "answer": self.text, "mode": self.mode, "ratio": self.ratio, "ttft_s": self.ttft_s,
             "timings": self.timings, "prompt_tokens": self.n_prompt_tokens,
             "recompute_fraction": self.recompute_fraction,
             "chunks": [{"key": c.key, "score": c.score, "doc_id": c.doc_id, "source": c.source}
                        for c in self.chunks],
         }
+        if self.load_plan is not None:
+            out["load_plan"] = self.load_plan.to_json()
+        return out
 
 
 def _library_versions() -> dict[str, str]:
@@ -118,6 +123,7 @@ class KVRag:
         self.neighbour_context, self.neighbour_kv = neighbour_context, neighbour_kv
         self._prefix: PrefixCache | None = None
         self.last_answer: Answer | None = None
+        self.controller = LoadController()  # throughputs of this index's fusions (`FuseConfig.adaptive`)
 
     # -- construction -----------------------------------------------------------------------
 
@@ -329,9 +335,8 @@ class KVRag:
         self.kvstore.put(key, kv[0].cpu(), kv[1].cpu())
         return kv
 
-    def _fusion_input(self, question: str, chunks: list[RetrievedChunk], mode: str,
-                      caches: Sequence[KV | None] | None = None) -> FusionInput:
-        """The fusion input: ``caches`` when given, else the stored caches through a `StoreFeed`."""
+    def _prompt_ids(self, question: str, chunks: list[RetrievedChunk]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The chunks' and the question suffix's token ids, checked against the context window."""
         suffix = suffix_token_ids(self.lm.tokenizer, self.layout, question)
         chunk_ids = [torch.tensor(chunk_token_ids(self.lm.tokenizer, c.text)) for c in chunks]
         total = self.prefix.length + sum(int(c.numel()) for c in chunk_ids) + len(suffix)
@@ -339,21 +344,31 @@ class KVRag:
             raise InputError(
                 f"the prompt has {total} tokens but the model's context window is "
                 f"{self.lm.spec.max_position}; use fewer or smaller chunks (k) or a shorter question")
+        return chunk_ids, torch.tensor(suffix)
+
+    def _fusion_input(self, chunks: list[RetrievedChunk], chunk_ids: list[torch.Tensor], suffix: torch.Tensor,
+                      mode: str, caches: Sequence[KV | None] | None = None,
+                      from_text: Sequence[int] = ()) -> FusionInput:
+        """The fusion input: ``caches`` when given, else the stored caches through a `StoreFeed`
+        (chunks in ``from_text`` recomputed from their text instead).
+        """
         if mode == "full":
-            return FusionInput(self.prefix, chunk_ids, [None] * len(chunks), torch.tensor(suffix))
+            return FusionInput(self.prefix, chunk_ids, [None] * len(chunks), suffix)
         if caches is not None:
-            return FusionInput(self.prefix, chunk_ids, list(caches), torch.tensor(suffix))
+            return FusionInput(self.prefix, chunk_ids, list(caches), suffix)
         # with neighbour context the first chunk reads its plain cache, which is exact where it stands
-        keys = [lead_key(c.key) if j == 0 and self.neighbour_context else c.key for j, c in enumerate(chunks)]
+        keys: list[str | None] = [
+            None if j in from_text else lead_key(c.key) if j == 0 and self.neighbour_context else c.key
+            for j, c in enumerate(chunks)]
         feed = StoreFeed(self.kvstore, keys, [int(c.numel()) for c in chunk_ids],
                          self.lm.spec.n_layers, self.lm.device, self.prefix.kv[0][0].dtype,
                          recover=lambda j: self._recompute_chunk(chunks[j], lead=j == 0))
-        return FusionInput(self.prefix, chunk_ids, feed, torch.tensor(suffix))
+        return FusionInput(self.prefix, chunk_ids, feed, suffix)
 
     def _prepare(self, question: str, k: int, chunks: Sequence[str | RetrievedChunk] | None,
                  fuse_config: FuseConfig, caches: Sequence[KV | None] | None = None,
                  selector: Selector | None = None,
-                 ) -> tuple[list[RetrievedChunk], FusionInput, FusionResult, dict[str, float]]:
+                 ) -> tuple[list[RetrievedChunk], FusionInput, FusionResult, dict[str, float], LoadPlan | None]:
         _check_question(question)
         if caches is not None and chunks is None:
             raise ValueError("caches= needs chunks= (one cache per chunk, in the same order)")
@@ -362,14 +377,27 @@ class KVRag:
         if caches is not None and len(caches) != len(used):
             raise ValueError(f"caches has {len(caches)} entries but chunks has {len(used)}; give one per chunk")
         t1 = time.perf_counter()
-        inp = self._fusion_input(question, used, fuse_config.mode, caches)
+        chunk_ids, suffix = self._prompt_ids(question, used)
+        from_store = caches is None and fuse_config.mode != "full"
+        shape = fusion_shape([int(c.numel()) for c in chunk_ids], int(suffix.numel()), self.lm.spec.n_layers)
+        plan = LoadPlan(fuse_config.ratio)
+        if from_store and fuse_config.adaptive:
+            plan = self.controller.plan(fuse_config.mode, fuse_config.ratio, shape)
+            fuse_config = replace(fuse_config, ratio=plan.ratio)
+        inp = self._fusion_input(used, chunk_ids, suffix, fuse_config.mode, caches, plan.from_text)
         t2 = time.perf_counter()
         fused = fuse(self.lm, inp, fuse_config, selector)
+        if isinstance(inp.chunk_kv, StoreFeed) and selector is None:
+            if self.lm.device.type == "cuda":  # the fusion's kernels, finished, for its measured time
+                torch.cuda.synchronize(self.lm.device)
+            recompute_s = time.perf_counter() - t2 - fused.load_wait_s
+            observe(self.controller, fuse_config.mode, plan, shape, fused.n_selected, recompute_s,
+                    inp.chunk_kv.available, inp.chunk_kv.decode_s)
         # Layers load while fusion runs: load_s is opening the chunk files plus the time fusion waited
         # for a layer (loading that recompute did not hide); fuse_s is the rest.
         timings = {"retrieve_s": t1 - t0, "load_s": t2 - t1 + fused.load_wait_s,
                    "fuse_s": fused.fuse_s - fused.load_wait_s}
-        return used, inp, fused, timings
+        return used, inp, fused, timings, plan if from_store and fuse_config.adaptive else None
 
     def stream(self, question: str, k: int = 4, mode: str = "cacheblend", ratio: float = 0.15, *,
                chunks: Sequence[str | RetrievedChunk] | None = None, max_new_tokens: int = 64,
@@ -384,9 +412,10 @@ class KVRag:
         fcfg = fuse_config or FuseConfig(mode=mode, ratio=ratio)
         gcfg = GenerateConfig(max_new_tokens, temperature, top_p, tuple(stop), seed)
         t0 = time.perf_counter()
-        used, inp, fused, timings = self._prepare(question, k, chunks, fcfg, caches, selector)
-        answer = Answer("", fcfg.mode, fcfg.ratio, math.nan, used, timings,
-                        n_prompt_tokens=fused.n_tokens, recompute_fraction=fused.recompute_fraction)
+        used, inp, fused, timings, plan = self._prepare(question, k, chunks, fcfg, caches, selector)
+        answer = Answer("", fcfg.mode, fcfg.ratio if plan is None else plan.ratio, math.nan, used, timings,
+                        n_prompt_tokens=fused.n_tokens, recompute_fraction=fused.recompute_fraction,
+                        load_plan=plan)
         self.last_answer = answer
         yield from stream_into(answer, self.lm, fused.cache, fused.logits, fused.n_tokens, gcfg, t0)
         if score_ids:
@@ -448,7 +477,7 @@ class KVRag:
         if not target_ids:
             raise ValueError("target_ids is empty")
         fcfg = fuse_config or FuseConfig(mode=mode, ratio=ratio)
-        _, _, fused, _ = self._prepare(question, len(chunks), chunks, fcfg)
+        _, _, fused, _, _ = self._prepare(question, len(chunks), chunks, fcfg)
         return self._teacher_logprobs(fused, target_ids)
 
     def _teacher_logprobs(self, fused: FusionResult, target_ids: Sequence[int]) -> torch.Tensor:

@@ -3,8 +3,9 @@
 A mode spec is ``full``, ``prefix``, ``reuse``, ``cacheblend@RATIO``, ``probe@RATIO`` or
 ``attnlink@K`` (leading tokens recomputed per chunk), and in the quality benchmark also
 ``oracle@RATIO`` (the tokens whose stored K/V deviate most from a full prefill) and ``full@DTYPE``
-(full prefill with the model loaded in another dtype); `parse_modes` turns a comma list into
-labelled `FuseConfig`s. Nothing here imports torch at module level, so mounting ``kvrag bench``
+(full prefill with the model loaded in another dtype). Any mode but ``full`` may end in ``+adaptive``:
+the same mode planned by the loading controller (`FuseConfig.adaptive`). `parse_modes` turns a comma
+list into labelled `FuseConfig`s. Nothing here imports torch at module level, so mounting ``kvrag bench``
 stays cheap.
 """
 
@@ -52,7 +53,16 @@ def parse_mode(text: str) -> ModeSpec:
     ``probe_from``); ``attnlink@16`` -> 16 link tokens; ``full@bfloat16`` -> full prefill with the
     model in bfloat16 (how far precision alone moves the answer); bare names use defaults.
     """
-    spec, _, option = text.strip().partition("/")
+    body, plus, extra = text.strip().partition("+")
+    if plus:
+        if extra != "adaptive":
+            raise ValueError(f"a mode takes only '+adaptive' after it, got {text!r}")
+        base = parse_mode(body)
+        if base.config.mode == "full" or base.oracle:
+            raise ValueError(f"+adaptive plans loading from the store; {body!r} loads nothing")
+        return dataclasses.replace(base, label=text.strip(),
+                                   config=dataclasses.replace(base.config, adaptive=True))
+    spec, _, option = body.partition("/")
     name, _, arg = spec.partition("@")
     if name == "oracle" and not option:
         return ModeSpec(text.strip(), FuseConfig(mode="reuse", ratio=float(arg or 0.15)), oracle=True)

@@ -118,6 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kernel for selections spread over the prompt (FuseConfig.attention), every mode")
     parser.add_argument("--check-layers", default=None, metavar="L,L,...",
                         help="cacheblend's check layers (FuseConfig.check_layers; default 1,2,3)")
+    parser.add_argument("--store-mbps", type=float, default=None, metavar="MB/S",
+                        help="read the disk tier through one link of this many MB/s (a remote store; "
+                             "`kvrag.store.ThrottledStore`); default: the local disk as it is")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1, …")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
@@ -197,15 +200,19 @@ class Workload:
             if "gpu" in tiers:
                 self.resident.setdefault("gpu", []).append((k.to(lm.device), v.to(lm.device)))
         self.kvstore = kvstore
+        from kvrag.control import LoadController
 
-    def feed(self, lm: Any, tier: str) -> Any:
-        """A feed over this workload's chunk caches from ``tier``."""
+        self.controller = LoadController()  # measured by every fusion from disk; plans the +adaptive modes
+
+    def feed(self, lm: Any, tier: str, from_text: Sequence[int] = ()) -> Any:
+        """A feed over this workload's chunk caches from ``tier`` (``from_text``: chunks left out, recomputed)."""
         from kvrag.feed import StoreFeed, TensorFeed
 
         lengths = [int(c.numel()) for c in self.chunk_ids]
         dtype = self.prefix.kv[0][0].dtype
         if tier == "disk":
-            return StoreFeed(self.kvstore, self.keys, lengths, lm.spec.n_layers, lm.device, dtype)
+            keys = [None if j in from_text else key for j, key in enumerate(self.keys)]
+            return StoreFeed(self.kvstore, keys, lengths, lm.spec.n_layers, lm.device, dtype)
         return TensorFeed(self.resident[tier], lengths, lm.spec.n_layers, lm.device, dtype)
 
     def time_mode(self, lm: Any, config: Any, tier: str = "disk") -> dict[str, float]:
@@ -214,21 +221,35 @@ class Workload:
         ``load_s`` is opening the chunks plus the time fusion waited for a layer (loading that
         recompute did not hide); ``fuse_s`` is the rest.
         """
+        import dataclasses
+
         import torch
 
+        from kvrag.control import LoadPlan, fusion_shape, observe
         from kvrag.fuse import FusionInput, fuse
 
         device = lm.device
         common.cuda_sync(device)
         t0 = time.perf_counter()
-        kv = [None] * len(self.keys) if config.mode == "full" else self.feed(lm, tier)
+        from_disk = tier == "disk" and config.mode != "full"
+        shape = fusion_shape([int(c.numel()) for c in self.chunk_ids], int(self.suffix_ids.numel()), lm.spec.n_layers)
+        plan = LoadPlan(config.ratio)
+        if from_disk and config.adaptive:
+            plan = self.controller.plan(config.mode, config.ratio, shape)
+            config = dataclasses.replace(config, ratio=plan.ratio)
+        kv = [None] * len(self.keys) if config.mode == "full" else self.feed(lm, tier, plan.from_text)
         t1 = time.perf_counter()
         result = fuse(lm, FusionInput(self.prefix, self.chunk_ids, kv, self.suffix_ids), config)
         busy = getattr(kv, "decode_s", 0.0)
         int(torch.argmax(result.logits))  # the first token; also waits for the GPU
         common.cuda_sync(device)
         t2 = time.perf_counter()
+        if from_disk:
+            observe(self.controller, config.mode, plan, shape, result.n_selected, t2 - t1 - result.load_wait_s,
+                    [j not in plan.from_text for j in range(len(self.keys))], busy)
         return {
+            "ratio": plan.ratio,
+            "text_chunks": len(plan.from_text),
             "ttft_s": t2 - t0,
             "load_s": t1 - t0 + result.load_wait_s,
             "fuse_s": t2 - t1 - result.load_wait_s,
@@ -292,7 +313,8 @@ def time_length(lm: Any, work: Workload, specs: list[common.ModeSpec], repeats: 
     rows = []
     for mode, tier, _ in runs:
         got = samples[mode, tier]
-        med = {k: statistics.median(s[k] for s in got) for k in ("ttft_s", "load_s", "fuse_s", "decode_s")}
+        med = {k: statistics.median(s.get(k, 0.0) for s in got)
+               for k in ("ttft_s", "load_s", "fuse_s", "decode_s", "recompute_fraction", "ratio", "text_chunks")}
         rows.append(
             {
                 "mode": mode,
@@ -302,7 +324,9 @@ def time_length(lm: Any, work: Workload, specs: list[common.ModeSpec], repeats: 
                 "fuse_ms": med["fuse_s"] * 1e3,
                 "read_decode_ms": med["decode_s"] * 1e3,
                 "speedup": full_ms / (med["ttft_s"] * 1e3),
-                "recompute_fraction": got[0]["recompute_fraction"],
+                "recompute_fraction": med["recompute_fraction"],
+                "ratio": med["ratio"],  # the median ratio fused at (an +adaptive mode's plans raise it)
+                "text_chunks": med["text_chunks"],  # median chunks recomputed from text (+adaptive)
                 "prompt_tokens": got[0]["tokens"],
                 "ttft_ms_all": [s["ttft_s"] * 1e3 for s in got],
             }
@@ -319,9 +343,12 @@ def run_lengths(
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Time every length; ``on_length`` sees the results so far after each (partial outputs)."""
     from kvrag.codec.base import make_codec
-    from kvrag.store import KVStore, make_store
+    from kvrag.store import KVStore, ThrottledStore, make_store
 
-    kvstore = KVStore(make_store("disk", tmp / "chunks", fsync=False), make_codec(args.codec), lm.fingerprint)
+    store = make_store("disk", tmp / "chunks", fsync=False)
+    if getattr(args, "store_mbps", None):
+        store = ThrottledStore(store, args.store_mbps * 1e6)
+    kvstore = KVStore(store, make_codec(args.codec), lm.fingerprint)
     results, notes = [], []
     tiers = parse_tiers(args.tiers, lm.device)
     for length in common.parse_ints(args.lengths, "--lengths"):
@@ -362,7 +389,7 @@ def parse_tiers(text: str, device: Any) -> list[str]:
 
 def speed_markdown(results: list[dict[str, Any]]) -> str:
     headers = ["context tokens", "mode", "caches in", "TTFT ms", "speedup vs full", "load ms (waited)",
-               "read+decode ms (overlapped)", "fuse ms", "recomputed"]
+               "read+decode ms (overlapped)", "fuse ms", "recomputed", "ratio", "chunks from text"]
     rows = [
         [
             r["length"],
@@ -374,6 +401,8 @@ def speed_markdown(results: list[dict[str, Any]]) -> str:
             r.get("read_decode_ms", 0.0),
             r["fuse_ms"],
             r["recompute_fraction"],
+            r.get("ratio", "-") if r["mode"].startswith(("cacheblend", "probe")) else "-",
+            r.get("text_chunks", 0),
         ]
         for r in results
     ]
@@ -412,6 +441,7 @@ def write_outputs(args: argparse.Namespace, lm: Any, name: str, results: list[di
         "repeats": args.repeats,
         "tiers": args.tiers,
         "codec": args.codec,
+        "store_mbps": getattr(args, "store_mbps", None),
         "notes": notes,
         "results": results,
     }
@@ -424,10 +454,13 @@ def write_outputs(args: argparse.Namespace, lm: Any, name: str, results: list[di
         else f"CPU {hw['cpu']} ({hw['cpus_usable']} usable cores, {torch.get_num_threads()} threads)"
     )
     note_text = "".join(f"\n- {n}" for n in notes)
+    disk = "local store, page cache warm"
+    if payload["store_mbps"]:
+        disk = f"the local store read through one {payload['store_mbps']:g} MB/s link"
     (out / "speed.md").write_text(
         f"# kvrag bench speed\n\n`{payload['command']}`\n\n{name}, {payload['dtype']} on {where}; "
         f"chunks of {args.chunk_tokens} tokens, caches stored with the {args.codec} codec and loaded layer by layer "
-        f"during fusion from the listed tier (disk: local store, page cache warm; ram: host memory; gpu: "
+        f"during fusion from the listed tier (disk: {disk}; ram: host memory; gpu: "
         f"GPU memory); load ms is the loading fusion waited for; median of {args.repeats}.\n\n"
         f"{table}\n{note_text}\n"
     )

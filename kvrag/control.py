@@ -1,0 +1,176 @@
+"""The loading controller: how much to recompute, and which chunks to recompute from their text.
+
+Fusion loads the stored layers while it recomputes (`kvrag.feed`), so its time to first token is
+about ``max(load, recompute)``. When loading is the longer of the two, the stored caches cost time
+that the model could spend recomputing; CacheBlend §5 picks the recompute ratio that loading hides,
+CacheGen §3.3 recomputes a chunk from its text when its cache would arrive too late. The controller
+does both, from throughputs this process has measured:
+
+- **load**: chunk tokens delivered per second of the loading thread's busy time, the harmonic mean
+  over the last ``window`` fusions that loaded from the store (CacheGen's estimator);
+- **recompute**: seconds per token-layer that the layer loop ran, ``a + c · token_layers`` fitted by
+  least squares over the last ``window`` fusions (``a``: the per-fusion cost that does not grow with
+  the tokens, e.g. a GPU's per-layer launches);
+- **the mode's work**: recomputed token-layers per stale cached token and layer, measured per mode.
+
+`LoadController.plan` then moves chunks, last first, from the store to a recompute from their text
+while that shortens ``max(load, recompute)`` (``load + recompute`` for ``probe``, whose main pass
+waits for every layer), and otherwise raises ``cacheblend``'s ratio, up to ``ceiling``, while the
+recompute still fits under the load. A chunk recomputed from text
+attends to everything before it, as in a full prefill, so both moves only ever add recompute: the
+ratio asked for is a floor. Until one fusion of a mode has been measured, plans change nothing.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+RATIO_MODES = ("cacheblend", "probe")
+# modes whose main pass starts once every layer has loaded (`probe`'s question-only pass overlaps the
+# loading, its selected tokens do not): loading adds to their recompute instead of hiding it
+SEQUENTIAL_MODES = ("probe",)
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What a fusion loads and recomputes, and the times the controller expects of it.
+
+    ``from_text``: indices of chunks recomputed from their text instead of loaded. ``load_s`` and
+    ``recompute_s`` are NaN when the controller had nothing measured to predict from.
+    """
+
+    ratio: float
+    from_text: tuple[int, ...] = ()
+    load_s: float = float("nan")
+    recompute_s: float = float("nan")
+
+    def to_json(self) -> dict[str, object]:
+        return {"ratio": self.ratio, "from_text": list(self.from_text), "load_s": self.load_s,
+                "recompute_s": self.recompute_s}
+
+
+@dataclass(frozen=True)
+class FusionShape:
+    """The token counts a plan is made for: every chunk's tokens in prompt order, which chunks are
+    stale where the prompt places them (all after the first; the first too unless its cache is exact),
+    the suffix's tokens and the model's layers.
+    """
+
+    chunk_tokens: tuple[int, ...]
+    stale: tuple[bool, ...]
+    suffix_tokens: int
+    n_layers: int
+
+    def token_layers(self, work: float, from_text: Sequence[int]) -> float:
+        """Predicted token-layers the loop runs: the suffix and text chunks through every layer, plus
+        ``work`` token-layers per layer for each stale chunk token that is loaded.
+        """
+        text = set(from_text)
+        dense = self.suffix_tokens + sum(self.chunk_tokens[j] for j in text)
+        stale = sum(n for j, (n, s) in enumerate(zip(self.chunk_tokens, self.stale)) if s and j not in text)
+        return self.n_layers * (dense + work * stale)
+
+    def loaded_tokens(self, from_text: Sequence[int]) -> int:
+        text = set(from_text)
+        return sum(n for j, n in enumerate(self.chunk_tokens) if j not in text)
+
+
+class LoadController:
+    """Per-process throughput estimates and the plans made from them (see the module docstring).
+
+    Args:
+        ceiling: the highest ratio a plan raises ``cacheblend`` to.
+        window: how many recent fusions the estimates average over.
+    """
+
+    def __init__(self, ceiling: float = 0.5, window: int = 20) -> None:
+        if not 0.0 < ceiling <= 1.0:
+            raise ValueError(f"ceiling must be in (0, 1], got {ceiling!r}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window!r}")
+        self.ceiling = ceiling
+        self._load_rates: deque[float] = deque(maxlen=window)  # tokens per second of loading
+        self._fusions: deque[tuple[float, float]] = deque(maxlen=window)  # (token-layers, seconds)
+        self._work: dict[str, float] = {}  # mode -> token-layers per stale loaded token per layer (/ ratio)
+
+    def record(self, mode: str, ratio: float, shape: FusionShape, from_text: Sequence[int],
+               token_layers: float, recompute_s: float, loaded_tokens: int, load_busy_s: float) -> None:
+        """Take in one fusion's measurements: the token-layers its loop ran and the time that took
+        without waiting for loads, and the tokens loaded from the store with the loader's busy time.
+        """
+        if token_layers > 0 and recompute_s > 0:
+            self._fusions.append((float(token_layers), float(recompute_s)))
+        if loaded_tokens > 0 and load_busy_s > 0:
+            self._load_rates.append(loaded_tokens / load_busy_s)
+        per_stale = shape.token_layers(1.0, from_text) - shape.token_layers(0.0, from_text)
+        if per_stale > 0:
+            work = max(0.0, token_layers - shape.token_layers(0.0, from_text)) / per_stale
+            self._work[mode] = work / ratio if mode in RATIO_MODES else work
+
+    @property
+    def load_rate(self) -> float | None:
+        """Chunk tokens loaded per second (harmonic mean), or None before any load was measured."""
+        return statistics.harmonic_mean(self._load_rates) if self._load_rates else None
+
+    def recompute_model(self) -> tuple[float, float] | None:
+        """``(a, c)`` of ``seconds = a + c · token_layers``, or None before any fusion was measured."""
+        if not self._fusions:
+            return None
+        xs = [x for x, _ in self._fusions]
+        ys = [y for _, y in self._fusions]
+        if len(self._fusions) >= 2 and max(xs) > 1.25 * min(xs):
+            c, a = statistics.linear_regression(xs, ys)
+            if c > 0 and a >= 0:
+                return a, c
+        return 0.0, sum(ys) / sum(xs)
+
+    def plan(self, mode: str, ratio: float, shape: FusionShape) -> LoadPlan:
+        """The plan for one fusion in ``mode`` at ``ratio`` (see the module docstring)."""
+        model, rate, work = self.recompute_model(), self.load_rate, self._work.get(mode)
+        if mode == "full" or model is None or rate is None or work is None:
+            return LoadPlan(ratio)
+        a, c = model
+
+        def times(r: float, text: tuple[int, ...]) -> tuple[float, float]:
+            per = work * r if mode in RATIO_MODES else work
+            return shape.loaded_tokens(text) / rate, a + c * shape.token_layers(per, text)
+
+        def ttft(text: tuple[int, ...]) -> float:
+            load_s, recompute_s = times(ratio, text)
+            return load_s + recompute_s if mode in SEQUENTIAL_MODES else max(load_s, recompute_s)
+
+        # chunks leave the store last first: the recomputed tail is one contiguous run of positions
+        candidates = [tuple(range(j, len(shape.chunk_tokens))) for j in range(len(shape.chunk_tokens), -1, -1)]
+        best = min(candidates, key=ttft)
+        load_s, recompute_s = times(ratio, best)
+        if (best or mode not in RATIO_MODES or mode in SEQUENTIAL_MODES or load_s <= recompute_s
+                or ratio >= self.ceiling):
+            return LoadPlan(ratio, best, load_s, recompute_s)
+        # loading hides more recompute than the ratio asks for: raise it while it still fits
+        base = a + c * shape.token_layers(0.0, ())
+        per_ratio = c * (shape.token_layers(work, ()) - shape.token_layers(0.0, ()))
+        raised = min(self.ceiling, (load_s - base) / per_ratio) if per_ratio > 0 else self.ceiling
+        raised = max(ratio, raised)
+        return LoadPlan(raised, (), load_s, times(raised, ())[1])
+
+
+def fusion_shape(chunk_tokens: Sequence[int], suffix_tokens: int, n_layers: int, first_exact: bool = True
+                 ) -> FusionShape:
+    """The `FusionShape` of a prompt: every chunk after the first is stale, the first too unless its
+    cache is exact where the prompt places it (see `kvrag.fuse.FusionInput`).
+    """
+    stale = tuple(j > 0 or not first_exact for j in range(len(chunk_tokens)))
+    return FusionShape(tuple(int(n) for n in chunk_tokens), stale, int(suffix_tokens), n_layers)
+
+
+def observe(controller: LoadController, mode: str, plan: LoadPlan, shape: FusionShape, n_selected: Sequence[int],
+            recompute_s: float, loaded: Sequence[bool], load_busy_s: float) -> None:
+    """`LoadController.record` for a fusion made under ``plan``: ``n_selected`` its per-layer counts,
+    ``loaded`` which chunks came from the store, ``load_busy_s`` the loading thread's busy time.
+    """
+    tokens = sum(n for n, ok in zip(shape.chunk_tokens, loaded) if ok)
+    controller.record(mode, plan.ratio, shape, plan.from_text, float(sum(n_selected)), recompute_s, tokens,
+                      load_busy_s)

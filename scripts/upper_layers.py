@@ -8,7 +8,7 @@ chunk, but start from a residual stream computed without them.
 
     python scripts/upper_layers.py --data ../shared/data/qa/musique_cacheblend_dev75.jsonl \
         --index /tmp/nc-stored-idx --quality benchmarks/quality-musique-probe/quality.json \
-        --layers 24,20,15 --n 8 --out benchmarks/quality-musique-probe/upper-layers.json
+        --layers 24,20,15 --n 8 --out bench-out/upper-layers.json
 
 The caches are the chunks' plain ones (computed right after the prefix, stored under `lead_key` in a
 neighbour-context index), so the ``--quality`` run to compare with is one over plain caches. The

@@ -26,7 +26,9 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from kvrag.config import FuseConfig
 
 RATIO_MODES = ("cacheblend", "probe")
 # modes whose main pass starts once every layer has loaded (`probe`'s question-only pass overlaps the
@@ -127,6 +129,22 @@ class LoadController:
                 return a, c
         return 0.0, sum(ys) / sum(xs)
 
+    def adapt(self, config: FuseConfig, shape: FusionShape) -> tuple[FuseConfig, LoadPlan | None]:
+        """``config`` with its planned ratio and the plan, when ``config.adaptive``; else as it is and None."""
+        if not config.adaptive:
+            return config, None
+        plan = self.plan(config.mode, config.ratio, shape)
+        return replace(config, ratio=plan.ratio), plan
+
+    def observe(self, config: FuseConfig, shape: FusionShape, from_text: Sequence[int], n_selected: Sequence[int],
+                recompute_s: float, load_busy_s: float) -> None:
+        """`record` for a fusion made with ``config`` (its ratio as planned) that recomputed the chunks
+        ``from_text`` instead of loading them: ``n_selected`` its per-layer counts, ``load_busy_s`` the
+        loading thread's busy time.
+        """
+        self.record(config.mode, config.ratio, shape, from_text, float(sum(n_selected)), recompute_s,
+                    shape.loaded_tokens(from_text), load_busy_s)
+
     def plan(self, mode: str, ratio: float, shape: FusionShape) -> LoadPlan:
         """The plan for one fusion in ``mode`` at ``ratio`` (see the module docstring)."""
         model, rate, work = self.recompute_model(), self.load_rate, self._work.get(mode)
@@ -165,12 +183,3 @@ def fusion_shape(chunk_tokens: Sequence[int], suffix_tokens: int, n_layers: int,
     stale = tuple(j > 0 or not first_exact for j in range(len(chunk_tokens)))
     return FusionShape(tuple(int(n) for n in chunk_tokens), stale, int(suffix_tokens), n_layers)
 
-
-def observe(controller: LoadController, mode: str, plan: LoadPlan, shape: FusionShape, n_selected: Sequence[int],
-            recompute_s: float, loaded: Sequence[bool], load_busy_s: float) -> None:
-    """`LoadController.record` for a fusion made under ``plan``: ``n_selected`` its per-layer counts,
-    ``loaded`` which chunks came from the store, ``load_busy_s`` the loading thread's busy time.
-    """
-    tokens = sum(n for n, ok in zip(shape.chunk_tokens, loaded) if ok)
-    controller.record(mode, plan.ratio, shape, plan.from_text, float(sum(n_selected)), recompute_s, tokens,
-                      load_busy_s)

@@ -11,7 +11,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from kvrag.build import (
 )
 from kvrag.codec.base import Codec, make_codec
 from kvrag.config import FuseConfig, GenerateConfig, SplitConfig
-from kvrag.control import LoadController, LoadPlan, fusion_shape, observe
+from kvrag.control import LoadController, LoadPlan, fusion_shape
 from kvrag.documents import Document, Loaded, load_documents
 from kvrag.embed import Embedder
 from kvrag.errors import CorruptChunkError, IndexMismatchError, InputError
@@ -378,26 +378,24 @@ class KVRag:
             raise ValueError(f"caches has {len(caches)} entries but chunks has {len(used)}; give one per chunk")
         t1 = time.perf_counter()
         chunk_ids, suffix = self._prompt_ids(question, used)
-        from_store = caches is None and fuse_config.mode != "full"
         shape = fusion_shape([int(c.numel()) for c in chunk_ids], int(suffix.numel()), self.lm.spec.n_layers)
-        plan = LoadPlan(fuse_config.ratio)
-        if from_store and fuse_config.adaptive:
-            plan = self.controller.plan(fuse_config.mode, fuse_config.ratio, shape)
-            fuse_config = replace(fuse_config, ratio=plan.ratio)
-        inp = self._fusion_input(used, chunk_ids, suffix, fuse_config.mode, caches, plan.from_text)
+        plan = None
+        if caches is None and fuse_config.mode != "full":  # loads from the store: the controller may plan
+            fuse_config, plan = self.controller.adapt(fuse_config, shape)
+        from_text = plan.from_text if plan is not None else ()
+        inp = self._fusion_input(used, chunk_ids, suffix, fuse_config.mode, caches, from_text)
         t2 = time.perf_counter()
         fused = fuse(self.lm, inp, fuse_config, selector)
         if isinstance(inp.chunk_kv, StoreFeed) and selector is None:
             if self.lm.device.type == "cuda":  # the fusion's kernels, finished, for its measured time
                 torch.cuda.synchronize(self.lm.device)
-            recompute_s = time.perf_counter() - t2 - fused.load_wait_s
-            observe(self.controller, fuse_config.mode, plan, shape, fused.n_selected, recompute_s,
-                    inp.chunk_kv.available, inp.chunk_kv.decode_s)
+            self.controller.observe(fuse_config, shape, from_text, fused.n_selected,
+                                    time.perf_counter() - t2 - fused.load_wait_s, inp.chunk_kv.decode_s)
         # Layers load while fusion runs: load_s is opening the chunk files plus the time fusion waited
         # for a layer (loading that recompute did not hide); fuse_s is the rest.
         timings = {"retrieve_s": t1 - t0, "load_s": t2 - t1 + fused.load_wait_s,
                    "fuse_s": fused.fuse_s - fused.load_wait_s}
-        return used, inp, fused, timings, plan if from_store and fuse_config.adaptive else None
+        return used, inp, fused, timings, plan
 
     def stream(self, question: str, k: int = 4, mode: str = "cacheblend", ratio: float = 0.15, *,
                chunks: Sequence[str | RetrievedChunk] | None = None, max_new_tokens: int = 64,

@@ -170,11 +170,9 @@ class _ThrottledFile(io.RawIOBase):
         return self._fh.tell()
 
     def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        data = self._fh.read(view.nbytes)
-        view[: len(data)] = data
-        self._store.wait(len(data))
-        return len(data)
+        got = cast(io.BufferedIOBase, self._fh).readinto(buffer)  # files and BytesIO both have it
+        self._store.wait(got)
+        return got
 
     def close(self) -> None:
         self._fh.close()

@@ -12,6 +12,7 @@ import torch
 
 from kvrag import FuseConfig, KVRag, SplitConfig
 from kvrag.bench.common import parse_mode
+from kvrag.codec.base import make_codec
 from kvrag.control import LoadController, LoadPlan, fusion_shape
 from kvrag.store import KVStore, MemoryStore, ThrottledStore
 
@@ -103,7 +104,7 @@ def test_load_rate_is_the_harmonic_mean_of_recent_fusions():
 
 def test_throttled_store_reads_the_same_bytes_no_faster_than_its_link():
     inner = MemoryStore()
-    kv = KVStore(inner, __import__("kvrag.codec.base", fromlist=["make_codec"]).make_codec("raw"), "fp")
+    kv = KVStore(inner, make_codec("raw"), "fp")
     keys, values = torch.randn(2, 3, 40, 8), torch.randn(2, 3, 40, 8)
     kv.put("ab12", keys, values)
     size = inner.nbytes("ab12")

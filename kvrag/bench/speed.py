@@ -29,6 +29,7 @@ from typing import Any
 
 from kvrag.bench import common
 from kvrag.config import ATTENTION_KERNELS
+from kvrag.control import LoadController, fusion_shape
 
 log = logging.getLogger(__name__)
 
@@ -200,8 +201,6 @@ class Workload:
             if "gpu" in tiers:
                 self.resident.setdefault("gpu", []).append((k.to(lm.device), v.to(lm.device)))
         self.kvstore = kvstore
-        from kvrag.control import LoadController
-
         self.controller = LoadController()  # measured by every fusion from disk; plans the +adaptive modes
 
     def feed(self, lm: Any, tier: str, from_text: Sequence[int] = ()) -> Any:
@@ -221,11 +220,8 @@ class Workload:
         ``load_s`` is opening the chunks plus the time fusion waited for a layer (loading that
         recompute did not hide); ``fuse_s`` is the rest.
         """
-        import dataclasses
-
         import torch
 
-        from kvrag.control import LoadPlan, fusion_shape, observe
         from kvrag.fuse import FusionInput, fuse
 
         device = lm.device
@@ -233,11 +229,11 @@ class Workload:
         t0 = time.perf_counter()
         from_disk = tier == "disk" and config.mode != "full"
         shape = fusion_shape([int(c.numel()) for c in self.chunk_ids], int(self.suffix_ids.numel()), lm.spec.n_layers)
-        plan = LoadPlan(config.ratio)
-        if from_disk and config.adaptive:
-            plan = self.controller.plan(config.mode, config.ratio, shape)
-            config = dataclasses.replace(config, ratio=plan.ratio)
-        kv = [None] * len(self.keys) if config.mode == "full" else self.feed(lm, tier, plan.from_text)
+        plan = None
+        if from_disk:
+            config, plan = self.controller.adapt(config, shape)
+        from_text = plan.from_text if plan is not None else ()
+        kv = [None] * len(self.keys) if config.mode == "full" else self.feed(lm, tier, from_text)
         t1 = time.perf_counter()
         result = fuse(lm, FusionInput(self.prefix, self.chunk_ids, kv, self.suffix_ids), config)
         busy = getattr(kv, "decode_s", 0.0)
@@ -245,11 +241,10 @@ class Workload:
         common.cuda_sync(device)
         t2 = time.perf_counter()
         if from_disk:
-            observe(self.controller, config.mode, plan, shape, result.n_selected, t2 - t1 - result.load_wait_s,
-                    [j not in plan.from_text for j in range(len(self.keys))], busy)
+            self.controller.observe(config, shape, from_text, result.n_selected, t2 - t1 - result.load_wait_s, busy)
         return {
-            "ratio": plan.ratio,
-            "text_chunks": len(plan.from_text),
+            "ratio": config.ratio,
+            "text_chunks": len(from_text),
             "ttft_s": t2 - t0,
             "load_s": t1 - t0 + result.load_wait_s,
             "fuse_s": t2 - t1 - result.load_wait_s,

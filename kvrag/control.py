@@ -8,9 +8,12 @@ does both, from throughputs this process has measured:
 
 - **load**: chunk tokens delivered per second of the loading thread's busy time, the harmonic mean
   over the last ``window`` fusions that loaded from the store (CacheGen's estimator);
-- **recompute**: seconds per token-layer that the layer loop ran, ``a + c · token_layers`` fitted by
-  least squares over the last ``window`` fusions (``a``: the per-fusion cost that does not grow with
-  the tokens, e.g. a GPU's per-layer launches);
+- **recompute**: the layer loop's seconds as ``a + c · units`` fitted by least squares over the last
+  ``window`` fusions (``a``: the per-fusion cost that does not grow with the tokens, e.g. a GPU's
+  per-layer launches). A unit is one token through one layer, weighted by ``1 + keys / K`` for the
+  keys its attention reads: ``K`` (`half_cost_keys`) is where a token's attention costs as many
+  FLOPs as the rest of its layer, so a chunk at the end of a long prompt costs more than one at the
+  start;
 - **the mode's work**: recomputed token-layers per stale cached token and layer, measured per mode.
 
 `LoadController.plan` then moves chunks, last first, from the store to a recompute from their text
@@ -23,12 +26,18 @@ ratio asked for is a floor. Until one fusion of a mode has been measured, plans 
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
+from kvrag import hf_compat
 from kvrag.config import FuseConfig
+
+if TYPE_CHECKING:
+    from kvrag.model import LoadedModel
 
 RATIO_MODES = ("cacheblend", "probe")
 # modes whose main pass starts once every layer has loaded (`probe`'s question-only pass overlaps the
@@ -58,13 +67,17 @@ class LoadPlan:
 class FusionShape:
     """The token counts a plan is made for: every chunk's tokens in prompt order, which chunks are
     stale where the prompt places them (all after the first; the first too unless its cache is exact),
-    the suffix's tokens and the model's layers.
+    the suffix's tokens, the model's layers, the prefix's tokens, the model's `half_cost_keys`
+    (infinite: every token-layer costs the same wherever it stands) and its sliding window, if any.
     """
 
     chunk_tokens: tuple[int, ...]
     stale: tuple[bool, ...]
     suffix_tokens: int
     n_layers: int
+    prefix_tokens: int = 0
+    half_cost_keys: float = math.inf
+    window: int | None = None
 
     def token_layers(self, work: float, from_text: Sequence[int]) -> float:
         """Predicted token-layers the loop runs: the suffix and text chunks through every layer, plus
@@ -74,6 +87,34 @@ class FusionShape:
         dense = self.suffix_tokens + sum(self.chunk_tokens[j] for j in text)
         stale = sum(n for j, (n, s) in enumerate(zip(self.chunk_tokens, self.stale)) if s and j not in text)
         return self.n_layers * (dense + work * stale)
+
+    def units(self, work: float, from_text: Sequence[int]) -> float:
+        """`token_layers` weighted by each token's ``1 + keys / half_cost_keys``, a token at position
+        ``p`` attending to ``p + 1`` keys (at most the window's); the ``work`` on a stale chunk is taken
+        as spread evenly over its tokens.
+        """
+        text = set(from_text)
+        start = self.prefix_tokens + sum(self.chunk_tokens)
+        dense = stale = 0.0
+        for j, n in reversed(list(enumerate(self.chunk_tokens))):
+            start -= n
+            if j in text:
+                dense += self._weighted(start, n)
+            elif self.stale[j]:
+                stale += self._weighted(start, n)
+        dense += self._weighted(self.prefix_tokens + sum(self.chunk_tokens), self.suffix_tokens)
+        return self.n_layers * (dense + work * stale)
+
+    def _weighted(self, start: int, n: int) -> float:
+        """Positions ``start … start + n - 1``, each weighted ``1 + keys / half_cost_keys`` where
+        ``keys = min(p + 1, window)``.
+        """
+        lo, hi = start + 1, start + n  # the key counts of the first and last position
+        cap = hi if self.window is None else min(hi, self.window)
+        keys = (lo + cap) * (cap - lo + 1) / 2 if cap >= lo else 0.0  # positions whose keys grow
+        if self.window is not None:
+            keys += self.window * max(0, hi - max(lo, self.window + 1) + 1)  # the rest read a full window
+        return n + keys / self.half_cost_keys
 
     def loaded_tokens(self, from_text: Sequence[int]) -> int:
         text = set(from_text)
@@ -95,7 +136,7 @@ class LoadController:
             raise ValueError(f"window must be >= 1, got {window!r}")
         self.ceiling = ceiling
         self._load_rates: deque[float] = deque(maxlen=window)  # tokens per second of loading
-        self._fusions: deque[tuple[float, float]] = deque(maxlen=window)  # (token-layers, seconds)
+        self._fusions: deque[tuple[float, float]] = deque(maxlen=window)  # (units, seconds)
         self._work: dict[str, float] = {}  # mode -> token-layers per stale loaded token per layer (/ ratio)
 
     def record(self, mode: str, ratio: float, shape: FusionShape, from_text: Sequence[int],
@@ -103,14 +144,17 @@ class LoadController:
         """Take in one fusion's measurements: the token-layers its loop ran and the time that took
         without waiting for loads, and the tokens loaded from the store with the loader's busy time.
         """
+        dense = shape.token_layers(0.0, from_text)
+        per_stale = shape.token_layers(1.0, from_text) - dense
+        work = max(0.0, token_layers - dense) / per_stale if per_stale > 0 else 0.0
+        if per_stale > 0:
+            self._work[mode] = work / ratio if mode in RATIO_MODES else work
         if token_layers > 0 and recompute_s > 0:
-            self._fusions.append((float(token_layers), float(recompute_s)))
+            # the counted token-layers weighted by where they stand, the stale ones taken as spread evenly
+            units = shape.units(work, from_text) * token_layers / shape.token_layers(work, from_text)
+            self._fusions.append((units, float(recompute_s)))
         if loaded_tokens > 0 and load_busy_s > 0:
             self._load_rates.append(loaded_tokens / load_busy_s)
-        per_stale = shape.token_layers(1.0, from_text) - shape.token_layers(0.0, from_text)
-        if per_stale > 0:
-            work = max(0.0, token_layers - shape.token_layers(0.0, from_text)) / per_stale
-            self._work[mode] = work / ratio if mode in RATIO_MODES else work
 
     @property
     def load_rate(self) -> float | None:
@@ -118,7 +162,7 @@ class LoadController:
         return statistics.harmonic_mean(self._load_rates) if self._load_rates else None
 
     def recompute_model(self) -> tuple[float, float] | None:
-        """``(a, c)`` of ``seconds = a + c · token_layers``, or None before any fusion was measured."""
+        """``(a, c)`` of ``seconds = a + c · units``, or None before any fusion was measured."""
         if not self._fusions:
             return None
         xs = [x for x, _ in self._fusions]
@@ -154,7 +198,7 @@ class LoadController:
 
         def times(r: float, text: tuple[int, ...]) -> tuple[float, float]:
             per = work * r if mode in RATIO_MODES else work
-            return shape.loaded_tokens(text) / rate, a + c * shape.token_layers(per, text)
+            return shape.loaded_tokens(text) / rate, a + c * shape.units(per, text)
 
         def ttft(text: tuple[int, ...]) -> float:
             load_s, recompute_s = times(ratio, text)
@@ -168,18 +212,40 @@ class LoadController:
                 or ratio >= self.ceiling):
             return LoadPlan(ratio, best, load_s, recompute_s)
         # loading hides more recompute than the ratio asks for: raise it while it still fits
-        base = a + c * shape.token_layers(0.0, ())
-        per_ratio = c * (shape.token_layers(work, ()) - shape.token_layers(0.0, ()))
+        base = a + c * shape.units(0.0, ())
+        per_ratio = c * (shape.units(work, ()) - shape.units(0.0, ()))
         raised = min(self.ceiling, (load_s - base) / per_ratio) if per_ratio > 0 else self.ceiling
         raised = max(ratio, raised)
         return LoadPlan(raised, (), load_s, times(raised, ())[1])
 
 
-def fusion_shape(chunk_tokens: Sequence[int], suffix_tokens: int, n_layers: int, first_exact: bool = True
+def fusion_shape(chunk_tokens: Sequence[int], suffix_tokens: int, n_layers: int, first_exact: bool = True,
+                 prefix_tokens: int = 0, half_cost_keys: float = math.inf, window: int | None = None
                  ) -> FusionShape:
     """The `FusionShape` of a prompt: every chunk after the first is stale, the first too unless its
     cache is exact where the prompt places it (see `kvrag.fuse.FusionInput`).
     """
     stale = tuple(j > 0 or not first_exact for j in range(len(chunk_tokens)))
-    return FusionShape(tuple(int(n) for n in chunk_tokens), stale, int(suffix_tokens), n_layers)
+    return FusionShape(tuple(int(n) for n in chunk_tokens), stale, int(suffix_tokens), n_layers,
+                       int(prefix_tokens), float(half_cost_keys), window)
+
+
+def prompt_shape(lm: LoadedModel, chunk_tokens: Sequence[int], suffix_tokens: int, prefix_tokens: int,
+                 first_exact: bool = True) -> FusionShape:
+    """`fusion_shape` for a prompt of ``lm``'s, its attention weighted by the model's `half_cost_keys`."""
+    return fusion_shape(chunk_tokens, suffix_tokens, lm.spec.n_layers, first_exact, prefix_tokens,
+                        half_cost_keys(lm.model), lm.spec.sliding_window)
+
+
+def half_cost_keys(model: Any) -> float:
+    """How many keys a token's attention reads when it costs as many FLOPs as the rest of its decoder
+    layer: the layer's matrix products take ``2 · params`` per token, the attention ``4 · heads ·
+    head_dim`` per key (scores, then the weighted values). The first decoder layer's parameters stand
+    for every layer's.
+    """
+    layer = hf_compat.decoder_layers(model)[0]
+    attn = layer.self_attn
+    heads = getattr(attn, "num_heads", None) or model.config.num_attention_heads
+    params = sum(p.numel() for p in layer.parameters())
+    return params / (2 * heads * attn.head_dim)
 

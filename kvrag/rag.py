@@ -29,7 +29,7 @@ from kvrag.build import (
 )
 from kvrag.codec.base import Codec, make_codec
 from kvrag.config import FuseConfig, GenerateConfig, SplitConfig
-from kvrag.control import LoadController, LoadPlan, fusion_shape
+from kvrag.control import LoadController, LoadPlan, prompt_shape
 from kvrag.documents import Document, Loaded, load_documents
 from kvrag.embed import Embedder
 from kvrag.errors import CorruptChunkError, IndexMismatchError, InputError
@@ -378,7 +378,7 @@ class KVRag:
             raise ValueError(f"caches has {len(caches)} entries but chunks has {len(used)}; give one per chunk")
         t1 = time.perf_counter()
         chunk_ids, suffix = self._prompt_ids(question, used)
-        shape = fusion_shape([int(c.numel()) for c in chunk_ids], int(suffix.numel()), self.lm.spec.n_layers)
+        shape = prompt_shape(self.lm, [int(c.numel()) for c in chunk_ids], int(suffix.numel()), self.prefix.length)
         plan = None
         if caches is None and fuse_config.mode != "full":  # loads from the store: the controller may plan
             fuse_config, plan = self.controller.adapt(fuse_config, shape)

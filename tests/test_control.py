@@ -13,7 +13,7 @@ import torch
 from kvrag import FuseConfig, KVRag, SplitConfig
 from kvrag.bench.common import parse_mode
 from kvrag.codec.base import make_codec
-from kvrag.control import LoadController, LoadPlan, fusion_shape
+from kvrag.control import LoadController, LoadPlan, fusion_shape, half_cost_keys, prompt_shape
 from kvrag.store import KVStore, MemoryStore, ThrottledStore
 
 SHAPE = fusion_shape([100, 100, 100, 100], suffix_tokens=20, n_layers=10)
@@ -38,6 +38,64 @@ def test_shape_counts_token_layers():
     assert SHAPE.token_layers(0.5, (3,)) == 10 * (20 + 100 + 0.5 * 200)
     assert SHAPE.loaded_tokens((2, 3)) == 200
     assert fusion_shape([5, 5], 1, 2, first_exact=False).stale == (True, True)
+
+
+def brute_units(shape, work: float, from_text: tuple[int, ...]) -> float:
+    """`FusionShape.units` position by position."""
+    def weight(p: int) -> float:
+        keys = p + 1 if shape.window is None else min(p + 1, shape.window)
+        return 1 + keys / shape.half_cost_keys
+
+    total, pos = 0.0, shape.prefix_tokens
+    for j, n in enumerate(shape.chunk_tokens):
+        share = 1.0 if j in from_text else work if shape.stale[j] else 0.0
+        total += share * sum(weight(p) for p in range(pos, pos + n))
+        pos += n
+    total += sum(weight(p) for p in range(pos, pos + shape.suffix_tokens))
+    return shape.n_layers * total
+
+
+@pytest.mark.parametrize("window", [None, 150, 7])
+def test_units_weigh_each_token_by_the_keys_it_reads(window):
+    shape = fusion_shape([100, 60, 100], suffix_tokens=20, n_layers=3, prefix_tokens=12, half_cost_keys=50.0,
+                         window=window)
+    for work, text in ((0.0, ()), (0.3, ()), (0.3, (2,)), (1.0, (1, 2))):
+        assert shape.units(work, text) == pytest.approx(brute_units(shape, work, text))
+    if window is None:  # a chunk from text at the end costs more than the same chunk at the start
+        assert shape.units(0.0, (2,)) - shape.units(0.0, ()) > shape.units(0.0, (0,)) - shape.units(0.0, ())
+    # without the weighting, units are token-layers
+    assert SHAPE.units(0.4, (3,)) == SHAPE.token_layers(0.4, (3,))
+
+
+def test_half_cost_keys_counts_the_layer_flops(tiny_lm):
+    cfg = tiny_lm.model.config
+    h, heads, kv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or h // heads
+    layer = h * heads * d * 2 + h * kv * d * 2 + 3 * h * cfg.intermediate_size + 2 * h  # q, o; k, v; mlp; norms
+    bias = sum(p.numel() for n, p in tiny_lm.model.model.layers[0].named_parameters() if n.endswith("bias"))
+    assert half_cost_keys(tiny_lm.model) == pytest.approx((layer + bias) / (2 * heads * d))
+    shape = prompt_shape(tiny_lm, [10, 10], 4, prefix_tokens=6)
+    assert shape.half_cost_keys == half_cost_keys(tiny_lm.model) and shape.prefix_tokens == 6
+
+
+def test_recompute_cost_of_a_longer_prompt_follows_its_attention():
+    # fusions whose time is 1e-4 s per unit (K = 500 keys) at one length, then a plan for a prompt twice as long
+    def shape(n_chunks: int):
+        return fusion_shape([250] * n_chunks, 20, 4, prefix_tokens=10, half_cost_keys=500.0)
+
+    short, long = shape(4), shape(8)
+    ctl = LoadController()
+    for work in (0.2, 1.0):
+        tl = short.token_layers(work, ())
+        ctl.record("reuse", 0.15, short, (), tl, 1e-4 * short.units(work, ()), 1000, 0.01)
+    ctl.record("reuse", 0.15, short, (), short.token_layers(0.0, ()), 1e-4 * short.units(0.0, ()), 1000, 0.01)
+    a, c = ctl.recompute_model()
+    assert a == pytest.approx(0.0, abs=1e-9) and c == pytest.approx(1e-4)
+    plan = ctl.plan("reuse", 0.15, long)
+    assert plan.recompute_s == pytest.approx(1e-4 * long.units(0.0, ()), rel=1e-6)
+    # seconds per token-layer at the short length would underrate the long prompt by more than a tenth
+    per_token_layer = 1e-4 * short.units(0.0, ()) / short.token_layers(0.0, ())
+    assert per_token_layer * long.token_layers(0.0, ()) < 0.9 * plan.recompute_s
 
 
 def test_nothing_measured_changes_nothing():

@@ -29,7 +29,7 @@ from typing import Any
 
 from kvrag.bench import common
 from kvrag.config import ATTENTION_KERNELS
-from kvrag.control import LoadController, fusion_shape
+from kvrag.control import LoadController, prompt_shape
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +228,8 @@ class Workload:
         common.cuda_sync(device)
         t0 = time.perf_counter()
         from_disk = tier == "disk" and config.mode != "full"
-        shape = fusion_shape([int(c.numel()) for c in self.chunk_ids], int(self.suffix_ids.numel()), lm.spec.n_layers)
+        shape = prompt_shape(lm, [int(c.numel()) for c in self.chunk_ids], int(self.suffix_ids.numel()),
+                             self.prefix.length)
         plan = None
         if from_disk:
             config, plan = self.controller.adapt(config, shape)

@@ -474,3 +474,20 @@ def test_paired_across_two_runs_of_the_same_questions() -> None:
     assert [r[0] for r in table] == ["reuse"]  # full is the reference; probe@0.15 shares no question
     mode, n, agree, _, closer, _, changed = table[0]
     assert (mode, n, agree, closer, changed) == ("reuse", 2, "+0.100", "+0.0500", 1)
+
+
+def test_bench_speed_adaptive_rows_carry_the_plans_predictions(tmp_path: Path) -> None:
+    args = ["bench", "speed", "--arch", "tiny", "--lengths", "128", "--chunk-tokens", "32", "--modes",
+            "full,reuse,reuse+adaptive", "--repeats", "2", "--device", "cpu", "--tiers", "disk",
+            "--store-mbps", "2", "--out", str(tmp_path)]
+    assert main(args) == 0
+    payload = json.loads((tmp_path / "speed.json").read_text())
+    assert payload["store_mbps"] == 2
+    rows = {r["mode"]: r for r in payload["results"]}
+    assert "plan_load_ms_all" not in rows["reuse"]
+    adaptive = rows["reuse+adaptive"]
+    for key in ("plan_load_ms_all", "plan_recompute_ms_all", "decode_ms_all", "fuse_ms_all"):
+        assert len(adaptive[key]) == 2
+    # `reuse` was measured first (warm-up), so every timed plan predicted something
+    assert all(math.isfinite(v) and v > 0 for v in adaptive["plan_recompute_ms_all"])
+    assert all(math.isfinite(v) and v >= 0 for v in adaptive["plan_load_ms_all"])  # 0: every chunk from text

@@ -252,6 +252,8 @@ class Workload:
             "decode_s": busy,
             "recompute_fraction": result.recompute_fraction,
             "tokens": result.n_tokens,
+            # what the plan predicted, to set against the loader's busy time and the recompute (fuse_s)
+            **({"plan_load_s": plan.load_s, "plan_recompute_s": plan.recompute_s} if plan is not None else {}),
         }
 
     def time_plain_prefill(self, lm: Any) -> dict[str, float]:
@@ -327,6 +329,9 @@ def time_length(lm: Any, work: Workload, specs: list[common.ModeSpec], repeats: 
                 "ttft_ms_all": [s["ttft_s"] * 1e3 for s in got],
             }
         )
+        if "plan_load_s" in got[0]:  # +adaptive: each repeat's predictions next to what it measured
+            rows[-1].update({f"{k}_ms_all": [s[f"{k}_s"] * 1e3 for s in got]
+                             for k in ("plan_load", "plan_recompute", "decode", "fuse")})
     return rows
 
 

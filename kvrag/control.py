@@ -13,7 +13,8 @@ does both, from throughputs this process has measured:
   per-layer launches). A unit is one token through one layer, weighted by ``1 + keys / K`` for the
   keys its attention reads: ``K`` (`half_cost_keys`) is where a token's attention costs as many
   FLOPs as the rest of its layer, so a chunk at the end of a long prompt costs more than one at the
-  start;
+  start. Each mode's plans scale that fit by the mode's measured seconds over the fit's (`mode_factor`):
+  ``cacheblend``'s check layers cost more per unit than ``reuse``'s question-only pass;
 - **the mode's work**: recomputed token-layers per stale cached token and layer, measured per mode.
 
 `LoadController.plan` then moves chunks, last first, from the store to a recompute from their text
@@ -136,7 +137,7 @@ class LoadController:
             raise ValueError(f"window must be >= 1, got {window!r}")
         self.ceiling = ceiling
         self._load_rates: deque[float] = deque(maxlen=window)  # tokens per second of loading
-        self._fusions: deque[tuple[float, float]] = deque(maxlen=window)  # (units, seconds)
+        self._fusions: deque[tuple[str, float, float]] = deque(maxlen=window)  # (mode, units, seconds)
         self._work: dict[str, float] = {}  # mode -> token-layers per stale loaded token per layer (/ ratio)
 
     def record(self, mode: str, ratio: float, shape: FusionShape, from_text: Sequence[int],
@@ -152,7 +153,7 @@ class LoadController:
         if token_layers > 0 and recompute_s > 0:
             # the counted token-layers weighted by where they stand, the stale ones taken as spread evenly
             units = shape.units(work, from_text) * token_layers / shape.token_layers(work, from_text)
-            self._fusions.append((units, float(recompute_s)))
+            self._fusions.append((mode, units, float(recompute_s)))
         if loaded_tokens > 0 and load_busy_s > 0:
             self._load_rates.append(loaded_tokens / load_busy_s)
 
@@ -165,13 +166,24 @@ class LoadController:
         """``(a, c)`` of ``seconds = a + c · units``, or None before any fusion was measured."""
         if not self._fusions:
             return None
-        xs = [x for x, _ in self._fusions]
-        ys = [y for _, y in self._fusions]
+        xs = [x for _, x, _ in self._fusions]
+        ys = [y for _, _, y in self._fusions]
         if len(self._fusions) >= 2 and max(xs) > 1.25 * min(xs):
             c, a = statistics.linear_regression(xs, ys)
             if c > 0 and a >= 0:
                 return a, c
         return 0.0, sum(ys) / sum(xs)
+
+    def mode_factor(self, mode: str) -> float:
+        """``mode``'s measured recompute seconds over what `recompute_model` gives for the same fusions
+        (1.0 before any fusion of ``mode`` was measured).
+        """
+        model = self.recompute_model()
+        own = [(x, y) for m, x, y in self._fusions if m == mode]
+        if model is None or not own:
+            return 1.0
+        a, c = model
+        return sum(y for _, y in own) / sum(a + c * x for x, _ in own)
 
     def adapt(self, config: FuseConfig, shape: FusionShape) -> tuple[FuseConfig, LoadPlan | None]:
         """``config`` with its planned ratio and the plan, when ``config.adaptive``; else as it is and None."""
@@ -194,7 +206,8 @@ class LoadController:
         model, rate, work = self.recompute_model(), self.load_rate, self._work.get(mode)
         if mode == "full" or model is None or rate is None or work is None:
             return LoadPlan(ratio)
-        a, c = model
+        factor = self.mode_factor(mode)
+        a, c = model[0] * factor, model[1] * factor
 
         def times(r: float, text: tuple[int, ...]) -> tuple[float, float]:
             per = work * r if mode in RATIO_MODES else work

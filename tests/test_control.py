@@ -153,6 +153,18 @@ def test_recompute_model_fits_the_per_fusion_cost():
         LoadController(ceiling=0.0)
 
 
+def test_each_mode_plans_with_its_own_cost_per_unit():
+    # reuse measured at 1e-4 s per unit, cacheblend at 2e-4 (its check layers): one fit, scaled per mode
+    ctl = LoadController()
+    for mode, work, per_unit in (("reuse", 0.0, 1e-4), ("cacheblend", 0.2, 2e-4)):
+        tl = SHAPE.token_layers(work, ())
+        ctl.record(mode, 0.15, SHAPE, (), tl, per_unit * SHAPE.units(work, ()), 400, 1e-6)  # loads hidden
+    assert ctl.mode_factor("reuse") < 1 < ctl.mode_factor("cacheblend")
+    assert ctl.mode_factor("attnlink") == 1.0  # not measured: the shared fit
+    assert ctl.plan("reuse", 0.15, SHAPE).recompute_s == pytest.approx(1e-4 * SHAPE.units(0.0, ()))
+    assert ctl.plan("cacheblend", 0.15, SHAPE).recompute_s == pytest.approx(2e-4 * SHAPE.units(0.2, ()))
+
+
 def test_load_rate_is_the_harmonic_mean_of_recent_fusions():
     ctl = LoadController(window=2)
     for rate in (1.0, 100.0, 200.0, 400.0):

@@ -178,7 +178,10 @@ class LoadController:
         """``mode``'s measured recompute seconds over what `recompute_model` gives for the same fusions
         (1.0 before any fusion of ``mode`` was measured).
         """
-        model = self.recompute_model()
+        return self._factor(mode, self.recompute_model())
+
+    def _factor(self, mode: str, model: tuple[float, float] | None) -> float:
+        """`mode_factor` against an already fitted ``model``."""
         own = [(x, y) for m, x, y in self._fusions if m == mode]
         if model is None or not own:
             return 1.0
@@ -206,7 +209,7 @@ class LoadController:
         model, rate, work = self.recompute_model(), self.load_rate, self._work.get(mode)
         if mode == "full" or model is None or rate is None or work is None:
             return LoadPlan(ratio)
-        factor = self.mode_factor(mode)
+        factor = self._factor(mode, model)
         a, c = model[0] * factor, model[1] * factor
 
         def times(r: float, text: tuple[int, ...]) -> tuple[float, float]:

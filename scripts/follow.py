@@ -26,7 +26,6 @@ import json
 import statistics
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -94,13 +93,11 @@ def answer_following(rag: Any, question: str, keys: list[str], frac: float, ever
                 left = stale & ~done
                 if every <= 0 or (step + 1) % every or not left.any():
                     continue
-                layers = hf_compat.cache_layers(cache)
+                scatter = hf_compat.ScatterCache(hf_compat.cache_layers(cache))  # writes into the cache in place
                 score = torch.zeros(pos)
                 for idx in range(from_layer, lm.spec.n_layers):
-                    keys_l, values_l = layers[idx]
-                    shim = SimpleNamespace(full=lambda k=keys_l, v=values_l: (k, v, None))
                     score += fusion.question_attention(lm, idx, inputs.hidden[idx], torch.tensor([pos - 1]),
-                                                       inputs.rope, None, shim)
+                                                       inputs.rope, None, scatter.layer(idx))
                 cand = left.nonzero().squeeze(1)
                 pick = cand[score[cand].topk(min(m, cand.numel())).indices]
                 done[pick] = True
@@ -108,7 +105,6 @@ def answer_following(rag: Any, question: str, keys: list[str], frac: float, ever
                 sel = torch.cat([pick.sort().values, tail])
                 part = fusion.Segments(seg.prefix_len, seg.chunk_starts, seg.chunk_lens, seg.suffix_start, pos,
                                        torch.zeros(pos, dtype=torch.bool), seg.first_exact)
-                scatter = hf_compat.ScatterCache(layers)
                 loop = fusion._LayerLoop(lm, torch.tensor(ids), part, scatter, fusion.Selector(), "kv")
                 hidden, _, counts = loop.run(sel, None)
                 after += sum(counts)

@@ -11,7 +11,7 @@ be usable, each chunk must appear as ``text.strip() + "\n\n"`` — use `format_d
     from kvrag.integrations.langchain import KVCachedLLM, KVRetriever, format_docs
 
     rag = KVRag.open("./idx")
-    retriever, llm = KVRetriever(rag=rag, k=4), KVCachedLLM(rag=rag, mode="cacheblend", ratio=0.15)
+    retriever, llm = KVRetriever(rag=rag, k=4), KVCachedLLM(rag=rag, ratio=0.15)
     prompt = PromptTemplate.from_template("Context:\n{context}Question: {question}")
     chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | llm
     chain.invoke("Who designed the alpha reactor?")
@@ -43,6 +43,7 @@ except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the
         "kvrag.integrations.langchain needs langchain-core: pip install 'kvrag[langchain]'"
     ) from exc
 
+from kvrag.config import DEFAULT_MODE
 from kvrag.flat import chat_prompt, stream_flat_prompt
 
 __all__ = ["KVCachedLLM", "KVRetriever", "format_docs"]
@@ -97,7 +98,7 @@ class KVCachedLLM(LLM):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     rag: Any = Field(description="An opened `kvrag.KVRag`.")
-    mode: str = Field(default="cacheblend", description="full, prefix, reuse, cacheblend, probe or attnlink.")
+    mode: str = Field(default=DEFAULT_MODE, description="full, prefix, reuse, cacheblend, probe or attnlink.")
     ratio: float = Field(default=0.15, gt=0.0, le=1.0, description="cacheblend's or probe's recompute ratio.")
     max_new_tokens: int = Field(default=64, gt=0, description="Most tokens generated per call.")
     temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy decoding.")

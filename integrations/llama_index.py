@@ -9,7 +9,7 @@ the direct path: it hands the retrieved chunk ids straight to `KVRag.answer`, wi
     from kvrag.integrations.llama_index import KVCachedLLM, KVRagQueryEngine, KVRetriever
 
     rag = KVRag.open("./idx")
-    retriever, llm = KVRetriever(rag=rag, k=4), KVCachedLLM(rag=rag, mode="cacheblend", ratio=0.15)
+    retriever, llm = KVRetriever(rag=rag, k=4), KVCachedLLM(rag=rag, ratio=0.15)
     KVRagQueryEngine(retriever=retriever, llm=llm).query("Who designed the alpha reactor?")
 
 Installed with ``pip install 'kvrag[llamaindex]'``.
@@ -38,6 +38,7 @@ except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the
         "kvrag.integrations.llama_index needs llama-index-core: pip install 'kvrag[llamaindex]'"
     ) from exc
 
+from kvrag.config import DEFAULT_MODE
 from kvrag.flat import chat_prompt, stream_flat_prompt
 
 __all__ = ["KVCachedLLM", "KVRagQueryEngine", "KVRetriever"]
@@ -86,7 +87,7 @@ class KVCachedLLM(CustomLLM):
     """
 
     rag: Any = Field(description="An opened `kvrag.KVRag`.")
-    mode: str = Field(default="cacheblend", description="full, prefix, reuse, cacheblend, probe or attnlink.")
+    mode: str = Field(default=DEFAULT_MODE, description="full, prefix, reuse, cacheblend, probe or attnlink.")
     ratio: float = Field(default=0.15, gt=0.0, le=1.0, description="cacheblend's or probe's recompute ratio.")
     max_new_tokens: int = Field(default=64, gt=0, description="Most tokens generated per call.")
     temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy decoding.")

@@ -5,7 +5,7 @@ retrieved chunks' caches with a selective recompute::
 
     from kvrag import KVRag
     rag = KVRag.build(["Paris is the capital of France."], "./idx", model="smollm2")
-    print(rag.answer("What is the capital of France?", k=1, mode="cacheblend").text)
+    print(rag.answer("What is the capital of France?", k=1).text)
 
 Heavy dependencies (torch, transformers, faiss) load on first use of `KVRag`.
 """

@@ -9,7 +9,7 @@ import logging
 import sys
 from pathlib import Path
 
-from kvrag.config import FUSE_MODES, SplitConfig
+from kvrag.config import DEFAULT_MODE, FUSE_MODES, SplitConfig
 from kvrag.errors import KVRagError
 
 
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ask", help="answer a question from an index")
     p.add_argument("index")
     p.add_argument("question")
-    p.add_argument("--mode", default="cacheblend", choices=FUSE_MODES)
+    p.add_argument("--mode", default=DEFAULT_MODE, choices=FUSE_MODES)
     p.add_argument("--ratio", type=float, default=0.15)
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvrag.config import FuseConfig, GenerateConfig
+from kvrag.config import DEFAULT_MODE, FuseConfig, GenerateConfig
 from kvrag.errors import InputError
 from kvrag.fuse import FusionInput, fuse
 from kvrag.kvgen import KV, prefix_cache
@@ -138,7 +138,7 @@ def _full_prefill(rag: KVRag, ids: list[int]) -> tuple[Any, torch.Tensor]:
 
 
 def stream_flat_prompt(
-    rag: KVRag, prompt: str, mode: str = "cacheblend", ratio: float = 0.15, max_new_tokens: int = 64, *,
+    rag: KVRag, prompt: str, mode: str = DEFAULT_MODE, ratio: float = 0.15, max_new_tokens: int = 64, *,
     temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] = (), seed: int | None = None,
     candidates: Sequence[str | RetrievedChunk] | None = None, fuse_config: FuseConfig | None = None,
 ) -> Iterator[str]:
@@ -183,7 +183,7 @@ def stream_flat_prompt(
 
 
 def answer_flat_prompt(
-    rag: KVRag, prompt: str, mode: str = "cacheblend", ratio: float = 0.15, max_new_tokens: int = 64, *,
+    rag: KVRag, prompt: str, mode: str = DEFAULT_MODE, ratio: float = 0.15, max_new_tokens: int = 64, *,
     temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] = (), seed: int | None = None,
     candidates: Sequence[str | RetrievedChunk] | None = None, fuse_config: FuseConfig | None = None,
 ) -> Answer:
@@ -192,7 +192,7 @@ def answer_flat_prompt(
     Args:
         rag: an opened `KVRag`.
         prompt: the exact prompt string (no chat template is added; see `chat_prompt`).
-        mode: fusion mode (``full``, ``prefix``, ``reuse``, ``cacheblend``, ``probe``, ``attnlink``).
+        mode: fusion mode (``full``, ``prefix``, ``reuse``, ``cacheblend``, ``probe`` (the default), ``attnlink``).
         ratio: ``cacheblend``'s or ``probe``'s recompute ratio in (0, 1].
         max_new_tokens: most tokens generated.
         temperature: 0 is greedy decoding.

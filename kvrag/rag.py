@@ -28,7 +28,7 @@ from kvrag.build import (
     split_documents,
 )
 from kvrag.codec.base import Codec, make_codec
-from kvrag.config import FuseConfig, GenerateConfig, SplitConfig
+from kvrag.config import DEFAULT_MODE, FuseConfig, GenerateConfig, SplitConfig
 from kvrag.control import LoadController, LoadPlan, prompt_shape
 from kvrag.documents import Document, Loaded, load_documents
 from kvrag.embed import Embedder
@@ -397,7 +397,7 @@ class KVRag:
                    "fuse_s": fused.fuse_s - fused.load_wait_s}
         return used, inp, fused, timings, plan
 
-    def stream(self, question: str, k: int = 4, mode: str = "cacheblend", ratio: float = 0.15, *,
+    def stream(self, question: str, k: int = 4, mode: str = DEFAULT_MODE, ratio: float = 0.15, *,
                chunks: Sequence[str | RetrievedChunk] | None = None, max_new_tokens: int = 64,
                temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] = (),
                seed: int | None = None, fuse_config: FuseConfig | None = None,
@@ -420,7 +420,7 @@ class KVRag:
             hf_compat.crop_cache(fused.cache, fused.n_tokens)  # back to the fused prompt alone
             answer.score_nll = _mean_nll(self._teacher_logprobs(fused, score_ids), score_ids)
 
-    def answer(self, question: str, k: int = 4, mode: str = "cacheblend", ratio: float = 0.15, *,
+    def answer(self, question: str, k: int = 4, mode: str = DEFAULT_MODE, ratio: float = 0.15, *,
                chunks: Sequence[str | RetrievedChunk] | None = None, max_new_tokens: int = 64,
                temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] = (),
                seed: int | None = None, fuse_config: FuseConfig | None = None,
@@ -431,7 +431,7 @@ class KVRag:
         Args:
             question: the question (non-empty).
             k: chunks to retrieve; more than the index holds uses all of them.
-            mode: ``full``, ``prefix``, ``reuse``, ``cacheblend``, ``probe`` or ``attnlink``.
+            mode: ``full``, ``prefix``, ``reuse``, ``cacheblend``, ``probe`` (the default) or ``attnlink``.
             ratio: ``cacheblend``'s or ``probe``'s recompute ratio in (0, 1].
             chunks: chunk keys to use instead of retrieving (the direct path).
             max_new_tokens, temperature, top_p, stop, seed: decoding (greedy by default).

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrag.bench import common, metrics
-from kvrag.bench.quality import interval_text, paired, paired_markdown
+from kvrag.bench.quality import PAIRED_BASELINES, interval_text, paired, paired_markdown
 
 
 def first_answers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -80,6 +80,9 @@ def main() -> None:
     parser.add_argument("--pool", action="store_true", help="pool every file's rows into one comparison")
     parser.add_argument("--across", action="store_true",
                         help="two files: each mode of the second run against the same mode of the first")
+    parser.add_argument("--baseline", action="append", default=None, metavar="MODE",
+                        help="compare every mode with this one (repeatable; default: "
+                             + ", ".join(PAIRED_BASELINES) + ")")
     args = parser.parse_args()
     runs = [(path, json.loads(path.read_text())["rows"]) for path in args.quality]
     if args.across:
@@ -93,7 +96,7 @@ def main() -> None:
     if args.pool:
         runs = [(Path(" + ".join(str(p) for p, _ in runs)), first_answers([r for _, rows in runs for r in rows]))]
     for path, rows in runs:
-        pairs = paired(rows, list(dict.fromkeys(r["mode"] for r in rows)))
+        pairs = paired(rows, list(dict.fromkeys(r["mode"] for r in rows)), args.baseline or PAIRED_BASELINES)
         print(f"## {path}\n")
         print(modes_markdown(rows), end="\n\n")
         print(paired_markdown(pairs) if pairs else "(no baseline mode in this run)", end="\n\n")

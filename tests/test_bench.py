@@ -50,11 +50,12 @@ def test_parse_modes() -> None:
         parse_modes("full@int8", quality=True)
 
 
-def test_flags_set_fuse_settings_for_every_mode() -> None:
+def test_flags_set_fuse_settings_for_every_mode(capsys: pytest.CaptureFixture[str]) -> None:
     from kvrag.bench.common import with_fuse_settings
 
-    specs = with_fuse_settings(parse_modes("cacheblend@0.05,probe@0.1"), "0,1,2", "flex")
+    specs = with_fuse_settings(parse_modes("cacheblend@0.05,probe@0.1"), "0,1,2", "flex", 3.0)
     assert all(s.config.check_layers == (0, 1, 2) and s.config.attention == "flex" for s in specs)
+    assert all(s.config.first_ratio_scale == 3.0 for s in specs)
     assert specs[1].config.ratio == 0.05 and specs[2].config.mode == "probe"  # the rest as parsed
     kept = with_fuse_settings(parse_modes("cacheblend@0.05"))
     assert kept[1].config == parse_modes("cacheblend@0.05")[1].config
@@ -62,6 +63,12 @@ def test_flags_set_fuse_settings_for_every_mode() -> None:
         with_fuse_settings(parse_modes("reuse"), "1;2")
     with pytest.raises(ValueError, match="check_layers"):
         with_fuse_settings(parse_modes("reuse"), "2,1")
+    with pytest.raises(ValueError, match="first_ratio_scale"):
+        with_fuse_settings(parse_modes("reuse"), first_ratio_scale=0.5)
+    # both benches pass the flag on before loading anything: a bad value is refused up front
+    for bench in (["quality", "--data", "missing.jsonl", "--model", "missing"], ["speed", "--arch", "smollm2-135m"]):
+        assert main(["bench", *bench, "--first-ratio-scale", "0.5"]) == 2
+        assert "first_ratio_scale must be >= 1" in capsys.readouterr().err
 
 
 def _speed(out: Path, device: str, tiers: str = "disk,ram") -> dict:

@@ -113,6 +113,11 @@ def test_paired_comparison_with_reuse_and_its_verdict() -> None:
     assert blend["abs_delta_nll_diff"] == pytest.approx(-0.03)  # |−0.02| against 0.05
     few = paired([r for r in rows if int(r["id"]) < 5], labels)
     assert all(p["separated"] is None and p["n"] == 5 for p in few)
+    # against another mode of the run: probe is 0.3 + 0.1 or 0.3 - 0.1 above cacheblend, never below
+    (vs_blend,) = [p for p in paired(rows, labels, ("cacheblend@0.15",)) if p["mode"] == "probe@0.15"]
+    assert vs_blend["baseline"] == "cacheblend@0.15" and vs_blend["agreement_diff"] == pytest.approx(0.3)
+    assert 0.2 <= vs_blend["agreement_diff_ci"][0] < 0.3 < vs_blend["agreement_diff_ci"][1] <= 0.4
+    assert vs_blend["separated"] is True and vs_blend["abs_delta_nll_diff"] == pytest.approx(-0.01)
 
 
 def test_mode_specs_with_a_cacheblend_score():

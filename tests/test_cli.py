@@ -22,6 +22,8 @@ def test_index_then_ask_json(tiny_model_dir: Path, tmp_path: Path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["mode"] == "cacheblend" and out["ratio"] == 0.15
     assert len(out["chunks"]) == 2 and out["ttft_s"] > 0 and isinstance(out["answer"], str)
+    assert main(["ask", str(idx), "Who designed the reactor?", "--k", "2", "--max-new-tokens", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["mode"] == "probe"  # the default mode
     assert main(["info", str(idx)]) == 0
     assert json.loads(capsys.readouterr().out)["chunks"] >= 2
 

@@ -254,3 +254,21 @@ def test_chunks_indexed_without_caches_are_computed_on_first_use(tiny_model_dir,
     stats = rag.add(DOCS, show_progress=False)  # the caches still missing
     assert stats.new_chunks == 0 and stats.prefilled_chunks == len(keys) - len(used)
     assert all(rag.kvstore.is_valid(k) for k in keys)
+
+
+def test_every_entry_point_defaults_to_the_same_mode():
+    import importlib
+    import inspect
+
+    from kvrag.cli import build_parser
+    from kvrag.config import DEFAULT_MODE, FuseConfig
+    from kvrag.flat import answer_flat_prompt, stream_flat_prompt
+    from kvrag.rag import KVRag
+
+    assert DEFAULT_MODE == "probe" and FuseConfig().mode == DEFAULT_MODE
+    for fn in (KVRag.answer, KVRag.stream, answer_flat_prompt, stream_flat_prompt):
+        assert inspect.signature(fn).parameters["mode"].default == DEFAULT_MODE, fn.__qualname__
+    assert build_parser().parse_args(["ask", "./idx", "q?"]).mode == DEFAULT_MODE
+    for name in ("langchain", "llama_index"):
+        module = importlib.import_module(f"kvrag.integrations.{name}")
+        assert module.KVCachedLLM.model_fields["mode"].default == DEFAULT_MODE, name

@@ -104,10 +104,21 @@ def parse_modes(text: str, quality: bool = False) -> list[ModeSpec]:
     return full[:1] + [s for s in specs if not s.reference]
 
 
+def add_schedule_flags(parser: Any) -> None:
+    """Add the flags that set ``cacheblend``'s gradual filtering for every mode of a bench run."""
+    parser.add_argument("--check-layers", default=None, metavar="L,L,...",
+                        help="cacheblend's check layers (FuseConfig.check_layers; default 1,2,3)")
+    parser.add_argument("--first-ratio-scale", type=float, default=None, metavar="S",
+                        help="cacheblend keeps min(1, S x ratio) of the chunk tokens at its first check layer, "
+                             "narrowing geometrically to the ratio at its last (FuseConfig.first_ratio_scale; "
+                             "default 2; 1 keeps the ratio from the first check on)")
+
+
 def with_fuse_settings(specs: list[ModeSpec], check_layers: str | None = None,
-                       attention: str | None = None) -> list[ModeSpec]:
+                       attention: str | None = None, first_ratio_scale: float | None = None) -> list[ModeSpec]:
     """The modes with FuseConfig fields that a command-line flag sets for all of them replaced:
-    ``check_layers`` (a comma list such as ``0,1,2``) and ``attention``; None leaves a field as it is.
+    ``check_layers`` (a comma list such as ``0,1,2``), ``attention`` and ``first_ratio_scale``; None
+    leaves a field as it is.
     """
     changes: dict[str, Any] = {}
     if check_layers is not None:
@@ -117,6 +128,8 @@ def with_fuse_settings(specs: list[ModeSpec], check_layers: str | None = None,
             raise ValueError(f"--check-layers must be a comma list of layer indices, got {check_layers!r}") from None
     if attention is not None:
         changes["attention"] = attention
+    if first_ratio_scale is not None:
+        changes["first_ratio_scale"] = first_ratio_scale
     return [dataclasses.replace(s, config=dataclasses.replace(s.config, **changes)) for s in specs]
 
 

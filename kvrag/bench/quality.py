@@ -40,8 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "TTFT leaves out that prefill), full@DTYPE (full prefill with the model loaded in bfloat16/float16/"
              "float32: how far precision alone moves the answer, the floor under every agreement and ΔNLL)",
     )
-    parser.add_argument("--check-layers", default=None, metavar="L,L,...",
-                        help="cacheblend's check layers (FuseConfig.check_layers; default 1,2,3)")
+    common.add_schedule_flags(parser)
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--max-chunk-tokens", type=int, default=2048, help="passages longer than this are split")
     parser.add_argument("--warmup", type=int, default=1, help="questions answered by every mode first, not counted")
@@ -255,8 +254,9 @@ PAIRED_BASELINES = ("reuse", "full@bfloat16")
 MIN_PAIRED_QUESTIONS = 10  # fewer, and a bootstrap interval says little: no verdict
 
 
-def paired(rows: list[dict[str, Any]], labels: list[str]) -> list[dict[str, Any]]:
-    """Each mode (``labels``, in the run's order) against each `PAIRED_BASELINES` mode of the run, on
+def paired(rows: list[dict[str, Any]], labels: list[str],
+           baselines: Sequence[str] = PAIRED_BASELINES) -> list[dict[str, Any]]:
+    """Each mode (``labels``, in the run's order) against each ``baselines`` mode of the run, on
     the questions both answered: the mean per-question difference in agreement and in |ΔNLL|, with
     95 % bootstrap intervals.
 
@@ -268,7 +268,7 @@ def paired(rows: list[dict[str, Any]], labels: list[str]) -> list[dict[str, Any]
     for r in rows:
         by_mode.setdefault(r["mode"], {})[r["id"]] = r
     out = []
-    for base in (b for b in PAIRED_BASELINES if b in by_mode):
+    for base in (b for b in baselines if b in by_mode):
         for label in labels:
             if label in (base, "full") or label not in by_mode:
                 continue
@@ -427,7 +427,8 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     common.set_threads(args.threads)
-    specs = common.with_fuse_settings(common.parse_modes(args.modes, quality=True), args.check_layers)
+    specs = common.with_fuse_settings(common.parse_modes(args.modes, quality=True), args.check_layers,
+                                     first_ratio_scale=args.first_ratio_scale)
     items = load_questions(Path(args.data), args.n)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

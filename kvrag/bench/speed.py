@@ -117,8 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(fitted on the first length's chunks)")
     parser.add_argument("--attention", default="auto", choices=ATTENTION_KERNELS,
                         help="kernel for selections spread over the prompt (FuseConfig.attention), every mode")
-    parser.add_argument("--check-layers", default=None, metavar="L,L,...",
-                        help="cacheblend's check layers (FuseConfig.check_layers; default 1,2,3)")
+    common.add_schedule_flags(parser)
     parser.add_argument("--store-mbps", type=float, default=None, metavar="MB/S",
                         help="read the disk tier through one link of this many MB/s (a remote store; "
                              "`kvrag.store.ThrottledStore`); default: the local disk as it is")
@@ -472,7 +471,8 @@ def write_outputs(args: argparse.Namespace, lm: Any, name: str, results: list[di
 
 def run(args: argparse.Namespace) -> int:
     common.set_threads(args.threads)
-    specs = common.with_fuse_settings(common.parse_modes(args.modes), args.check_layers, args.attention)
+    specs = common.with_fuse_settings(common.parse_modes(args.modes), args.check_layers, args.attention,
+                                     args.first_ratio_scale)
     if args.repeats < 1 or args.chunk_tokens < 1:
         raise ValueError(f"--repeats and --chunk-tokens must be >= 1, got {args.repeats}, {args.chunk_tokens}")
     lm, name = load_lm(args, resolve_device(args.device))

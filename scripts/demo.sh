@@ -7,4 +7,4 @@ bash scripts/install.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 kvrag index examples/docs --index ./demo-index --model smollm2
 kvrag ask ./demo-index "In which country is Mount Kilimanjaro?" --mode full --k 1
-kvrag ask ./demo-index "In which country is Mount Kilimanjaro?" --mode cacheblend --ratio 0.15 --k 1
+kvrag ask ./demo-index "In which country is Mount Kilimanjaro?" --k 1   # the default mode: probe, 15 % recomputed

@@ -21,7 +21,6 @@ run's other modes; ``recomputed`` is the prompt's recomputed fraction at the fir
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -33,7 +32,7 @@ import torch
 import kvrag.fuse as fusion
 from kvrag import hf_compat
 from kvrag.bench import common, metrics
-from kvrag.bench.quality import load_questions, passage_keys
+from kvrag.bench.quality import experiment_parser, load_questions, load_run, passage_keys
 from kvrag.config import FuseConfig
 from kvrag.generate import eos_ids
 
@@ -117,20 +116,15 @@ def answer_following(rag: Any, question: str, keys: list[str], frac: float, ever
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--index", required=True)
-    parser.add_argument("--quality", required=True, help="quality.json of a run over the same index, with full")
+    parser = experiment_parser(__doc__, 20, "bench-out/follow.json",
+                               "quality.json of a run over the same index, with full")
     parser.add_argument("--variants", default="0.01/1,0.03/4", help="F/E[/s], comma-separated")
-    parser.add_argument("--n", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=24)
-    parser.add_argument("--out", default="bench-out/follow.json")
     args = parser.parse_args()
     from kvrag.rag import KVRag
 
     common.set_threads(args.threads)
-    run = {(r["id"], r["mode"]): r for r in json.loads(Path(args.quality).read_text())["rows"]}
+    run = load_run(args.quality)
     variants = [v.split("/") for v in args.variants.split(",")]
     names = [f"follow@{v[0]}/{v[1]}" + ("/s" if len(v) > 2 else "") for v in variants]
     others = sorted({m for _, m in run} - {"full"})

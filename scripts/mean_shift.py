@@ -21,7 +21,6 @@ prefill of the chunk run):
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -32,7 +31,7 @@ import torch
 
 from kvrag.bench import common, metrics
 from kvrag.bench.deviation import stored_and_full
-from kvrag.bench.quality import load_questions, passage_keys
+from kvrag.bench.quality import experiment_parser, load_questions, passage_keys
 from kvrag.config import FuseConfig
 from kvrag.kvgen import lead_key
 
@@ -100,17 +99,12 @@ def corrected(pairs: list[tuple[KV, KV]], rows: list[torch.Tensor]) -> dict[str,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--index", required=True, help="a neighbour-context index")
-    parser.add_argument("--n", type=int, default=8)
+    parser = experiment_parser(__doc__, 8, "bench-out/mean-shift.json")
     parser.add_argument("--fit", type=float, default=0.15, help="fraction of each stale chunk's rows known")
     parser.add_argument("--ratio", type=float, default=0.15, help="probe's recompute ratio")
     parser.add_argument("--modes", default="reuse,probe")
     parser.add_argument("--ridge", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="bench-out/mean-shift.json")
     args = parser.parse_args()
     from kvrag.rag import KVRag
 

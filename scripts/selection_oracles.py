@@ -21,7 +21,6 @@ to that run's ``probe@0.15`` answer.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -32,7 +31,7 @@ import torch
 
 from kvrag.bench import common, metrics
 from kvrag.bench.deviation import Tally, stored_and_full, token_deviation
-from kvrag.bench.quality import load_questions, passage_keys
+from kvrag.bench.quality import experiment_parser, load_questions, load_run, passage_keys
 from kvrag.config import FuseConfig
 from kvrag.fuse import FixedSelector, ProbeSelector, Segments
 from kvrag.kvgen import lead_key
@@ -60,18 +59,13 @@ def sensitivity(context: tuple[torch.Tensor, torch.Tensor], plain: tuple[torch.T
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--index", required=True, help="a neighbour-context index over the questions' passages")
-    parser.add_argument("--quality", required=True, help="quality.json of a run with full and probe@0.15 on it")
-    parser.add_argument("--n", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="bench-out/selection-oracles.json")
+    parser = experiment_parser(__doc__, 10, "bench-out/selection-oracles.json",
+                               "quality.json of a run with full and probe@0.15 on it")
     args = parser.parse_args()
     from kvrag.rag import KVRag
 
     common.set_threads(args.threads)
-    run = {(r["id"], r["mode"]): r for r in json.loads(Path(args.quality).read_text())["rows"]}
+    run = load_run(args.quality)
     config = FuseConfig(mode="probe", ratio=0.15)
     rows: list[dict[str, Any]] = []
     with KVRag.open(args.index) as rag:

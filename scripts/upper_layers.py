@@ -18,7 +18,6 @@ hidden states are computed here by prefilling each chunk after the prefix; an in
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 import kvrag.fuse as fusion
 from kvrag import hf_compat
 from kvrag.bench import common, metrics
-from kvrag.bench.quality import load_questions, passage_keys
+from kvrag.bench.quality import experiment_parser, load_questions, load_run, passage_keys
 from kvrag.config import FuseConfig
 from kvrag.kvgen import lead_key
 from kvrag.prompt import chunk_token_ids
@@ -80,20 +79,15 @@ def stale_hidden(rag: Any, chunk_ids: list[list[int]], layers: list[int]) -> dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--index", required=True, help="a neighbour-context index (its plain caches are used)")
-    parser.add_argument("--quality", required=True, help="quality.json of a plain-cache run with full in it")
+    parser = experiment_parser(__doc__, 8, "bench-out/upper-layers.json",
+                               "quality.json of a plain-cache run with full in it")
     parser.add_argument("--layers", default="24,20,15")
-    parser.add_argument("--n", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="bench-out/upper-layers.json")
     args = parser.parse_args()
     from kvrag.rag import KVRag
 
     common.set_threads(args.threads)
     fusion._LayerLoop = UpperLoop  # type: ignore[misc]
-    run = {(r["id"], r["mode"]): r for r in json.loads(Path(args.quality).read_text())["rows"]}
+    run = load_run(args.quality)
     layers = [int(t) for t in args.layers.split(",")]
     others = sorted({m for _, m in run} - {"full"})
     rows: list[dict[str, Any]] = []

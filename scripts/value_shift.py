@@ -18,7 +18,6 @@ each ``--modes`` mode (the unshifted answers are re-run here and must match it).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 import kvrag.fuse as fusion
 from kvrag import hf_compat
 from kvrag.bench import common, metrics
-from kvrag.bench.quality import load_questions, passage_keys
+from kvrag.bench.quality import experiment_parser, load_questions, load_run, passage_keys
 
 SHIFT: dict[str, Any] = {"on": False, "spans": []}
 _segments = fusion.segments
@@ -69,21 +68,16 @@ def update(self: hf_compat.ScatterLayer, key_states: torch.Tensor, value_states:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--index", required=True)
-    parser.add_argument("--quality", required=True, help="quality.json of a run over --index with full and --modes")
+    parser = experiment_parser(__doc__, 20, "bench-out/value-shift.json",
+                               "quality.json of a run over --index with full and --modes")
     parser.add_argument("--modes", default="probe@0.15")
-    parser.add_argument("--n", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="bench-out/value-shift.json")
     args = parser.parse_args()
     from kvrag.rag import KVRag
 
     common.set_threads(args.threads)
     fusion.segments = segments  # type: ignore[assignment]
     hf_compat.ScatterLayer.update = update  # type: ignore[method-assign]
-    run = {(r["id"], r["mode"]): r for r in json.loads(Path(args.quality).read_text())["rows"]}
+    run = load_run(args.quality)
     specs = [common.parse_mode(m) for m in args.modes.split(",")]
     rows: list[dict[str, Any]] = []
     with KVRag.open(args.index) as rag:

@@ -134,3 +134,20 @@ def test_mode_specs_with_a_cacheblend_score():
     assert parse_mode("probe@0.1/0.75").config.probe_from == 0.75
     with pytest.raises(ValueError, match="probe_from"):
         parse_mode("probe@0.1/1.5")
+
+
+def test_experiment_scripts_read_a_quality_run_by_question_and_mode(tmp_path) -> None:
+    import json
+
+    from kvrag.bench.quality import experiment_parser, load_run
+
+    rows = [{"id": "q1", "mode": "full", "answer": "a"}, {"id": "q1", "mode": "probe@0.15", "answer": "b"}]
+    path = tmp_path / "quality.json"
+    path.write_text(json.dumps({"rows": rows}))
+    assert load_run(path) == {("q1", "full"): rows[0], ("q1", "probe@0.15"): rows[1]}
+    args = experiment_parser("First line.\nMore.", 8, "out.json", "a run").parse_args(
+        ["--data", "d.jsonl", "--index", "idx", "--quality", str(path)])
+    assert (args.n, args.threads, args.out, args.quality) == (8, 2, "out.json", str(path))
+    with pytest.raises(SystemExit):  # --quality is required when the script compares with a run
+        experiment_parser("Doc.", 8, "out.json", "a run").parse_args(["--data", "d", "--index", "i"])
+    assert not hasattr(experiment_parser("Doc.", 3, "o").parse_args(["--data", "d", "--index", "i"]), "quality")

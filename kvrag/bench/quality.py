@@ -60,6 +60,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-out/quality", help="output directory")
 
 
+def experiment_parser(doc: str, n: int, out: str, quality: str | None = None) -> argparse.ArgumentParser:
+    """The command line of a script that answers the first questions of a QA file over an index:
+    ``--data``, ``--index``, ``--n`` (default ``n``), ``--threads``, ``--out`` (default ``out``) and,
+    given its help text ``quality``, ``--quality`` (a run of this benchmark to compare with; `load_run`).
+    """
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--data", required=True, help="QA JSONL file")
+    parser.add_argument("--index", required=True, help="index holding the questions' passages")
+    if quality is not None:
+        parser.add_argument("--quality", required=True, help=quality)
+    parser.add_argument("--n", type=int, default=n, help="questions, from the first")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=out)
+    return parser
+
+
+def load_run(path: str | Path) -> dict[tuple[str, str], dict[str, Any]]:
+    """The rows of a ``quality.json``, by ``(question id, mode)``."""
+    return {(r["id"], r["mode"]): r for r in json.loads(Path(path).read_text())["rows"]}
+
+
 def load_questions(path: Path, n: int) -> list[dict[str, Any]]:
     """Read the first ``n`` items of a QA JSONL file, checked for the fields the benchmark uses."""
     items = []

@@ -32,7 +32,7 @@ import torch
 import kvrag.fuse as fusion
 from kvrag import hf_compat
 from kvrag.bench import common, metrics
-from kvrag.bench.quality import experiment_parser, load_questions, load_run, passage_keys
+from kvrag.bench.quality import against_full, experiment_parser, load_run
 from kvrag.config import FuseConfig
 from kvrag.generate import eos_ids
 
@@ -130,9 +130,7 @@ def main() -> None:
     others = sorted({m for _, m in run} - {"full"})
     rows: list[dict[str, Any]] = []
     with KVRag.open(args.index) as rag:
-        for item in load_questions(Path(args.data), args.n):
-            keys = passage_keys(rag, item)
-            full = run[(item["id"], "full")]
+        for item, keys, full in against_full(rag, args, run):
             row: dict[str, Any] = {"id": item["id"]}
             for name, v in zip(names, variants):
                 got = answer_following(rag, item["question"], keys, float(v[0]), int(v[1]), len(v) > 2,

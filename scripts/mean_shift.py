@@ -54,16 +54,15 @@ def held_out_energy(pairs: list[tuple[KV, KV]], rows: list[torch.Tensor], ridge:
     error weighted by the inverse of the mean squared norm of its true rows, summed.
     """
     energy = dict.fromkeys(FITS, 0.0)
+    sizes = torch.tensor([ref[0].shape[2] for ref, _ in pairs])
+    owner = torch.repeat_interleave(torch.arange(len(pairs)), sizes)  # the pair each row belongs to
+    starts = torch.cumsum(sizes, 0) - sizes
+    fit = torch.cat([r + starts[j] for j, r in enumerate(rows)])
+    held = torch.ones(int(sizes.sum()), dtype=torch.bool)
+    held[fit] = False
     for which in (0, 1):
         full = torch.cat([ref[which] for ref, _ in pairs], 2)
         stored = torch.cat([got[which] for _, got in pairs], 2)
-        owner = torch.cat([torch.full((ref[which].shape[2],), j) for j, (ref, _) in enumerate(pairs)])
-        offsets = [0]
-        for ref, _ in pairs:
-            offsets.append(offsets[-1] + ref[which].shape[2])
-        fit = torch.cat([r + offsets[j] for j, r in enumerate(rows)])
-        held = torch.ones(full.shape[2], dtype=torch.bool)
-        held[fit] = False
         delta = full - stored
         scale = full.pow(2).sum(-1).mean(-1)  # [L, H]
         per_chunk = torch.zeros_like(delta)

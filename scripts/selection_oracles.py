@@ -31,7 +31,7 @@ import torch
 
 from kvrag.bench import common, metrics
 from kvrag.bench.deviation import Tally, stored_and_full, token_deviation
-from kvrag.bench.quality import experiment_parser, load_questions, load_run, passage_keys
+from kvrag.bench.quality import against_full, experiment_parser, load_run
 from kvrag.config import FuseConfig
 from kvrag.fuse import FixedSelector, ProbeSelector, Segments
 from kvrag.kvgen import lead_key
@@ -70,9 +70,8 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     with KVRag.open(args.index) as rag:
         first_layer = int(config.probe_from * rag.lm.spec.n_layers)
-        for item in load_questions(Path(args.data), args.n):
-            keys = passage_keys(rag, item)
-            full, probe = run[(item["id"], "full")], run[(item["id"], "probe@0.15")]
+        for item, keys, full in against_full(rag, args, run):
+            probe = run[(item["id"], "probe@0.15")]
             reading = ReadingProbe(config)
             rag.answer(item["question"], chunks=keys, fuse_config=config, max_new_tokens=1, selector=reading)
             chunk_ids, pairs = stored_and_full(rag, item)

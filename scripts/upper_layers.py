@@ -28,7 +28,7 @@ import torch
 import kvrag.fuse as fusion
 from kvrag import hf_compat
 from kvrag.bench import common, metrics
-from kvrag.bench.quality import experiment_parser, load_questions, load_run, passage_keys
+from kvrag.bench.quality import against_full, experiment_parser, load_run
 from kvrag.config import FuseConfig
 from kvrag.kvgen import lead_key
 from kvrag.prompt import chunk_token_ids
@@ -92,12 +92,10 @@ def main() -> None:
     others = sorted({m for _, m in run} - {"full"})
     rows: list[dict[str, Any]] = []
     with KVRag.open(args.index) as rag:
-        for item in load_questions(Path(args.data), args.n):
-            keys = passage_keys(rag, item)
+        for item, keys, full in against_full(rag, args, run):
             chunks = rag.resolve_chunks(keys)
             ids = [chunk_token_ids(rag.lm.tokenizer, c.text) for c in chunks]
             caches = [rag.kvstore.load(lead_key(c.key)) for c in chunks]
-            full = run[(item["id"], "full")]
             row: dict[str, Any] = {"id": item["id"]}
             hidden = stale_hidden(rag, ids[1:], layers)
             for layer in layers:

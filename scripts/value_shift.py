@@ -28,7 +28,7 @@ import torch
 import kvrag.fuse as fusion
 from kvrag import hf_compat
 from kvrag.bench import common, metrics
-from kvrag.bench.quality import experiment_parser, load_questions, load_run, passage_keys
+from kvrag.bench.quality import against_full, experiment_parser, load_run
 
 SHIFT: dict[str, Any] = {"on": False, "spans": []}
 _segments = fusion.segments
@@ -81,9 +81,7 @@ def main() -> None:
     specs = [common.parse_mode(m) for m in args.modes.split(",")]
     rows: list[dict[str, Any]] = []
     with KVRag.open(args.index) as rag:
-        for item in load_questions(Path(args.data), args.n):
-            keys = passage_keys(rag, item)
-            full = run[(item["id"], "full")]
+        for item, keys, full in against_full(rag, args, run):
             row: dict[str, Any] = {"id": item["id"]}
             for spec in specs:
                 for shifted in (False, True):

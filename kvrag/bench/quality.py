@@ -17,7 +17,7 @@ import logging
 import math
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,15 @@ def experiment_parser(doc: str, n: int, out: str, quality: str | None = None) ->
 def load_run(path: str | Path) -> dict[tuple[str, str], dict[str, Any]]:
     """The rows of a ``quality.json``, by ``(question id, mode)``."""
     return {(r["id"], r["mode"]): r for r in json.loads(Path(path).read_text())["rows"]}
+
+
+def against_full(rag: Any, args: argparse.Namespace, run: dict[tuple[str, str], dict[str, Any]],
+                 ) -> Iterator[tuple[dict[str, Any], list[str], dict[str, Any]]]:
+    """For each of the first ``args.n`` questions of ``args.data`` (an `experiment_parser` command
+    line): the item, its passages' chunk keys in ``rag`` and ``full``'s row of ``run`` (`load_run`).
+    """
+    for item in load_questions(Path(args.data), args.n):
+        yield item, passage_keys(rag, item), run[(item["id"], "full")]
 
 
 def load_questions(path: Path, n: int) -> list[dict[str, Any]]:

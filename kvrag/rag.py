@@ -348,14 +348,14 @@ class KVRag:
 
     def _fusion_input(self, chunks: list[RetrievedChunk], chunk_ids: list[torch.Tensor], suffix: torch.Tensor,
                       mode: str, caches: Sequence[KV | None] | None = None,
-                      from_text: Sequence[int] = ()) -> FusionInput:
+                      from_text: Sequence[int] = (), first_exact: bool = True) -> FusionInput:
         """The fusion input: ``caches`` when given, else the stored caches through a `StoreFeed`
         (chunks in ``from_text`` recomputed from their text instead).
         """
         if mode == "full":
             return FusionInput(self.prefix, chunk_ids, [None] * len(chunks), suffix)
         if caches is not None:
-            return FusionInput(self.prefix, chunk_ids, list(caches), suffix)
+            return FusionInput(self.prefix, chunk_ids, list(caches), suffix, first_exact)
         # with neighbour context the first chunk reads its plain cache, which is exact where it stands
         keys: list[str | None] = [
             None if j in from_text else lead_key(c.key) if j == 0 and self.neighbour_context else c.key
@@ -367,11 +367,14 @@ class KVRag:
 
     def _prepare(self, question: str, k: int, chunks: Sequence[str | RetrievedChunk] | None,
                  fuse_config: FuseConfig, caches: Sequence[KV | None] | None = None,
-                 selector: Selector | None = None,
+                 selector: Selector | None = None, first_exact: bool = True,
                  ) -> tuple[list[RetrievedChunk], FusionInput, FusionResult, dict[str, float], LoadPlan | None]:
         _check_question(question)
         if caches is not None and chunks is None:
             raise ValueError("caches= needs chunks= (one cache per chunk, in the same order)")
+        if not first_exact and caches is None:
+            raise ValueError("first_exact=False describes caches= given by the caller; the index's own caches "
+                             "know where they were computed")
         t0 = time.perf_counter()
         used = self.retrieve(question, k) if chunks is None else self.resolve_chunks(chunks)
         if caches is not None and len(caches) != len(used):
@@ -383,7 +386,7 @@ class KVRag:
         if caches is None and fuse_config.mode != "full":  # loads from the store: the controller may plan
             fuse_config, plan = self.controller.adapt(fuse_config, shape)
         from_text = plan.from_text if plan is not None else ()
-        inp = self._fusion_input(used, chunk_ids, suffix, fuse_config.mode, caches, from_text)
+        inp = self._fusion_input(used, chunk_ids, suffix, fuse_config.mode, caches, from_text, first_exact)
         t2 = time.perf_counter()
         fused = fuse(self.lm, inp, fuse_config, selector)
         if isinstance(inp.chunk_kv, StoreFeed) and selector is None:
@@ -402,7 +405,8 @@ class KVRag:
                temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] = (),
                seed: int | None = None, fuse_config: FuseConfig | None = None,
                score_ids: Sequence[int] | None = None,
-               caches: Sequence[KV | None] | None = None, selector: Selector | None = None) -> Iterator[str]:
+               caches: Sequence[KV | None] | None = None, first_exact: bool = True,
+               selector: Selector | None = None) -> Iterator[str]:
         """Yield the answer's text as it is generated; `last_answer` holds the full `Answer` after.
 
         Args mirror `answer`.
@@ -410,7 +414,7 @@ class KVRag:
         fcfg = fuse_config or FuseConfig(mode=mode, ratio=ratio)
         gcfg = GenerateConfig(max_new_tokens, temperature, top_p, tuple(stop), seed)
         t0 = time.perf_counter()
-        used, inp, fused, timings, plan = self._prepare(question, k, chunks, fcfg, caches, selector)
+        used, inp, fused, timings, plan = self._prepare(question, k, chunks, fcfg, caches, selector, first_exact)
         answer = Answer("", fcfg.mode, fcfg.ratio if plan is None else plan.ratio, math.nan, used, timings,
                         n_prompt_tokens=fused.n_tokens, recompute_fraction=fused.recompute_fraction,
                         load_plan=plan)
@@ -425,7 +429,8 @@ class KVRag:
                temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] = (),
                seed: int | None = None, fuse_config: FuseConfig | None = None,
                score_ids: Sequence[int] | None = None,
-               caches: Sequence[KV | None] | None = None, selector: Selector | None = None) -> Answer:
+               caches: Sequence[KV | None] | None = None, first_exact: bool = True,
+               selector: Selector | None = None) -> Answer:
         """Retrieve ``k`` chunks (or use ``chunks``), fuse their caches and generate an answer.
 
         Args:
@@ -441,6 +446,9 @@ class KVRag:
             caches: one entry per chunk of ``chunks``: pre-RoPE ``(keys, values)``, each ``[L, H, n, D]``,
                 fused instead of the stored cache (e.g. caches round-tripped through a codec, or produced
                 elsewhere), or None to recompute that chunk; ``full`` recomputes every chunk anyway.
+            first_exact: whether ``caches``' first entry was computed right after the index's prompt
+                prefix, where the prompt places it: then it is exact and no selector recomputes it. Pass
+                False for caches computed any other way (e.g. each chunk on its own from position 0).
             selector: a `kvrag.fuse.Selector` that chooses the recomputed positions instead of the one
                 ``mode`` names (e.g. `kvrag.fuse.FixedSelector`); ``mode`` still decides which caches load.
 
@@ -448,11 +456,13 @@ class KVRag:
             `Answer` with the text, TTFT and its breakdown, and the chunks used.
 
         Raises:
-            ValueError: ``caches`` without ``chunks``, or not one entry per chunk.
+            ValueError: ``caches`` without ``chunks``, or not one entry per chunk; ``first_exact=False``
+                without ``caches``.
         """
         for _ in self.stream(question, k, mode, ratio, chunks=chunks, max_new_tokens=max_new_tokens,
                              temperature=temperature, top_p=top_p, stop=stop, seed=seed,
-                             fuse_config=fuse_config, score_ids=score_ids, caches=caches, selector=selector):
+                             fuse_config=fuse_config, score_ids=score_ids, caches=caches,
+                             first_exact=first_exact, selector=selector):
             pass
         assert self.last_answer is not None
         return self.last_answer

@@ -119,6 +119,30 @@ def test_answer_from_given_caches_equals_the_stored_ones_and_counts_are_checked(
         rag.answer(q, chunks=keys, mode="reuse", caches=[caches[1], caches[0], caches[2]])
 
 
+def test_given_caches_not_computed_after_the_prefix_leave_the_first_chunk_to_the_selector(built):
+    rag, _ = built
+    keys = [r.key for r in rag.index.records()[:3]]
+    q = "Who commands beta station?"
+    caches = [rag.kvstore.load(k) for k in keys]
+    wrong_first = [tuple(torch.zeros_like(t) for t in caches[0]), *caches[1:]]
+    full = rag.answer(q, chunks=keys, mode="full", max_new_tokens=5)
+    everything = FuseConfig(mode="cacheblend", ratio=1.0)
+    # every chunk token recomputed: the first chunk's given cache is not used, the prefill is exact
+    fresh = rag.answer(q, chunks=keys, fuse_config=everything, max_new_tokens=5, caches=wrong_first,
+                       first_exact=False, score_ids=full.token_ids)
+    assert fresh.token_ids == full.token_ids
+    assert fresh.score_nll == pytest.approx(rag.nll(q, full.token_ids, keys), abs=1e-4)
+    # taken as exact (the default), the first chunk keeps its given rows whatever the ratio
+    kept = rag.answer(q, chunks=keys, fuse_config=everything, max_new_tokens=1, caches=wrong_first,
+                      score_ids=full.token_ids)
+    assert kept.score_nll != pytest.approx(fresh.score_nll, abs=1e-3)
+    assert kept.recompute_fraction < fresh.recompute_fraction
+    boundary = [rag.answer(q, chunks=keys, mode="attnlink", max_new_tokens=1, caches=caches, first_exact=exact)
+                for exact in (True, False)]
+    assert boundary[1].recompute_fraction > boundary[0].recompute_fraction  # the first chunk's boundary too
+    with pytest.raises(ValueError, match="first_exact=False describes caches="):
+        rag.answer(q, chunks=keys, first_exact=False)
+
 def test_rebuild_with_one_more_document_computes_only_its_chunks(built, tiny_model_dir):
     rag, path = built
     before = len(rag.index)

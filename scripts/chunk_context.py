@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from kvrag import hf_compat
 from kvrag.bench import common, metrics
 from kvrag.bench.quality import (
     against_full,
@@ -43,7 +42,7 @@ from kvrag.bench.quality import (
     passage_documents,
     passage_text,
 )
-from kvrag.kvgen import KV, chunk_cache_after, prefix_cache
+from kvrag.kvgen import KV, PrefixCache, chunk_cache_after, prefix_cache
 from kvrag.model import LoadedModel, rope_at, unapply_rope
 from kvrag.prompt import chunk_token_ids
 
@@ -52,21 +51,17 @@ VARIANTS = ("prefix", "start", "none")
 
 def alone(lm: LoadedModel, ids: list[int]) -> KV:
     """A chunk prefilled with nothing before it (positions ``0 … n-1``): keys pre-RoPE, ``[L, H, n, D]``."""
-    tokens = torch.tensor(ids, dtype=torch.long, device=lm.device)
-    with torch.no_grad():
-        out = hf_compat.base_model(lm.model)(input_ids=tokens[None], use_cache=True)
-    layers = hf_compat.cache_layers(out.past_key_values)
-    keys = torch.stack([k[0] for k, _ in layers])
-    values = torch.stack([v[0] for _, v in layers])
+    kv = prefix_cache(lm, ids).kv
+    keys = torch.stack([k[0] for k, _ in kv])
     cos, sin = rope_at(lm.model, torch.arange(len(ids), device=lm.device), keys)
-    return unapply_rope(keys, cos, sin).contiguous(), values.contiguous()
+    return unapply_rope(keys, cos, sin).contiguous(), torch.stack([v[0] for _, v in kv]).contiguous()
 
 
-def variant_caches(rag: Any, variant: str, chunk_ids: list[list[int]]) -> list[KV]:
+def context_before(rag: Any, variant: str) -> PrefixCache | None:
+    """What ``variant``'s chunk caches are computed after (None: nothing)."""
     if variant == "none":
-        return [alone(rag.lm, ids) for ids in chunk_ids]
-    before = rag.prefix if variant == "prefix" else prefix_cache(rag.lm, rag.layout.prefix_ids[:1])
-    return [chunk_cache_after(rag.lm, before, ids) for ids in chunk_ids]
+        return None
+    return rag.prefix if variant == "prefix" else prefix_cache(rag.lm, rag.layout.prefix_ids[:1])
 
 
 def comparisons(rows: list[dict[str, Any]], variants: list[str], modes: list[str]) -> list[dict[str, Any]]:
@@ -101,11 +96,14 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     labels = [f"{v}/{s.label}" for v in variants for s in specs]
     with KVRag.open(args.index) as rag:
+        before = {variant: context_before(rag, variant) for variant in variants}
         for item, keys, full in against_full(rag, args, run):
             rows.append({**full, "mode": "full"})
             chunk_ids = [chunk_token_ids(rag.lm.tokenizer, passage_text(ctx)) for ctx in item["ctxs"]]
             for variant in variants:
-                caches = variant_caches(rag, variant, chunk_ids)
+                context = before[variant]
+                caches = [alone(rag.lm, ids) if context is None else chunk_cache_after(rag.lm, context, ids)
+                          for ids in chunk_ids]
                 for spec in specs:
                     ans = rag.answer(item["question"], chunks=keys, caches=caches, first_exact=variant == "prefix",
                                      fuse_config=spec.config, max_new_tokens=args.max_new_tokens,

@@ -143,6 +143,7 @@ def test_given_caches_not_computed_after_the_prefix_leave_the_first_chunk_to_the
     with pytest.raises(ValueError, match="first_exact=False describes caches="):
         rag.answer(q, chunks=keys, first_exact=False)
 
+
 def test_rebuild_with_one_more_document_computes_only_its_chunks(built, tiny_model_dir):
     rag, path = built
     before = len(rag.index)

@@ -237,6 +237,8 @@ class ProbeSelector(Selector):
     def __init__(self, config: FuseConfig) -> None:
         self.ratio = float(config.ratio)
         self.from_fraction = float(config.probe_from)
+        self.attention: torch.Tensor | None = None  # the last probe's reading (`choose`)
+        self.picked: torch.Tensor | None = None
 
     def initial(self, seg: Segments) -> torch.Tensor:
         return seg.forced.clone()
@@ -251,11 +253,16 @@ class ProbeSelector(Selector):
         return (~seg.forced[start : seg.suffix_start]).nonzero().squeeze(1) + start
 
     def choose(self, attention: torch.Tensor, seg: Segments) -> torch.Tensor:
-        """Bool mask ``[N]`` of the main pass: forced tokens and the most attended candidates."""
+        """Bool mask ``[N]`` of the main pass: forced tokens and the most attended candidates.
+
+        The probe's reading stays on the selector for inspection: ``attention`` (the summed suffix
+        attention ``[N]``) and ``picked`` (the candidate positions chosen, most attended first).
+        """
         mask = seg.forced.clone()
         candidates = self.candidates(seg)
         keep_n = min(math.ceil(self.ratio * seg.chunk_tokens - 1e-9), int(candidates.numel()))
-        mask[candidates[attention[candidates].topk(keep_n).indices]] = True
+        self.attention, self.picked = attention, candidates[attention[candidates].topk(keep_n).indices]
+        mask[self.picked] = True
         return mask
 
 
@@ -469,21 +476,23 @@ def suffix_attention(
 def question_attention(
     lm: LoadedModel, layer_idx: int, hidden_q: torch.Tensor, q_pos: torch.Tensor,
     q_rope: tuple[torch.Tensor, torch.Tensor], key_pos: torch.Tensor | None, layer: hf_compat.ScatterLayer,
+    weigh_values: bool = False,
 ) -> torch.Tensor:
     """Attention mass queries at ``q_pos`` (layer input ``hidden_q`` ``[1, n_q, hidden]``, rotary
     embeddings ``q_rope``) put on the cached keys at ``key_pos`` (None: every position), summed over
-    queries and heads: ``[n_keys]``.
+    queries and heads: ``[n_keys]``. With ``weigh_values`` each head's weight on a key is multiplied by
+    the norm of that key's value row in the head: the size of what the key adds to the head's output.
 
     Each query's softmax runs over the keys it may see among ``key_pos`` (causal, and within the
     model's sliding window if it has one). The products run in the model's dtype (accumulated in
     float32 by the matrix kernels), the softmax in float32.
     """
     q = hf_compat.layer_queries(lm.model, layer_idx, hidden_q, q_rope)  # [1, H_q, n_q, D]
-    keys = layer.full()[0]
+    keys, values, _ = layer.full()
     if key_pos is None:
         key_pos = torch.arange(keys.shape[2], device=keys.device)
     else:
-        keys = keys[:, :, key_pos]  # [1, H_kv, n_keys, D]
+        keys, values = keys[:, :, key_pos], values[:, :, key_pos]  # [1, H_kv, n_keys, D]
     n_q, groups = q_pos.numel(), q.shape[1] // keys.shape[1]
     q = q.reshape(1, keys.shape[1], groups * n_q, -1).to(keys.dtype)  # heads of one KV group side by side
     scores = (q @ keys.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])
@@ -491,8 +500,10 @@ def question_attention(
     window = lm.spec.sliding_window
     if window is not None:
         hidden |= key_pos[None, :] <= q_pos[:, None] - window
-    scores = scores.view(1, keys.shape[1], groups, n_q, -1).masked_fill(hidden, float("-inf"))
-    return scores.softmax(-1).sum(dim=(0, 1, 2, 3))
+    weights = scores.view(1, keys.shape[1], groups, n_q, -1).masked_fill(hidden, float("-inf")).softmax(-1)
+    if weigh_values:
+        weights = weights * values.float().norm(dim=-1)[:, :, None, None]
+    return weights.sum(dim=(0, 1, 2, 3))
 
 
 def _causal_kernel(lm: LoadedModel) -> bool:

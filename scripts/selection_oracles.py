@@ -33,18 +33,8 @@ from kvrag.bench import common, metrics
 from kvrag.bench.deviation import Tally, stored_and_full, token_deviation
 from kvrag.bench.quality import against_full, experiment_parser, load_run
 from kvrag.config import FuseConfig
-from kvrag.fuse import FixedSelector, ProbeSelector, Segments
+from kvrag.fuse import FixedSelector, ProbeSelector
 from kvrag.kvgen import lead_key
-
-
-class ReadingProbe(ProbeSelector):
-    """`probe` that keeps the attention its first pass measured."""
-
-    attention: torch.Tensor
-
-    def choose(self, attention: torch.Tensor, seg: Segments) -> torch.Tensor:
-        self.attention = attention.clone()
-        return super().choose(attention, seg)
 
 
 def sensitivity(context: tuple[torch.Tensor, torch.Tensor], plain: tuple[torch.Tensor, torch.Tensor],
@@ -72,7 +62,7 @@ def main() -> None:
         first_layer = int(config.probe_from * rag.lm.spec.n_layers)
         for item, keys, full in against_full(rag, args, run):
             probe = run[(item["id"], "probe@0.15")]
-            reading = ReadingProbe(config)
+            reading = ProbeSelector(config)
             rag.answer(item["question"], chunks=keys, fuse_config=config, max_new_tokens=1, selector=reading)
             chunk_ids, pairs = stored_and_full(rag, item)
             deviation = token_deviation(pairs, Tally(rag.lm.spec.n_layers)).sum(0)
@@ -80,6 +70,7 @@ def main() -> None:
             sens = torch.cat([sensitivity(rag.kvstore.load(c.key), rag.kvstore.load(lead_key(c.key)), first_layer)
                               for c in chunks])
             start = rag.prefix.length + len(chunk_ids[0])
+            assert reading.attention is not None
             attention = reading.attention[start : start + deviation.numel()]
             keep = math.ceil(config.ratio * sum(map(len, chunk_ids)) - 1e-9)
             row: dict[str, Any] = {

@@ -10,7 +10,7 @@ from conftest import ARCHS, tiny_model
 
 from kvrag import hf_compat
 from kvrag.config import FuseConfig
-from kvrag.fuse import FixedSelector, FusionInput, fuse
+from kvrag.fuse import FixedSelector, FusionInput, ProbeSelector, fuse
 from kvrag.kvgen import chunk_caches, prefix_cache
 from kvrag.model import apply_rope, rope_at, unapply_rope, wrap_model
 
@@ -193,7 +193,7 @@ def test_generation_from_fused_cache_matches_hf_generate(setup):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_suffix_attention_matches_the_models_attention_weights(arch):
-    from kvrag.fuse import segments, suffix_attention
+    from kvrag.fuse import question_attention, segments, suffix_attention
 
     lm, prefix, chunks, kv, suffix = _setup(arch)
     lm.model.config._attn_implementation = "eager"
@@ -211,6 +211,16 @@ def test_suffix_attention_matches_the_models_attention_weights(arch):
             ours = suffix_attention(lm, idx, out.hidden_states[idx], sel, scatter, seg, rope)
         ref = out.attentions[idx][0, :, -suffix.numel():].sum(dim=(0, 1))
         assert (ours - ref).abs().max().item() <= 1e-4
+        # weighed by each key's value norm in the KV head that serves the query head
+        n_s = suffix.numel()
+        with torch.no_grad():
+            weighed = question_attention(lm, idx, out.hidden_states[idx][:, -n_s:], sel[-n_s:],
+                                         (rope[0][:, -n_s:], rope[1][:, -n_s:]), sel, scatter, weigh_values=True)
+        norms = layers[idx][1][0].norm(dim=-1)  # [H_kv, N]
+        heads = out.attentions[idx].shape[1]
+        kv_head = torch.arange(heads) // (heads // norms.shape[0])
+        ref = (out.attentions[idx][0, :, -n_s:] * norms[kv_head][:, None]).sum(dim=(0, 1))
+        assert (weighed - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -283,10 +293,13 @@ def test_blocks_with_every_token_selected_equal_full_prefill_under_a_sliding_win
 @pytest.mark.parametrize("ratio", [0.1, 0.4])
 def test_probe_recomputes_the_chunk_tokens_the_question_attends_to_most(ratio):
     """The probe's choice equals a ranking by the model's own attention weights: the question run
-    with eager attention over the ``reuse`` cache, summed over the upper half of the layers."""
+    with eager attention over the ``reuse`` cache, summed over the upper half of the layers. The
+    selector keeps that reading (``attention``) and its choice (``picked``)."""
     lm, prefix, chunks, kv, suffix = _setup("llama", seed=2)
     inp = FusionInput(prefix, chunks, kv, suffix)
-    result = fuse(lm, inp, FuseConfig(mode="probe", ratio=ratio, probe_from=0.5))
+    config = FuseConfig(mode="probe", ratio=ratio, probe_from=0.5)
+    selector = ProbeSelector(config)
+    result = fuse(lm, inp, config, selector)
     total = prefix.length + sum(c.numel() for c in chunks)
     reused = fuse(lm, inp, FuseConfig(mode="reuse")).cache
     hf_compat.crop_cache(reused, total)
@@ -305,6 +318,9 @@ def test_probe_recomputes_the_chunk_tokens_the_question_attends_to_most(ratio):
     expected = (attention[first:total].topk(keep).indices + first).sort().values
     chosen = result.selected[result.selected < total]
     assert torch.equal(chosen, expected)
+    assert torch.equal(selector.picked.sort().values, expected)
+    assert selector.attention is not None
+    torch.testing.assert_close(selector.attention[first:total], attention[first:total].float(), rtol=1e-4, atol=1e-6)
     # the question runs twice (probe, then with the chosen tokens) through every layer
     assert result.n_selected == [keep + 2 * suffix.numel()] * lm.spec.n_layers
 

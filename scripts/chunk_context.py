@@ -35,11 +35,10 @@ from kvrag.bench import common, metrics
 from kvrag.bench.quality import (
     against_full,
     experiment_parser,
-    load_questions,
     load_run,
     paired,
     paired_markdown,
-    passage_documents,
+    passage_index,
     passage_text,
 )
 from kvrag.kvgen import KV, PrefixCache, chunk_cache_after, prefix_cache
@@ -80,7 +79,6 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--max-new-tokens", type=int, default=24)
     args = parser.parse_args()
-    from kvrag.config import SplitConfig
     from kvrag.rag import KVRag
 
     common.set_threads(args.threads)
@@ -89,10 +87,7 @@ def main() -> None:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     specs = [common.parse_mode(m) for m in args.modes.split(",")]
     run = load_run(args.quality)
-    if not Path(args.index).exists():
-        docs = passage_documents(load_questions(Path(args.data), args.n))
-        KVRag.build(docs, args.index, model="smollm2", split=SplitConfig(mode="document", max_tokens=2048,
-                    min_tokens=0), caches=False, show_progress=False).close()
+    passage_index(args)
     rows: list[dict[str, Any]] = []
     labels = [f"{v}/{s.label}" for v in variants for s in specs]
     with KVRag.open(args.index) as rag:

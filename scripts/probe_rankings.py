@@ -38,11 +38,10 @@ from kvrag.bench import common, metrics
 from kvrag.bench.quality import (
     against_full,
     experiment_parser,
-    load_questions,
     load_run,
     paired,
     paired_markdown,
-    passage_documents,
+    passage_index,
     passage_text,
 )
 from kvrag.config import FuseConfig
@@ -87,7 +86,6 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.15)
     parser.add_argument("--max-new-tokens", type=int, default=24)
     args = parser.parse_args()
-    from kvrag.config import SplitConfig
     from kvrag.rag import KVRag
 
     rankings = args.rankings.split(",")
@@ -95,10 +93,7 @@ def main() -> None:
         parser.error(f"unknown rankings {sorted(unknown)}; choose from {', '.join(RANKINGS)}")
     common.set_threads(args.threads)
     run = load_run(args.quality)
-    if not Path(args.index).exists():
-        docs = passage_documents(load_questions(Path(args.data), args.n))
-        KVRag.build(docs, args.index, model="smollm2", split=SplitConfig(mode="document", max_tokens=2048,
-                    min_tokens=0), caches=False, show_progress=False).close()
+    passage_index(args)
     config = FuseConfig(mode="probe", ratio=args.ratio)
     labels = {r: f"{RANKINGS[r]}@{args.ratio:g}" for r in rankings}
     rows: list[dict[str, Any]] = []

@@ -492,7 +492,7 @@ def question_attention(
     if key_pos is None:
         key_pos = torch.arange(keys.shape[2], device=keys.device)
     else:
-        keys, values = keys[:, :, key_pos], values[:, :, key_pos]  # [1, H_kv, n_keys, D]
+        keys = keys[:, :, key_pos]  # [1, H_kv, n_keys, D]
     n_q, groups = q_pos.numel(), q.shape[1] // keys.shape[1]
     q = q.reshape(1, keys.shape[1], groups * n_q, -1).to(keys.dtype)  # heads of one KV group side by side
     scores = (q @ keys.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])
@@ -502,7 +502,7 @@ def question_attention(
         hidden |= key_pos[None, :] <= q_pos[:, None] - window
     weights = scores.view(1, keys.shape[1], groups, n_q, -1).masked_fill(hidden, float("-inf")).softmax(-1)
     if weigh_values:
-        weights = weights * values.float().norm(dim=-1)[:, :, None, None]
+        weights = weights * values[:, :, key_pos].float().norm(dim=-1)[:, :, None, None]
     return weights.sum(dim=(0, 1, 2, 3))
 
 

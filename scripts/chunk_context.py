@@ -8,7 +8,10 @@ computed three ways and fused by each ``--modes`` mode:
 
 - ``prefix``: after kvrag's prefix (what an index stores; the first chunk's cache is then exact);
 - ``start``: after the prefix's first token alone (``<|im_start|>`` for SmolLM2's chat template);
-- ``none``: the chunk alone, from position 0 (Epic's and CacheBlend's setting).
+- ``none``: the chunk alone, from position 0 (Epic's and CacheBlend's setting);
+- ``none-first``: as ``none``, except the first chunk, computed after the prefix as in ``prefix``.
+  Against ``none`` it shows what an exact first chunk is worth; against ``prefix``, what the prefix
+  is worth to the other chunks.
 
 For ``start`` and ``none`` the first chunk's cache is stale too, and the selectors may recompute
 it. The index only has to hold the passages for retrieval: the caches are computed here.
@@ -45,7 +48,8 @@ from kvrag.kvgen import KV, PrefixCache, chunk_cache_after, prefix_cache
 from kvrag.model import LoadedModel, rope_at, unapply_rope
 from kvrag.prompt import chunk_token_ids
 
-VARIANTS = ("prefix", "start", "none")
+VARIANTS = ("prefix", "start", "none", "none-first")
+DEFAULT_VARIANTS = VARIANTS[:3]
 
 
 def alone(lm: LoadedModel, ids: list[int]) -> KV:
@@ -58,25 +62,25 @@ def alone(lm: LoadedModel, ids: list[int]) -> KV:
 
 def context_before(rag: Any, variant: str) -> PrefixCache | None:
     """What ``variant``'s chunk caches are computed after (None: nothing)."""
-    if variant == "none":
+    if variant.startswith("none"):
         return None
     return rag.prefix if variant == "prefix" else prefix_cache(rag.lm, rag.layout.prefix_ids[:1])
 
 
 def comparisons(rows: list[dict[str, Any]], variants: list[str], modes: list[str]) -> list[dict[str, Any]]:
     """Question by question (`paired`): each mode against ``reuse`` over the same caches, then each
-    mode over every later variant's caches against the same mode over the first variant's.
+    mode over each variant's caches against the same mode over every variant's listed before it.
     """
     out = [p for v in variants for p in paired(rows, [f"{v}/{m}" for m in modes], [f"{v}/reuse"])]
-    return out + [p for v in variants[1:] for m in modes
-                  for p in paired(rows, [f"{v}/{m}"], [f"{variants[0]}/{m}"])]
+    return out + [p for i, v in enumerate(variants) for before in variants[:i] for m in modes
+                  for p in paired(rows, [f"{v}/{m}"], [f"{before}/{m}"])]
 
 
 def main() -> None:
     parser = experiment_parser(__doc__, 20, "bench-out/chunk-context/quality.json",
                                "quality.json of a run over plain caches with full in it")
     parser.add_argument("--modes", default="reuse,attnlink@16,cacheblend@0.15,probe@0.15")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     parser.add_argument("--max-new-tokens", type=int, default=24)
     args = parser.parse_args()
     from kvrag.rag import KVRag
@@ -99,8 +103,11 @@ def main() -> None:
                 context = before[variant]
                 caches = [alone(rag.lm, ids) if context is None else chunk_cache_after(rag.lm, context, ids)
                           for ids in chunk_ids]
+                if variant == "none-first":
+                    caches[0] = chunk_cache_after(rag.lm, rag.prefix, chunk_ids[0])
                 for spec in specs:
-                    ans = rag.answer(item["question"], chunks=keys, caches=caches, first_exact=variant == "prefix",
+                    ans = rag.answer(item["question"], chunks=keys, caches=caches,
+                                     first_exact=variant in ("prefix", "none-first"),
                                      fuse_config=spec.config, max_new_tokens=args.max_new_tokens,
                                      score_ids=full["token_ids"])
                     stored = run.get((item["id"], spec.label))

@@ -34,15 +34,17 @@ from typing import Any
 
 import torch
 
-from kvrag.bench import common, metrics
+from kvrag.bench import common
 from kvrag.bench.quality import (
     against_full,
     experiment_parser,
     load_run,
+    mean_summary,
     paired,
     paired_markdown,
     passage_index,
     passage_text,
+    row_against_full,
 )
 from kvrag.kvgen import KV, PrefixCache, chunk_cache_after, prefix_cache
 from kvrag.model import LoadedModel, rope_at, unapply_rope
@@ -100,33 +102,23 @@ def main() -> None:
             rows.append({**full, "mode": "full"})
             chunk_ids = [chunk_token_ids(rag.lm.tokenizer, passage_text(ctx)) for ctx in item["ctxs"]]
             for variant in variants:
-                context = before[variant]
+                contexts = [rag.prefix if variant == "none-first" and i == 0 else before[variant]
+                            for i in range(len(chunk_ids))]
                 caches = [alone(rag.lm, ids) if context is None else chunk_cache_after(rag.lm, context, ids)
-                          for ids in chunk_ids]
-                if variant == "none-first":
-                    caches[0] = chunk_cache_after(rag.lm, rag.prefix, chunk_ids[0])
+                          for context, ids in zip(contexts, chunk_ids)]
                 for spec in specs:
                     ans = rag.answer(item["question"], chunks=keys, caches=caches,
                                      first_exact=variant in ("prefix", "none-first"),
                                      fuse_config=spec.config, max_new_tokens=args.max_new_tokens,
                                      score_ids=full["token_ids"])
                     stored = run.get((item["id"], spec.label))
-                    row = {"id": item["id"], "mode": f"{variant}/{spec.label}", "answer": ans.text,
-                           "token_ids": list(ans.token_ids),
-                           "agreement": metrics.agreement(ans.text, full["answer"]),
-                           "first_token_agreement": metrics.first_token_agreement(ans.token_ids, full["token_ids"]),
-                           "delta_nll": ans.score_nll - full["nll_full_answer"],
-                           "recompute_fraction": ans.recompute_fraction, "ttft_s": ans.ttft_s,
+                    row = {**row_against_full(item, f"{variant}/{spec.label}", ans, full),
                            "same_as_stored_run": (ans.text == stored["answer"]
                                                   if variant == "prefix" and stored else None)}
                     rows.append(row)
                     print(json.dumps({k: row[k] for k in ("id", "mode", "agreement", "delta_nll",
                                                           "same_as_stored_run")}), flush=True)
-    summary = {label: {key: metrics.summary([measure(r) for r in rows if r["mode"] == label])["mean"]
-                       for key, measure in (("agreement", lambda r: r["agreement"]),
-                                            ("mean_abs_delta_nll", lambda r: abs(r["delta_nll"])),
-                                            ("recompute_fraction", lambda r: r["recompute_fraction"]))}
-               for label in labels}
+    summary = mean_summary(rows, labels)
     pairs = comparisons(rows, variants, [s.label for s in specs])
     common.write_json(Path(args.out), {**common.stamp(args), "summary": summary, "paired": pairs, "rows": rows})
     print(json.dumps(summary, indent=1))

@@ -35,31 +35,24 @@ import torch
 
 from kvrag import fuse as fuse_mod
 from kvrag.bench import common, metrics
+from kvrag.bench.deviation import full_chunk_rows
 from kvrag.bench.quality import (
     against_full,
     experiment_parser,
     load_run,
+    mean_summary,
     paired,
     paired_markdown,
     passage_index,
     passage_text,
+    row_against_full,
 )
 from kvrag.config import FuseConfig
 from kvrag.fuse import FixedSelector, ProbeSelector, Selector
-from kvrag.kvgen import KV, chunk_cache_after, chunk_caches
+from kvrag.kvgen import chunk_cache_after
 from kvrag.prompt import chunk_token_ids
 
 RANKINGS = {"stale": "probe", "exact": "full-attention", "value": "value-weighted"}
-
-
-def exact_caches(rag: Any, chunk_ids: list[list[int]]) -> list[KV]:
-    """Each chunk's rows of a full prefill of the whole chunk run after the prefix (pre-RoPE keys)."""
-    _, (keys, values) = next(chunk_caches(rag.lm, rag.prefix, [sum(chunk_ids, [])], batch_tokens=1 << 30))
-    out, pos = [], 0
-    for ids in chunk_ids:
-        out.append((keys[:, :, pos : pos + len(ids)].contiguous(), values[:, :, pos : pos + len(ids)].contiguous()))
-        pos += len(ids)
-    return out
 
 
 @contextlib.contextmanager
@@ -107,8 +100,8 @@ def main() -> None:
                 selector: Selector
                 if ranking == "exact":
                     seen = ProbeSelector(config)  # the question's reading of the exact caches
-                    rag.answer(item["question"], chunks=keys, caches=exact_caches(rag, chunk_ids), fuse_config=config,
-                               max_new_tokens=1, selector=seen)
+                    rag.answer(item["question"], chunks=keys, caches=full_chunk_rows(rag.lm, rag.prefix, chunk_ids),
+                               fuse_config=config, max_new_tokens=1, selector=seen)
                     assert seen.picked is not None
                     picked[ranking], selector = seen.picked, FixedSelector(seen.picked)
                 else:
@@ -120,25 +113,18 @@ def main() -> None:
                     assert selector.picked is not None
                     picked[ranking] = selector.picked
                 previous = run.get((item["id"], labels[ranking]))
-                row = {"id": item["id"], "mode": labels[ranking], "answer": ans.text, "token_ids": list(ans.token_ids),
-                       "agreement": metrics.agreement(ans.text, full["answer"]),
-                       "first_token_agreement": metrics.first_token_agreement(ans.token_ids, full["token_ids"]),
-                       "delta_nll": ans.score_nll - full["nll_full_answer"],
-                       "recompute_fraction": ans.recompute_fraction, "ttft_s": ans.ttft_s,
+                row = {**row_against_full(item, labels[ranking], ans, full),
                        "same_as_stored_run": ans.text == previous["answer"] if previous else None}
                 if "stale" in picked and ranking != "stale":
                     row["overlap_with_probe"] = overlap(picked[ranking], picked["stale"])
                 rows.append(row)
                 print(json.dumps({k: row.get(k) for k in ("id", "mode", "agreement", "delta_nll", "same_as_stored_run",
                                                           "overlap_with_probe")}), flush=True)
-    summary = {}
+    summary: dict[str, dict[str, float]] = mean_summary(rows, list(labels.values()))
     for label in labels.values():
-        mine = [r for r in rows if r["mode"] == label]
-        summary[label] = {"agreement": metrics.summary([r["agreement"] for r in mine])["mean"],
-                          "mean_abs_delta_nll": metrics.summary([abs(r["delta_nll"]) for r in mine])["mean"],
-                          "recompute_fraction": metrics.summary([r["recompute_fraction"] for r in mine])["mean"]}
-        if all("overlap_with_probe" in r for r in mine):
-            summary[label]["overlap_with_probe"] = metrics.summary([r["overlap_with_probe"] for r in mine])["mean"]
+        overlaps = [r.get("overlap_with_probe") for r in rows if r["mode"] == label]
+        if all(o is not None for o in overlaps):
+            summary[label]["overlap_with_probe"] = metrics.summary(overlaps)["mean"]
     base = labels.get("stale")
     pairs = paired(rows, [lab for lab in labels.values() if lab != base], [base]) if base else []
     common.write_json(Path(args.out), {**common.stamp(args), "summary": summary, "paired": pairs, "rows": rows})

@@ -151,3 +151,24 @@ def test_experiment_scripts_read_a_quality_run_by_question_and_mode(tmp_path) ->
     with pytest.raises(SystemExit):  # --quality is required when the script compares with a run
         experiment_parser("Doc.", 8, "out.json", "a run").parse_args(["--data", "d", "--index", "i"])
     assert not hasattr(experiment_parser("Doc.", 3, "o").parse_args(["--data", "d", "--index", "i"]), "quality")
+
+
+def test_experiment_rows_compare_an_answer_with_full_and_summarise_by_mode() -> None:
+    from types import SimpleNamespace
+
+    from kvrag.bench.quality import mean_summary, row_against_full
+
+    full = {"answer": "the river Thames", "token_ids": [5, 6, 7], "nll_full_answer": 0.5}
+    item = {"id": "q1"}
+    same = SimpleNamespace(text="the river Thames", token_ids=(5, 6, 7), score_nll=0.5, recompute_fraction=0.2,
+                           ttft_s=0.1)
+    other = SimpleNamespace(text="river Severn", token_ids=(8, 6), score_nll=0.9, recompute_fraction=0.4, ttft_s=0.3)
+    a, b = row_against_full(item, "probe@0.15", same, full), row_against_full(item, "reuse", other, full)
+    assert (a["id"], a["mode"], a["agreement"], a["first_token_agreement"], a["delta_nll"]) == (
+        "q1", "probe@0.15", 1.0, 1.0, 0.0)
+    assert b["agreement"] == pytest.approx(0.5)  # "river" of 2 tokens each way
+    assert b["first_token_agreement"] == 0.0 and b["delta_nll"] == pytest.approx(0.4)
+    c = {**b, "delta_nll": -0.2, "agreement": 0.0, "recompute_fraction": 0.2}
+    summary = mean_summary([a, b, c], ["probe@0.15", "reuse"])
+    assert summary["probe@0.15"] == {"agreement": 1.0, "mean_abs_delta_nll": 0.0, "recompute_fraction": 0.2}
+    assert summary["reuse"] == pytest.approx({"agreement": 0.25, "mean_abs_delta_nll": 0.3, "recompute_fraction": 0.3})

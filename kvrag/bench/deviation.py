@@ -103,27 +103,36 @@ class Tally:
         return k, v
 
 
+def full_chunk_rows(lm: Any, prefix: Any, chunk_ids: list[list[int]]) -> list[KV]:
+    """Each chunk's rows of one prefill of all the chunks in a row after ``prefix`` (a `PrefixCache`):
+    the K/V a full prefill of the fused prompt gives them, pre-RoPE ``[L, H, n, D]``. The question
+    after the chunks is left out, as no chunk token attends to it.
+    """
+    from kvrag.kvgen import chunk_caches
+
+    _, (keys, values) = next(chunk_caches(lm, prefix, [sum(chunk_ids, [])]))
+    rows, pos = [], 0
+    for ids in chunk_ids:
+        rows.append((keys[:, :, pos : pos + len(ids)].contiguous(), values[:, :, pos : pos + len(ids)].contiguous()))
+        pos += len(ids)
+    return rows
+
+
 def stored_and_full(rag: Any, item: dict[str, Any]) -> tuple[list[list[int]], list[tuple[KV, KV]]]:
     """An item's passages' token ids, and for each passage after the first its stored cache paired
     with the K/V that a full prefill of the fused prompt gives the same tokens: ``(full, stored)``,
     float32 pre-RoPE ``[L, H, n, D]`` each.
     """
-    from kvrag.kvgen import chunk_caches
     from kvrag.prompt import chunk_token_ids
 
     lm = rag.lm
     chunks = rag.resolve_chunks(passage_keys(rag, item))
     chunk_ids = [chunk_token_ids(lm.tokenizer, c.text) for c in chunks]
-    # The whole chunk run prefilled after the prefix is the full prompt's prefill up to the question,
-    # which the chunk tokens never attend to.
-    _, (full_k, full_v) = next(chunk_caches(lm, rag.prefix, [sum(chunk_ids, [])]))
-    pairs, pos = [], len(chunk_ids[0])
-    for chunk, cids in zip(chunks[1:], chunk_ids[1:]):
-        n = len(cids)
+    pairs = []
+    for chunk, (full_k, full_v) in zip(chunks[1:], full_chunk_rows(lm, rag.prefix, chunk_ids)[1:]):
         keys, values = rag.load_chunk(chunk)
-        ref = (full_k[:, :, pos : pos + n].float(), full_v[:, :, pos : pos + n].float())
-        pairs.append((ref, (keys.float().to(full_k.device), values.float().to(full_k.device))))
-        pos += n
+        pairs.append(((full_k.float(), full_v.float()),
+                      (keys.float().to(full_k.device), values.float().to(full_k.device))))
     return chunk_ids, pairs
 
 

@@ -253,6 +253,28 @@ def run_question(
     return [rows[s.label] for s in specs]
 
 
+def row_against_full(item: dict[str, Any], label: str, ans: Any, full: dict[str, Any]) -> dict[str, Any]:
+    """An experiment script's row for one `Answer` (answered with ``score_ids=full["token_ids"]``),
+    compared with ``full``'s row of a `load_run` run: agreement, first-token agreement and ΔNLL.
+    """
+    return {"id": item["id"], "mode": label, "answer": ans.text, "token_ids": list(ans.token_ids),
+            "agreement": metrics.agreement(ans.text, full["answer"]),
+            "first_token_agreement": metrics.first_token_agreement(ans.token_ids, full["token_ids"]),
+            "delta_nll": ans.score_nll - full["nll_full_answer"],
+            "recompute_fraction": ans.recompute_fraction, "ttft_s": ans.ttft_s}
+
+
+def mean_summary(rows: list[dict[str, Any]], labels: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Per mode label: mean agreement, mean |ΔNLL| and mean recomputed fraction of its rows."""
+    out = {}
+    for label in labels:
+        mine = [r for r in rows if r["mode"] == label]
+        out[label] = {"agreement": metrics.summary([r["agreement"] for r in mine])["mean"],
+                      "mean_abs_delta_nll": metrics.summary([abs(r["delta_nll"]) for r in mine])["mean"],
+                      "recompute_fraction": metrics.summary([r["recompute_fraction"] for r in mine])["mean"]}
+    return out
+
+
 def summarise(rows: list[dict[str, Any]], specs: list[common.ModeSpec]) -> list[dict[str, Any]]:
     by_mode = {s.label: [r for r in rows if r["mode"] == s.label] for s in specs}
     full_ttft = metrics.summary([r["ttft_s"] for r in by_mode["full"]])["mean"]

@@ -13,6 +13,7 @@ Nothing here is pickled: a hostile file can at worst raise `CorruptChunkError`.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -191,8 +192,14 @@ class ChunkReader:
         """``(keys, values)`` of one layer, each ``[H, S, D]``."""
         blob = self.read_layer_bytes(layer)
         _, h, s, d = self.header.shape
-        try:
+        with self._decoding(layer):
             return self._codec.decode_layer(blob, layer, (h, s, d), self.header.dtype)
+
+    @contextlib.contextmanager
+    def _decoding(self, layer: int) -> Iterator[None]:
+        """Turn a codec's complaint about ``layer``'s blob into `CorruptChunkError`."""
+        try:
+            yield
         except (ValueError, RuntimeError, OverflowError, IndexError, TypeError) as exc:
             raise CorruptChunkError(self.key, f"layer {layer} does not decode: {exc}") from None
 
@@ -200,23 +207,24 @@ class ChunkReader:
         """Decode one layer into ``out``, a contiguous CPU tensor ``[2, H, S, D]`` (keys, then values).
 
         A ``raw`` layer stored in ``out``'s dtype is read straight into ``out`` and checked there:
-        one copy, and both the read and the checksum run without holding the GIL. Other layers are
-        decoded and copied (converting the dtype).
+        one copy, and both the read and the checksum run without holding the GIL. Other codecs decode
+        into it (`Codec.decode_layer_into`: in place where the codec can, else through a copy that
+        converts the dtype).
         """
         _, h, s, d = self.header.shape
         if tuple(out.shape) != (2, h, s, d) or out.device.type != "cpu" or not out.is_contiguous():
             raise ValueError(f"decode_layer_into needs a contiguous CPU tensor of shape {(2, h, s, d)}, "
                              f"got {tuple(out.shape)} on {out.device}")
-        if self._codec.name != "raw" or out.dtype != self.header.dtype:
-            keys, values = self.decode_layer(layer)
-            out[0].copy_(keys)
-            out[1].copy_(values)
+        if self._codec.name == "raw" and out.dtype == self.header.dtype:
+            buf = out.view(-1).view(torch.uint8).numpy().data
+            if buf.nbytes != self.header.layers[layer][1]:
+                raise CorruptChunkError(self.key, f"layer {layer} holds {self.header.layers[layer][1]} bytes, "
+                                        f"a raw layer has {buf.nbytes}")
+            self.read_layer_into(layer, [buf])
             return
-        buf = out.view(-1).view(torch.uint8).numpy().data
-        if buf.nbytes != self.header.layers[layer][1]:
-            raise CorruptChunkError(self.key, f"layer {layer} holds {self.header.layers[layer][1]} bytes, "
-                                    f"a raw layer has {buf.nbytes}")
-        self.read_layer_into(layer, [buf])
+        blob = self.read_layer_bytes(layer)
+        with self._decoding(layer):
+            self._codec.decode_layer_into(blob, layer, (h, s, d), self.header.dtype, out)
 
     def read_layer_into(self, layer: int, pieces: Sequence[memoryview]) -> None:
         """Read one layer's blob scattered over ``pieces`` (writable byte buffers, filled in order,

@@ -234,7 +234,7 @@ def test_rans_kernels_match_the_reference_decoder(n_symbols: int) -> None:
     start = np.stack([rans.starts(f) for f in freq])
     tables = [rans.decode_table(f) for f in freqs]
     rows = rng.integers(-127, 128, (n_dist, rans.MAX_ALPHABET * rans.TUPLE)).astype(np.int8)
-    rows[rows == rans.ESCAPE] = 0
+    rows[rng.random(rows.shape) < 0.02] = rans.ESCAPE  # escaped codes: their values follow in code order
     # segments: (values, k, dist); values split between tuples (k each) and singles
     cuts = np.sort(rng.integers(0, n_symbols + 1, 2))
     counts = np.diff([0, *cuts, n_symbols])
@@ -256,20 +256,30 @@ def test_rans_kernels_match_the_reference_decoder(n_symbols: int) -> None:
         assert words.size == 0 and (states == rans.RANS_L).all()
     assert [v.astype(np.float32).tolist() for v in rans.decode_reference(words, states, segments, freqs, rows)] \
         == [np.concatenate(expect[2 * j : 2 * j + 2]).astype(np.float32).tolist() for j in range(len(segments))]
+    expect_values = np.concatenate(expect).astype(np.float32)
+    escaped = expect_values == rans.ESCAPE
+    escapes = rng.normal(size=int(escaped.sum())).astype(np.float32) * 1000
+    expect_values[escaped] = escapes
     n_vals = np.array([n for n, _, _ in segments], np.int64)
     out = np.full(int(n_vals.sum()) + rans.TUPLE, np.nan, np.float32)
     base = np.concatenate([[0], np.cumsum(n_vals)[:-1]]).astype(np.int64)
-    padded = np.zeros(words.size + n_symbols + 1, np.uint16)
+    padded = np.zeros(words.size + n_symbols + rans.LANES, np.uint16)  # the padding the decoder needs
     padded[: words.size] = words
-    has_escape = np.zeros((n_dist, rans.MAX_ALPHABET), bool)
+    has_escape = (rows.reshape(n_dist, rans.MAX_ALPHABET, rans.TUPLE) == rans.ESCAPE).any(axis=2)
     args = (padded, words.size, states, n_vals, np.array([k for _, k, _ in segments], np.int64),
             np.array([d for _, _, d in segments], np.int64), base, np.stack([t[0] for t in tables]),
-            np.stack([t[1] for t in tables]), rows, has_escape, np.zeros(0, np.float32), out)
+            np.stack([t[1] for t in tables]), rows.astype(np.float32), has_escape, escapes, out)
     assert rans.decode(*args) == rans.OK
-    assert np.array_equal(out[: n_vals.sum()], np.concatenate(expect).astype(np.float32))
+    assert np.array_equal(out[: n_vals.sum()], expect_values)
+    if escapes.size:  # the escape list must be used exactly
+        assert rans.decode(*args[:-2], escapes[:-1], out) == rans.TOO_MANY_ESCAPES
+        assert rans.decode(*args[:-2], np.append(escapes, 1.0), out) == rans.BAD_STREAM
+    failed = (rans.BAD_STREAM, rans.TOO_MANY_ESCAPES)
+    low = np.zeros_like(states)  # states no encoder leaves: reads stay in bounds, the stream fails
+    assert rans.decode(*args[:2], low, *args[3:]) in failed
     if words.size:  # a flipped word never passes unnoticed
         padded[rng.integers(0, words.size)] ^= 1 << int(rng.integers(0, 16))
-        assert rans.decode(*args) == rans.BAD_STREAM
+        assert rans.decode(*args) in failed
 
 
 def test_rans_rejects_symbols_without_frequency() -> None:
@@ -454,7 +464,7 @@ def test_codec_bench_rows_and_markdown() -> None:
     raw, int8, cachegen = rows
     assert raw["rel_err_k"] == 0 and raw["bits_per_element"] > 32  # float32 plus the container header
     assert int8["bits_per_element"] > cachegen["bits_per_element"] and cachegen["rel_err_v"] < 0.1
-    assert all(r["decode_MBps"] > 0 and r["ratio_vs_bf16"] == pytest.approx(16 / r["bits_per_element"])
-               for r in rows)
+    assert all(r["decode_MBps"] > 0 and r["decode_into_MBps"] > 0
+               and r["ratio_vs_bf16"] == pytest.approx(16 / r["bits_per_element"]) for r in rows)
     table = to_markdown(rows)
     assert table.count("\n| ") == 3 and "cachegen | 1*" in table  # 3 rows after the header

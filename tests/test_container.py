@@ -288,6 +288,21 @@ def test_decode_layer_into_equals_decode_layer(codec: Codec, tmp_path: Path, dty
             reader.decode_layer_into(0, out[:, :, :-1])
 
 
+@pytest.mark.parametrize("target", ["strided", "bfloat16", "float16"])
+def test_codec_decode_layer_into_any_buffer(codec: Codec, target: str) -> None:
+    """Into a view that is not contiguous, and into another dtype: `decode_layer`'s result, converted."""
+    keys, values = synthetic_kv(7)
+    blob = codec.encode_layer(keys[1], values[1], 1)
+    shape = tuple(keys.shape[1:])
+    k, v = codec.decode_layer(blob, 1, shape, keys.dtype)
+    if target == "strided":
+        out = torch.full((2, shape[0], shape[1], 2 * shape[2]), float("nan"))[..., ::2]
+    else:
+        out = torch.empty((2, *shape), dtype=getattr(torch, target))
+    codec.decode_layer_into(blob, 1, shape, keys.dtype, out)
+    assert torch.equal(out[0], k.to(out.dtype)) and torch.equal(out[1], v.to(out.dtype))
+
+
 @pytest.mark.parametrize("damage", ["flipped bit", "truncated"])
 def test_decode_layer_into_checks_the_layer(codec: Codec, damage: str) -> None:
     data = bytearray(container(codec)[0])

@@ -3,7 +3,9 @@ decode speed on one CPU core, and reconstruction error, for every codec and qual
 
 Speeds are MB/s of *bf16-equivalent* data (elements × 2 bytes, whatever the cache dtype), measured
 through the real container (`encode_chunk` / `ChunkReader.decode_all`, checksums included) with
-``torch.set_num_threads(1)``; decode is the best of ``repeats`` passes. Codecs that need fitting
+``torch.set_num_threads(1)``; decode is the best of ``repeats`` passes. Decoding whole chunks into new
+tensors also pays for their memory; "decode into" decodes layer by layer into one reused buffer per
+chunk (`ChunkReader.decode_layer_into`), the way fusion's loader stages layers. Codecs that need fitting
 are fitted on ``fit_samples`` (by default the first half of the samples; the rest are measured),
 so errors are out-of-sample, as for chunks added to an index after its codec was fitted.
 
@@ -37,17 +39,26 @@ _KEY = "0" * 40
 
 
 def _measure(codec: Any, samples: Sequence[KV], repeats: int) -> dict[str, float]:
+    import torch
+
     from kvrag.container import ChunkReader, encode_chunk
 
     t0, c0 = time.perf_counter(), time.process_time()
     blobs = [encode_chunk(codec, _KEY, "bench", k, v) for k, v in samples]
     encode_s, encode_cpu = time.perf_counter() - t0, time.process_time() - c0
-    decode_s = decode_cpu = math.inf
+    decode_s = decode_cpu = into_s = math.inf
     decoded: list[Any] = []
+    staging = [torch.empty((2, *k.shape[1:]), dtype=k.dtype) for k, _ in samples]
     for _ in range(max(1, repeats)):
         t0, c0 = time.perf_counter(), time.process_time()
         decoded = [ChunkReader(_KEY, io.BytesIO(b), codec, "bench").decode_all() for b in blobs]
         decode_s, decode_cpu = min(decode_s, time.perf_counter() - t0), min(decode_cpu, time.process_time() - c0)
+        t0 = time.perf_counter()
+        for blob, buf in zip(blobs, staging):  # layer by layer into one buffer, as fusion's loader does
+            reader = ChunkReader(_KEY, io.BytesIO(blob), codec, "bench")
+            for layer in range(reader.header.n_layers):
+                reader.decode_layer_into(layer, buf)
+        into_s = min(into_s, time.perf_counter() - t0)
     elements = sum(2 * k.numel() for k, _ in samples)
     err: dict[str, float] = {}
     for name, idx in (("k", 0), ("v", 1)):
@@ -62,6 +73,7 @@ def _measure(codec: Any, samples: Sequence[KV], repeats: int) -> dict[str, float
     return {"chunks": len(samples), "elements": elements, "bytes": nbytes, "bits_per_element": bits,
             "ratio_vs_bf16": 16 / bits, "encode_MBps": mb / encode_s, "decode_MBps": mb / decode_s,
             "encode_MBps_cpu": mb / max(encode_cpu, 1e-9), "decode_MBps_cpu": mb / max(decode_cpu, 1e-9),
+            "decode_into_MBps": mb / into_s,
             "rel_err_k": err["k"], "rel_err_v": err["v"], "max_abs_err_k": err["max_k"],
             "max_abs_err_v": err["max_v"]}
 
@@ -111,6 +123,7 @@ def run_codec_bench(
         One dict per (codec, level): ``bits_per_element`` (container bytes × 8 / elements),
         ``ratio_vs_bf16``, ``encode_MBps`` / ``decode_MBps`` (bf16-equivalent, one thread, wall clock)
         and ``*_MBps_cpu`` (per second of this process's CPU time: steadier on a shared machine),
+        ``decode_into_MBps`` (layer by layer into a reused buffer, wall clock),
         ``rel_err_k`` / ``rel_err_v`` (relative L2 error), max absolute errors, sizes and counts.
 
     Example:
@@ -146,13 +159,14 @@ def to_markdown(rows: Sequence[dict[str, Any]]) -> str:
     from kvrag.bench.common import markdown_table
 
     headers = ["codec", "level", "bits/elem", "× vs bf16", "encode MB/s", "decode MB/s", "decode MB/s (CPU)",
-               "rel err K", "rel err V"]
+               "decode into MB/s", "rel err K", "rel err V"]
     table = [[r["codec"], f"{r['level']}{'*' if r.get('default') else ''}", r["bits_per_element"],
               r["ratio_vs_bf16"], r["encode_MBps"], r["decode_MBps"], r.get("decode_MBps_cpu", math.nan),
-              r["rel_err_k"], r["rel_err_v"]] for r in rows]
+              r.get("decode_into_MBps", math.nan), r["rel_err_k"], r["rel_err_v"]] for r in rows]
     return markdown_table(headers, table) + (
         "\n\n`*` default level. MB/s of bf16-equivalent data (elements × 2 bytes) on one thread; "
-        "(CPU): per second of process CPU time.")
+        "(CPU): per second of process CPU time. decode: whole chunks into new tensors (`decode_all`); "
+        "decode into: layer by layer into one reused buffer per chunk (`decode_layer_into`, as fusion's loader).")
 
 
 def roundtrip(codec: Any, kv: KV) -> tuple[KV, int]:

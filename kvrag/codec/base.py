@@ -77,6 +77,16 @@ class Codec(ABC):
                 `CorruptChunkError`).
         """
 
+    def decode_layer_into(
+        self, blob: bytes, layer: int, shape: tuple[int, int, int], dtype: torch.dtype, out: torch.Tensor
+    ) -> None:
+        """Decode one layer into ``out``, a CPU tensor ``[2, *shape]`` of any dtype (keys, then values):
+        exactly `decode_layer`'s result copied in. Codecs that can write their output in place override it.
+        """
+        keys, values = self.decode_layer(blob, layer, shape, dtype)
+        out[0].copy_(keys)
+        out[1].copy_(values)
+
     def planes(self, heads: int, head_dim: int, dtype: torch.dtype) -> list[Plane] | None:
         """How one layer's blob splits into planes, when `decode_planes` can decode it anywhere.
 

@@ -48,6 +48,7 @@ the rest one per symbol. Escaped values are listed in code order.
 
 from __future__ import annotations
 
+import math
 import struct
 import threading
 from dataclasses import dataclass
@@ -87,7 +88,7 @@ class _Models:
     start: np.ndarray  # u32 [n_dist, 256]
     slot_sym: np.ndarray  # u8 [n_dist, 4096]
     sym_info: np.ndarray  # u32 [n_dist, 256]
-    rows: np.ndarray  # i8 [n_dist, 256 * 4]
+    rows: np.ndarray  # f32 [n_dist, 256 * 4]: the codes of each symbol
     has_escape: np.ndarray  # bool [n_dist, 256]
     min_bits: np.ndarray  # f64 [n_dist]: information content of each distribution's likeliest symbol
 
@@ -104,6 +105,15 @@ class _LayerPlan:
     radius: np.ndarray
     head: np.ndarray  # -1 for a segment of the mix group
     dim0: np.ndarray  # first head dimension (head segments)
+    # Where the decoder writes each segment's codes for a chunk of S tokens: base0 + S * base_s.
+    base0: np.ndarray
+    base_s: np.ndarray
+    # Bounds for a chunk of S tokens: the layer codes at least S * bits_per_token - bits_slack bits in
+    # at most S * symbols_per_token + symbols_slack symbols.
+    bits_per_token: float
+    bits_slack: float
+    symbols_per_token: float
+    symbols_slack: int
 
 
 @dataclass
@@ -152,7 +162,7 @@ def _models(state: CacheGenState, level: int) -> _Models:
     start = np.stack([rans.starts(f) for f in freq])
     min_bits = -np.log2(freq.max(axis=1) / rans.PROB_SCALE)
     has_escape = (rows.reshape(n_dist, rans.MAX_ALPHABET, rans.TUPLE) == rans.ESCAPE).any(axis=2)
-    return _Models(radius, width, freq, start, slot_sym, sym_info, rows, has_escape, min_bits)
+    return _Models(radius, width, freq, start, slot_sym, sym_info, rows.astype(np.float32), has_escape, min_bits)
 
 
 def _plans(state: CacheGenState, level: int, models: _Models) -> list[_LayerPlan]:
@@ -172,8 +182,17 @@ def _plans(state: CacheGenState, level: int, models: _Models) -> list[_LayerPlan
         dist = kind * N_BANDS + band
         in_head = np.maximum(col0 - hm, 0)
         head = np.where(col0 < hm, -1, in_head // max(rest, 1))
-        plans.append(_LayerPlan(kind, col0, col1 - col0, 2 * dist, models.width[dist], models.radius[dist],
-                                head, state.mix_dims + in_head % max(rest, 1)))
+        dim0 = state.mix_dims + in_head % max(rest, 1)
+        # Component-major codes: the mix columns of K, of V ([H*m, S] each, then TUPLE floats that
+        # the decoder may overwrite), then the heads of K and V ([2H, D, S]).
+        pad, hd = rans.TUPLE, state.n_heads * state.head_dim
+        base0 = np.where(head < 0, kind * pad, 2 * pad)
+        base_s = np.where(head < 0, kind * hm + col0, 2 * hm + kind * hd + head * state.head_dim + dim0)
+        k, tuple_bits = models.width[dist], models.min_bits[2 * dist]
+        per_token = (col1 - col0) / k  # tuple symbols per token; each segment adds < k singles
+        plans.append(_LayerPlan(kind, col0, col1 - col0, 2 * dist, k, models.radius[dist], head, dim0, base0, base_s,
+                                float(per_token @ tuple_bits), float(tuple_bits.sum()), float(per_token.sum()),
+                                int((k - 1).sum())))
     return plans
 
 
@@ -336,40 +355,55 @@ class CacheGenCodec(Codec):
     def decode_layer(
         self, blob: bytes, layer: int, shape: tuple[int, int, int], dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        mean, rows, basis = self._components(blob, layer, shape)
+        out = torch.baddbmm(mean, rows, basis)
+        return out[: shape[0]].to(dtype), out[shape[0] :].to(dtype)  # [H, S, D] each
+
+    def decode_layer_into(
+        self, blob: bytes, layer: int, shape: tuple[int, int, int], dtype: torch.dtype, out: torch.Tensor
+    ) -> None:
+        """As `decode_layer`; the last transform writes straight into ``out`` when it is a contiguous
+        float32 tensor and the cache is float32 (no copy).
+        """
+        if not (out.dtype == dtype == torch.float32 and out.is_contiguous() and out.shape == (2, *shape)):
+            super().decode_layer_into(blob, layer, shape, dtype, out)
+            return
+        mean, rows, basis = self._components(blob, layer, shape)
+        torch.baddbmm(mean, rows, basis, out=out.view(2 * shape[0], *shape[1:]))
+
+    def _components(self, blob: bytes, layer: int,
+                    shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's decoded components as ``(mean [2H, 1, D], rows [2H, S, D], basis [2H, D, D])``
+        (K heads then V heads): the layer is ``mean + rows @ basis``.
+        """
         shared = self._require_fit("decode_layer")
         self._check_shape(tuple(shape), layer)
         tables = shared.tables(self.level)
         h, s, d = shape
         plan, models = tables.plans[layer], tables.models
-        n = s * plan.width
-        n_tuples = n // plan.k
-        n_singles = n - n_tuples * plan.k
-        states, esc, words, n_words = self._parse_blob(blob, shared, s, int(n_tuples.sum() + n_singles.sum()))
-        min_bits = float(n_tuples @ models.min_bits[plan.dist] + n_singles @ models.min_bits[plan.dist + 1])
-        if min_bits > 16 * n_words + 32 * rans.LANES:
+        states, esc, words, n_words = self._parse_blob(
+            blob, shared, s, math.ceil(s * plan.symbols_per_token) + plan.symbols_slack)
+        if s * plan.bits_per_token - plan.bits_slack > 16 * n_words + 32 * rans.LANES:
             raise ValueError(f"cachegen layer {layer}: {n_words} words cannot hold {s} tokens")
         m = tables.mix.shape[-1] // h
-        # Component-major codes: mix columns of K, of V ([H*m, S] each, then TUPLE floats that the
-        # decoder may overwrite), then the heads of K and V ([2H, D, S]).
         size_a, size_b, pad = h * m * s, h * d * s, rans.TUPLE
-        base = np.where(plan.head < 0, plan.kind * (size_a + pad) + s * plan.col0,
-                        2 * (size_a + pad) + plan.kind * size_b + s * (plan.head * d + plan.dim0))
         buf = np.empty(2 * (size_a + pad + size_b) + pad, np.float32)
-        status = rans.decode(words, n_words, states, n, plan.k, plan.dist, base, models.slot_sym, models.sym_info,
-                             models.rows, models.has_escape, esc, buf)
+        status = rans.decode(words, n_words, states, s * plan.width, plan.k, plan.dist, plan.base0 + s * plan.base_s,
+                             models.slot_sym, models.sym_info, models.rows, models.has_escape, esc, buf)
         if status != rans.OK:
             raise ValueError(f"cachegen layer {layer}: entropy decoding failed (status {status}): the stream, "
                              "its escapes and its header do not match")
         flat = torch.from_numpy(buf)
-        comps = flat[2 * (size_a + pad) : 2 * (size_a + pad) + 2 * size_b].view(2 * h, d, s)
-        if m:  # undo the cross-head KLT: [H*m, H*m] @ [H*m, S] per kind
-            top = flat[: 2 * (size_a + pad)].view(2, size_a + pad)[:, :size_a].view(2, h * m, s)
-            comps.view(2, h, d, s)[:, :, :m] = torch.bmm(tables.decode_mix[layer], top).view(2, h, m, s)
-        out = torch.baddbmm(tables.decode_mean[layer], comps.transpose(1, 2), tables.decode_basis[layer])
-        return out[:h].to(dtype), out[h:].to(dtype)  # [H, S, D] each
+        at = 2 * (size_a + pad)  # the heads' codes, [2H, D, S]
+        if m:  # undo the cross-head KLT: [H*m, H*m] @ [H*m, S] per kind, into each head's first m rows
+            top = flat.as_strided((2, h * m, s), (size_a + pad, s, 1))
+            flat.as_strided((2, h, m, s), (h * d * s, d * s, s, 1), at).copy_(
+                torch.bmm(tables.decode_mix[layer], top).view(2, h, m, s))
+        rows = flat.as_strided((2 * h, s, d), (d * s, 1, s), at)
+        return tables.decode_mean[layer], rows, tables.decode_basis[layer]
 
     def _parse_blob(self, blob: bytes, shared: _Shared, seq: int,
-                    n_symbols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+                    max_symbols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         if len(blob) < _BLOB.size:
             raise ValueError(f"cachegen blob of {len(blob)} bytes is shorter than its header")
         version, level, lanes, tag, blob_seq, n_esc, n_words = _BLOB.unpack_from(blob)
@@ -390,7 +424,8 @@ class CacheGenCodec(Codec):
             raise ValueError(f"cachegen blob of {len(blob)} bytes does not match its section lengths")
         states = np.frombuffer(blob, "<u4", lanes, _BLOB.size).astype(np.uint32)
         esc = np.frombuffer(blob, "<i2", n_esc, esc_start).astype(np.float32)
-        words = np.zeros(n_words + n_symbols + 1, np.uint16)  # padding for the branch-free refill
+        # the padding `rans.decode` needs; its content never matters (a stream that uses it fails)
+        words = np.empty(n_words + max_symbols + rans.LANES, np.uint16)
         words[:n_words] = np.frombuffer(blob, "<u2", n_words, words_start)
         return states, esc, words, n_words
 

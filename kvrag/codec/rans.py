@@ -18,8 +18,8 @@ back. It is built so that a GPU decoder with one thread per lane is direct:
   encoder starts every lane at ``2**16``, so after the last symbol a correct decode leaves every
   lane at ``2**16`` with every word consumed: a built-in integrity check.
 
-The decoder also dequantises: each symbol indexes a row of up to 4 int8 values (a tuple of codes)
-written as float32 to the segment's destination, and a row value equal to `ESCAPE` is replaced by
+The decoder also dequantises: each symbol indexes a row of up to 4 values (a tuple of codes, as
+float32) written to the segment's destination, and a row value equal to `ESCAPE` is replaced by
 the next value of a side list. `decode` and `encode` are the kernels; `decode_reference` is a plain Python
 decoder of the same format, for tests and as the specification of the GPU decoder.
 """
@@ -27,7 +27,9 @@ decoder of the same format, for tests and as the specification of the GPU decode
 from __future__ import annotations
 
 import numba
+import numba.extending
 import numpy as np
+from llvmlite import ir as llvm_ir
 
 LANES = 32
 PROB_BITS = 12
@@ -35,7 +37,7 @@ PROB_SCALE = 1 << PROB_BITS
 RANS_L = 1 << 16
 MAX_ALPHABET = 256
 TUPLE = 4  # float32 values per symbol row (a symbol codes 1..4 values)
-ESCAPE = -128  # a row value (int8) that stands for "the next escaped value"
+ESCAPE = -128  # a row value (no code is this low) that stands for "the next escaped value"
 # Kernel status codes.
 OK, BAD_SYMBOL, TOO_MANY_ESCAPES, BAD_STREAM = 0, 1, 2, 3
 
@@ -101,6 +103,36 @@ def encode(symbols: np.ndarray, run_len: np.ndarray, run_dist: np.ndarray, freq:
     return out[p:].copy(), x.astype(np.uint32), OK
 
 
+@numba.extending.intrinsic
+def _copy4(typingctx, dst, dst_at, src, src_at):  # type: ignore[no-untyped-def]
+    """``dst[dst_at:][:4] = src[src_at:][:4]`` (float32 arrays) as one unaligned 16-byte move.
+
+    numba writes the four floats one by one otherwise; the decoder does this once per symbol.
+    """
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        vec = llvm_ir.VectorType(llvm_ir.FloatType(), TUPLE).as_pointer()
+        to = context.make_array(signature.args[0])(context, builder, args[0]).data
+        fro = context.make_array(signature.args[2])(context, builder, args[2]).data
+        value = builder.load(builder.bitcast(builder.gep(fro, [args[3]]), vec), align=4)
+        builder.store(value, builder.bitcast(builder.gep(to, [args[1]]), vec), align=4)
+        return context.get_dummy_value()
+
+    return numba.types.void(dst, dst_at, src, src_at), codegen
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _refill(x: np.ndarray, words: np.ndarray, p: np.uint64) -> np.uint64:
+    """Renormalise every lane in lane order from ``words[p:]``; the new read position. Branch-free:
+    a lane that needs no word reads one anyway and ignores it.
+    """
+    for lane in range(LANES):
+        v = x[lane]
+        refill = np.uint32(v < np.uint32(RANS_L))
+        x[lane] = (v << (refill * np.uint32(16))) | (np.uint32(words[p]) & (np.uint32(0) - refill))
+        p += np.uint64(refill)
+    return p
+
+
 @numba.njit(cache=True, nogil=True, boundscheck=False)
 def decode(words: np.ndarray, n_words: int, states: np.ndarray, seg_n: np.ndarray, seg_k: np.ndarray,
            seg_dist: np.ndarray, seg_base: np.ndarray, slot_sym: np.ndarray, sym_info: np.ndarray,
@@ -111,10 +143,16 @@ def decode(words: np.ndarray, n_words: int, states: np.ndarray, seg_n: np.ndarra
     ``seg_k[j]`` per symbol with distribution ``seg_dist[j]`` (then the ``seg_n % seg_k`` leftovers
     one per symbol with distribution ``seg_dist[j] + 1``). Each symbol writes ``TUPLE`` floats, so
     the ``TUPLE - 1`` floats after a segment may be overwritten (later segments overwrite them).
-    ``words[:n_words]`` is the stream, followed by at least one padding word per symbol (so that the
-    branch-free refill never reads out of bounds). Per distribution (`decode_table`): ``slot_sym``
-    ``u8 [n_dist, PROB_SCALE]``, ``sym_info`` ``u32 [n_dist, MAX_ALPHABET]``; ``rows`` ``i8 [n_dist,
-    MAX_ALPHABET * TUPLE]`` the values of each symbol, ``has_escape`` ``bool [n_dist, MAX_ALPHABET]``.
+    ``words[:n_words]`` is the stream; ``words`` holds at least ``n_symbols + LANES`` words in all (the
+    renormalisation after every ``LANES`` symbols, and once at the end, reads at most one word per
+    lane, so even a corrupt stream stays in bounds). Per distribution (`decode_table`): ``slot_sym``
+    ``u8 [n_dist, PROB_SCALE]``, ``sym_info`` ``u32 [n_dist, MAX_ALPHABET]``; ``rows`` ``f32 [n_dist,
+    MAX_ALPHABET * TUPLE]`` the values of each symbol (`ESCAPE` for an escaped one), ``has_escape``
+    ``bool [n_dist, MAX_ALPHABET]``.
+
+    The lanes of one step of ``LANES`` symbols are decoded first and renormalised together after
+    it (the same words in the same order as renormalising after every symbol), so that the decodes
+    of a step do not wait on each other's reads.
     """
     # Hot indices are unsigned: numba then skips its negative-index wrap-around (~20% faster).
     x = states.copy()
@@ -123,37 +161,37 @@ def decode(words: np.ndarray, n_words: int, states: np.ndarray, seg_n: np.ndarra
     i = 0
     mask = np.uint32(PROB_SCALE - 1)
     for j in range(seg_n.size):
-        n_sym, k, o = seg_n[j] // seg_k[j], seg_k[j], seg_base[j]
+        n_sym, k, o = seg_n[j] // seg_k[j], seg_k[j], np.uint64(seg_base[j])
         for part in range(2):
             if part == 1:
                 n_sym, k = seg_n[j] - n_sym * seg_k[j], 1
             d = seg_dist[j] + part
             tab, info, row, esc = slot_sym[d], sym_info[d], rows[d], has_escape[d]
-            for _ in range(n_sym):
-                lane = np.uint64(i & (LANES - 1))
-                v = x[lane]
-                slot = v & mask
-                sym = np.uint64(tab[slot])
-                fs = info[sym]
-                v = (fs >> np.uint32(16)) * (v >> np.uint32(PROB_BITS)) + slot - (fs & np.uint32(0xFFFF))
-                refill = np.uint32(v < np.uint32(RANS_L))
-                x[lane] = (v << (refill * np.uint32(16))) | (np.uint32(words[p]) & (np.uint32(0) - refill))
-                p += np.uint64(refill)
-                s = sym * np.uint64(TUPLE)
-                ou = np.uint64(o)
-                out[ou] = row[s]
-                out[ou + np.uint64(1)] = row[s + np.uint64(1)]
-                out[ou + np.uint64(2)] = row[s + np.uint64(2)]
-                out[ou + np.uint64(3)] = row[s + np.uint64(3)]
-                if esc[sym]:
-                    for q in range(k):
-                        if row[s + np.uint64(q)] == ESCAPE:
-                            if used >= escapes.size:
-                                return TOO_MANY_ESCAPES
-                            out[ou + np.uint64(q)] = escapes[used]
-                            used += 1
-                o += k
-                i += 1
+            left = n_sym
+            while left > 0:
+                first = i & (LANES - 1)
+                count = min(LANES - first, left)
+                for lane in range(np.uint64(first), np.uint64(first + count)):
+                    v = x[lane]
+                    slot = v & mask
+                    sym = np.uint64(tab[slot])
+                    fs = info[sym]
+                    x[lane] = (fs >> np.uint32(16)) * (v >> np.uint32(PROB_BITS)) + slot - (fs & np.uint32(0xFFFF))
+                    s = sym * np.uint64(TUPLE)
+                    _copy4(out, o, row, s)
+                    if esc[sym]:
+                        for q in range(k):
+                            if row[s + np.uint64(q)] == ESCAPE:
+                                if used >= escapes.size:
+                                    return TOO_MANY_ESCAPES
+                                out[o + np.uint64(q)] = escapes[used]
+                                used += 1
+                    o += np.uint64(k)
+                i += count
+                left -= count
+                if i & (LANES - 1) == 0:
+                    p = _refill(x, words, p)
+    p = _refill(x, words, p)
     if p != np.uint64(n_words) or used != escapes.size:
         return BAD_STREAM
     for j in range(LANES):

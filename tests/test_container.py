@@ -288,18 +288,20 @@ def test_decode_layer_into_equals_decode_layer(codec: Codec, tmp_path: Path, dty
             reader.decode_layer_into(0, out[:, :, :-1])
 
 
-@pytest.mark.parametrize("target", ["strided", "bfloat16", "float16"])
+@pytest.mark.parametrize("target", ["strided", "bfloat16", "float16", "stored bfloat16"])
 def test_codec_decode_layer_into_any_buffer(codec: Codec, target: str) -> None:
-    """Into a view that is not contiguous, and into another dtype: `decode_layer`'s result, converted."""
+    """Into a view that is not contiguous, into another dtype, and into the cache's own dtype when that
+    is not float32: `decode_layer`'s result, converted."""
     keys, values = synthetic_kv(7)
-    blob = codec.encode_layer(keys[1], values[1], 1)
+    stored = torch.bfloat16 if target == "stored bfloat16" else keys.dtype
+    blob = codec.encode_layer(keys[1].to(stored), values[1].to(stored), 1)
     shape = tuple(keys.shape[1:])
-    k, v = codec.decode_layer(blob, 1, shape, keys.dtype)
+    k, v = codec.decode_layer(blob, 1, shape, stored)
     if target == "strided":
         out = torch.full((2, shape[0], shape[1], 2 * shape[2]), float("nan"))[..., ::2]
     else:
-        out = torch.empty((2, *shape), dtype=getattr(torch, target))
-    codec.decode_layer_into(blob, 1, shape, keys.dtype, out)
+        out = torch.full((2, *shape), float("nan"), dtype=getattr(torch, target.split()[-1]))
+    codec.decode_layer_into(blob, 1, shape, stored, out)
     assert torch.equal(out[0], k.to(out.dtype)) and torch.equal(out[1], v.to(out.dtype))
 
 

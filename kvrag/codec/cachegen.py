@@ -24,10 +24,12 @@ Per layer, separately for pre-RoPE K and for V, on the ``C = kv_heads * head_dim
    the dequantised codes straight into the matrices that two batched matmuls turn back into K/V.
 
 Measured on SmolLM2-135M (60 chunks of <= 256 tokens, fitted on 120 others, one core of a shared
-2-core EPYC): level 1 takes 2.61 bits/element (6.1× smaller than bf16, container included) and
-decodes at ~0.25 GB/s of bf16 output (format 1 with constriction: 2.40 bits, 0.064 GB/s). Decode
-time is ~45% the rANS kernel (~0.58 symbols per element), ~35% the per-head matmul, the rest the
-cross-head matmul and glue; ``mix_dims`` 8 / 24 give 2.65 / 2.57 bits at about the same speed.
+2-core EPYC): level 1 takes 2.61 bits/element (6.1× smaller than bf16, container included; format 1
+with constriction: 2.40 bits, decoded at 0.064 GB/s); ``mix_dims`` 8 / 24 give 2.65 / 2.57 bits at
+about the same speed. On MuSiQue passages of ~590 tokens level 1 decodes at ~0.40 GB/s of bf16
+output into new tensors and ~0.46 GB/s into a reused buffer (`decode_layer_into`), one core. That
+time is about 40% the rANS kernel (~0.58 symbols per element), 40% the per-head matmul, the rest the
+cross-head matmul and glue.
 
 Levels 0–3 (higher = finer steps, larger blobs); `default_level` is 1. ``params()`` records the
 level, the blob format and the fitted state's id; a blob of another level, state or format raises
@@ -362,14 +364,18 @@ class CacheGenCodec(Codec):
     def decode_layer_into(
         self, blob: bytes, layer: int, shape: tuple[int, int, int], dtype: torch.dtype, out: torch.Tensor
     ) -> None:
-        """As `decode_layer`; the last transform writes straight into ``out`` when it is a contiguous
-        float32 tensor and the cache is float32 (no copy).
+        """As `decode_layer`. When ``out`` is contiguous and of the cache's dtype, the last transform
+        writes straight into it (float32), or is rounded into it in one pass (other dtypes).
         """
-        if not (out.dtype == dtype == torch.float32 and out.is_contiguous() and out.shape == (2, *shape)):
+        if not (out.dtype == dtype and out.is_contiguous() and out.shape == (2, *shape)):
             super().decode_layer_into(blob, layer, shape, dtype, out)
             return
         mean, rows, basis = self._components(blob, layer, shape)
-        torch.baddbmm(mean, rows, basis, out=out.view(2 * shape[0], *shape[1:]))
+        heads = out.view(2 * shape[0], *shape[1:])
+        if dtype == torch.float32:
+            torch.baddbmm(mean, rows, basis, out=heads)
+        else:  # the same single rounding as decode_layer's .to(dtype)
+            heads.copy_(torch.baddbmm(mean, rows, basis))
 
     def _components(self, blob: bytes, layer: int,
                     shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

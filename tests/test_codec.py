@@ -302,6 +302,35 @@ def test_cachegen_rejects_bad_input(fitted: CacheGenCodec) -> None:
     keys[0, 0, 0, 0] = math.nan
     with pytest.raises(ValueError, match="non-finite"):
         fitted.encode_layer(keys[0], values[0], 0)
+    keys[0, 0, 0, 0], keys[0, 0, 0, 1] = math.inf, -math.inf  # the sum is nan, not inf
+    with pytest.raises(ValueError, match="non-finite"):
+        fitted.encode_layer(keys[0], values[0], 0)
+    huge = torch.full_like(keys[0], 3e38)  # finite, though its sum is not: encoded (clamped), not refused
+    assert fitted.encode_layer(huge, values[0], 0)
+
+
+@pytest.mark.parametrize("seq", [0, 5, 37])
+def test_cachegen_layer_symbols_match_a_plain_reference(fitted: CacheGenCodec, seq: int) -> None:
+    """The numba symbol builder against the format written out in numpy, escapes included."""
+    from kvrag.codec.cachegen import _layer_symbols
+
+    plan = fitted._require_fit("test").tables(fitted.level).plans[1]
+    rng = np.random.default_rng(seq)
+    codes = [rng.integers(-9, 10, (seq, H * D)).astype(np.int32) for _ in range(2)]
+    codes[1][rng.random(codes[1].shape) < 0.05] = 3000  # far outside every band's alphabet
+    symbols, run_len, escaped = [], [], []
+    for j in range(plan.kind.size):
+        seg = codes[plan.kind[j]][:, plan.col0[j] : plan.col0[j] + plan.width[j]].T.ravel()  # column-major
+        e, k = int(plan.radius[j]), int(plan.k[j])
+        digits = np.where(np.abs(seg) > e, 2 * e + 1, seg + e)
+        n_tuples = seg.size // k
+        symbols += [digits[: n_tuples * k].reshape(n_tuples, k) @ ((2 * e + 2) ** np.arange(k - 1, -1, -1)),
+                    digits[n_tuples * k :]]
+        run_len += [n_tuples, seg.size - n_tuples * k]
+        escaped.append(seg[np.abs(seg) > e])
+    got = _layer_symbols(*codes, plan.kind, plan.col0, plan.width, plan.radius, plan.k)
+    assert got[0].tolist() == np.concatenate(symbols).tolist() and got[1].tolist() == run_len
+    assert got[2].tolist() == np.concatenate(escaped).tolist() and (seq == 0 or got[2].size > 0)
 
 
 def test_cachegen_needs_fit(tmp_path: Path) -> None:

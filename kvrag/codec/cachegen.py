@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numba
 import numpy as np
 import torch
 
@@ -229,14 +230,49 @@ class _Shared:
             return self._tables[level]
 
 
-def _symbols(codes: np.ndarray, radius: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One segment's codes (token-major, flat) → (tuple symbols, single symbols, escaped codes)."""
-    escaped = np.abs(codes) > radius
-    alphabet = 2 * radius + 2
-    digits = np.where(escaped, alphabet - 1, codes + radius)
-    n_tuples = codes.size // k
-    tuples = digits[: n_tuples * k].reshape(n_tuples, k) @ (alphabet ** np.arange(k - 1, -1, -1))
-    return tuples, digits[n_tuples * k :], codes[escaped]
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _layer_symbols(keys: np.ndarray, values: np.ndarray, kind: np.ndarray, col0: np.ndarray, width: np.ndarray,
+                   radius: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A layer's integer codes (``[S, C]`` of K and of V) → ``(symbols, run lengths, escaped codes)``.
+
+    Per segment, in order: its codes column by column, each column in token order; the first
+    ``k * floor(n / k)`` as ``k``-tuples (first code most significant, digit ``code + E`` or ``2E + 1``
+    for an escape), then the rest one per symbol. Runs alternate tuples and singles, two per segment;
+    escaped codes are listed in code order.
+    """
+    seq = keys.shape[0]
+    total = seq * (keys.shape[1] + values.shape[1])
+    symbols = np.empty(total, np.int32)
+    escaped = np.empty(total, np.int16)
+    run_len = np.empty(2 * kind.size, np.int64)
+    n_sym = n_esc = 0
+    for j in range(kind.size):
+        codes = keys if kind[j] == 0 else values
+        e, kk = radius[j], k[j]
+        alphabet, n_tuples = 2 * e + 2, (seq * width[j]) // kk
+        acc = count = at = 0
+        for c in range(col0[j], col0[j] + width[j]):
+            for t in range(seq):
+                code = codes[t, c]
+                digit = code + e
+                if code > e or code < -e:
+                    digit = alphabet - 1
+                    escaped[n_esc] = code
+                    n_esc += 1
+                if at < n_tuples * kk:
+                    acc = acc * alphabet + digit
+                    count += 1
+                    if count == kk:
+                        symbols[n_sym] = acc
+                        n_sym += 1
+                        acc = count = 0
+                else:
+                    symbols[n_sym] = digit
+                    n_sym += 1
+                at += 1
+        run_len[2 * j] = n_tuples
+        run_len[2 * j + 1] = seq * width[j] - n_tuples * kk
+    return symbols[:n_sym], run_len, escaped[:n_esc]
 
 
 @register_codec("cachegen")
@@ -321,7 +357,8 @@ class CacheGenCodec(Codec):
         """``x`` ``[H, S, D]`` → integer coded columns ``[S, C]`` (see `cachegen_state`)."""
         h, s, d = x.shape
         x = x.detach().to("cpu", torch.float32)
-        if not bool(torch.isfinite(x).all()):
+        # a finite sum means every value is finite (inf and nan do not cancel); check them all only if not
+        if not bool(torch.isfinite(x.sum())) and not bool(torch.isfinite(x).all()):
             raise ValueError(f"cachegen: non-finite values in layer {layer}")
         centred = x - tables.mean[kind, layer].view(h, 1, d)
         comps = torch.bmm(centred, tables.encode_basis[kind, layer])  # [H, S, D], in units of Δ
@@ -338,19 +375,11 @@ class CacheGenCodec(Codec):
         tables = shared.tables(self.level)
         plan = tables.plans[layer]
         codes = [self._quantise(x, kind, layer, tables) for kind, x in enumerate((keys, values))]
-        symbols, run_len, run_dist, escapes = [], [], [], []
-        for j in range(plan.kind.size):
-            seg = codes[plan.kind[j]][:, plan.col0[j] : plan.col0[j] + plan.width[j]].T.ravel()  # column-major
-            tuples, singles, escaped = _symbols(seg, int(plan.radius[j]), int(plan.k[j]))
-            symbols += [tuples, singles]
-            run_len += [tuples.size, singles.size]
-            run_dist += [plan.dist[j], plan.dist[j] + 1]
-            escapes.append(escaped)
-        models = tables.models
-        words, states, status = rans.encode(np.concatenate(symbols).astype(np.int32), np.asarray(run_len, np.int64),
-                                            np.asarray(run_dist, np.int64), models.freq, models.start)
+        symbols, run_len, escaped = _layer_symbols(*codes, plan.kind, plan.col0, plan.width, plan.radius, plan.k)
+        run_dist = np.stack([plan.dist, plan.dist + 1], axis=1).ravel()  # tuples, then singles, per segment
+        words, states, status = rans.encode(symbols, run_len, run_dist, tables.models.freq, tables.models.start)
         assert status == rans.OK, status  # every symbol of a fitted alphabet has a frequency >= 1
-        esc = np.concatenate(escapes).astype("<i2")
+        esc = escaped.astype("<i2")
         head = _BLOB.pack(BLOB_FORMAT, self.level, rans.LANES, shared.tag, keys.shape[1], esc.size, words.size)
         return head + states.astype("<u4").tobytes() + esc.tobytes() + words.astype("<u2").tobytes()
 

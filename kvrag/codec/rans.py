@@ -79,7 +79,7 @@ def encode(symbols: np.ndarray, run_len: np.ndarray, run_dist: np.ndarray, freq:
     """
     n = symbols.size
     out = np.empty(n + 1, np.uint16)
-    x = np.full(LANES, RANS_L, np.uint64)
+    x = np.full(LANES, RANS_L, np.uint32)
     p = out.size
     r = run_len.size - 1
     run_start = n
@@ -90,17 +90,19 @@ def encode(symbols: np.ndarray, run_len: np.ndarray, run_dist: np.ndarray, freq:
             r -= 1
             run_start -= run_len[r]
         d, s = run_dist[r], symbols[i]
-        f = np.uint64(freq[d, s])
+        f = freq[d, s]
         if f == 0:
-            return out[:0], x.astype(np.uint32), BAD_SYMBOL
-        lane = i % LANES
+            return out[:0], x, BAD_SYMBOL
+        lane = i & (LANES - 1)
         v = x[lane]
-        if v >= (f << np.uint64(32 - PROB_BITS)):
-            p -= 1
-            out[p] = np.uint16(v & np.uint64(0xFFFF))
-            v >>= np.uint64(16)
-        x[lane] = ((v // f) << np.uint64(PROB_BITS)) + (v % f) + np.uint64(start[d, s])
-    return out[p:].copy(), x.astype(np.uint32), OK
+        # branch-free renormalisation: the low word is always written below the stream, kept only if emitted
+        emit = np.uint32(np.uint64(v) >= (np.uint64(f) << np.uint64(32 - PROB_BITS)))
+        out[p - 1] = np.uint16(v & np.uint32(0xFFFF))
+        p -= emit
+        v >>= emit * np.uint32(16)
+        q = v // f
+        x[lane] = (q << np.uint32(PROB_BITS)) + (v - q * f) + start[d, s]
+    return out[p:].copy(), x, OK
 
 
 @numba.extending.intrinsic

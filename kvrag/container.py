@@ -215,12 +215,8 @@ class ChunkReader:
         if tuple(out.shape) != (2, h, s, d) or out.device.type != "cpu" or not out.is_contiguous():
             raise ValueError(f"decode_layer_into needs a contiguous CPU tensor of shape {(2, h, s, d)}, "
                              f"got {tuple(out.shape)} on {out.device}")
-        if self._codec.name == "raw" and out.dtype == self.header.dtype:
-            buf = out.view(-1).view(torch.uint8).numpy().data
-            if buf.nbytes != self.header.layers[layer][1]:
-                raise CorruptChunkError(self.key, f"layer {layer} holds {self.header.layers[layer][1]} bytes, "
-                                        f"a raw layer has {buf.nbytes}")
-            self.read_layer_into(layer, [buf])
+        if self._codec.name == "raw" and out.dtype == self.header.dtype:  # read_layer_into checks the size
+            self.read_layer_into(layer, [out.view(-1).view(torch.uint8).numpy().data])
             return
         blob = self.read_layer_bytes(layer)
         with self._decoding(layer):

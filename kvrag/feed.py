@@ -16,8 +16,10 @@ and prepares the next layers while the current one is recomputed:
   read per chunk. On CUDA each chunk's blob is read whole into its own slot — for files, all chunks
   of a layer in a few batched calls that hold no GIL (`kvrag.extents`), so loading does not slow the
   thread that launches fusion's kernels — then a side stream copies the (smaller) encoded bytes to
-  the GPU, which puts the planes side by side and decodes them. Other codecs (``cachegen``) decode
-  on the host, chunk by chunk, into a buffer that the GPU then puts side by side.
+  the GPU, which puts the planes side by side and decodes them. ``cachegen`` layers are read whole
+  and, on CUDA with Triton, decoded on the GPU for the whole region at once
+  (`CacheGenCodec.decode_region`: one launch of the Triton rANS decoder, two batched matmuls);
+  otherwise they decode on the host, chunk by chunk, into a buffer that the GPU then puts side by side.
 
 ``wait_s`` accumulates the time the fusion loop spent blocked on a layer that was not ready yet:
 the part of loading that recompute did not hide.
@@ -226,11 +228,16 @@ class StoreFeed(ChunkFeed):
     ``recover(j)`` is called when chunk ``j``'s file is missing or a layer fails its checksum or does
     not decode; it returns that chunk's whole cache (recomputed from text), used from then on. Layers
     already delivered came from checked bytes, so they stay valid.
+
+    ``device_decode`` chooses where ``cachegen`` caches decode: True, on ``device`` for the whole
+    region at once (the Triton decoder; on the CPU only in Triton's interpreter, for tests); False, on
+    the host chunk by chunk; None (default), on the device when it is CUDA and the decoder passes its
+    check there (`kvrag.kernels.rans_decode.works`).
     """
 
     def __init__(self, kvstore: Any, keys: Sequence[str | None], lengths: Sequence[int], n_layers: int,
                  device: torch.device | str, dtype: torch.dtype, recover: Callable[[int], KV] | None = None,
-                 depth: int = DEFAULT_DEPTH, workers: int | None = None) -> None:
+                 depth: int = DEFAULT_DEPTH, workers: int | None = None, device_decode: bool | None = None) -> None:
         super().__init__(lengths, [k is not None for k in keys], n_layers, device, dtype)
         if workers is None:  # decoding threads; a layer's chunks decode in parallel
             workers = min(8, max(1, (os.cpu_count() or 2) // 2)) if _is_cuda(self.device) else 1
@@ -248,7 +255,9 @@ class StoreFeed(ChunkFeed):
         self._planar = self._planar_layout()
         self._extents = ExtentReads.of(self._readers, self._planar) if self._planar is not None else None
         self._workers = workers
-        if _is_cuda(self.device) and self._shape is not None:
+        self._region_codec = self._device_decoding(device_decode) if self._planar is None else None
+        self._stream = _copy_stream(self.device) if self._region_codec is not None and _is_cuda(self.device) else None
+        if _is_cuda(self.device) and self._shape is not None and self._region_codec is None:
             h, d = self._shape
             size, kind = (self._planar.nbytes, torch.uint8) if self._planar else (2 * h * self.total * d, dtype)
             self._copier = _DeviceCopier(self.device, (size,), kind, depth + 1)
@@ -298,6 +307,26 @@ class StoreFeed(ChunkFeed):
         packed = self.device.type in PACKED_STAGING_DEVICES
         return PlaneLayout(first.codec, planes, first.header.dtype, self.lengths, self.offsets, packed)
 
+    def _device_decoding(self, wanted: bool | None) -> Any:
+        """The codec that decodes each layer of all open chunks together on the device
+        (`CacheGenCodec.decode_region`; by default on CUDA when Triton is installed), or None. Codecs
+        with planes decode on the device in any case (`_produce_planar`).
+        """
+        from kvrag.kernels import rans_decode
+
+        readers = [r for r in self._readers if r is not None]
+        kinds = {(str(sorted(r.codec.params().items())), r.header.dtype) for r in readers}
+        codec = readers[0].codec if readers and len(kinds) == 1 else None
+        able = codec is not None and hasattr(codec, "decode_region")
+        if wanted is None:
+            wanted = able and _is_cuda(self.device) and rans_decode.works(self.device)
+        if wanted and not able:
+            raise ValueError("device_decode needs chunks stored with one codec that decodes on the device "
+                             "(cachegen, one fitted state and level)")
+        if wanted:
+            self._stored_dtype = readers[0].header.dtype
+        return codec if wanted else None
+
     def _read(self, j: int, read: Callable[[Any], None]) -> bool:
         """``read(reader)`` for chunk ``j`` if it has an open file; False when it has none or the read
         fails its checks, in which case the chunk is recovered (its cache then in ``_recovered``).
@@ -333,6 +362,8 @@ class StoreFeed(ChunkFeed):
     def _produce(self, i: int) -> tuple[Any, Any]:
         if self._planar is not None:
             return self._produce_planar(i)
+        if self._region_codec is not None:
+            return self._produce_region(i)
         assert self._shape is not None
         t0 = time.perf_counter()
         h, d = self._shape
@@ -402,6 +433,51 @@ class StoreFeed(ChunkFeed):
         self.decode_s += time.perf_counter() - t0
         return out
 
+    def _produce_region(self, i: int) -> tuple[LayerKV, Any]:
+        """Layer ``i`` of every chunk read whole, then decoded together on the device (on the side
+        stream on CUDA): one launch of the Triton rANS decoder and two batched matmuls for the region.
+        A blob that does not decode has its chunk recovered, and the layer is decoded without it.
+        """
+        from kvrag.codec import cachegen_region as region
+
+        t0 = time.perf_counter()
+        codec = self._region_codec
+        blobs: dict[int, bytes] = {}
+        self._each_chunk(lambda j: self._read(j, lambda reader: blobs.__setitem__(j, reader.read_layer_bytes(i))))
+
+        def decode(chunks: list[int]) -> LayerKV:
+            assert self._shape is not None
+            if chunks:
+                batch = region.build_batch(codec, [[blobs[j] for j in chunks]], [i],
+                                           [self.lengths[j] for j in chunks], [self.offsets[j] for j in chunks],
+                                           self.total)
+                codes = region.kernel_codes(codec, batch, self.device)
+                kv = region.transform(codec, codes, [i], self._stored_dtype)[0].to(self.dtype)
+            else:
+                kv = torch.empty((2, self._shape[0], self.total, self._shape[1]), dtype=self.dtype, device=self.device)
+            for j, (off, n) in enumerate(zip(self.offsets, self.lengths)):  # chunks not decoded here
+                if j not in blobs:
+                    if j in self._recovered:
+                        for kind in (0, 1):
+                            kv[kind, :, off : off + n].copy_(self._recovered[j][kind][i], non_blocking=True)
+                    else:
+                        kv[:, :, off : off + n].zero_()
+            return kv[0], kv[1]
+
+        while True:
+            chunks = sorted(blobs)
+            try:
+                out = (decode(chunks), None) if self._stream is None else _on_stream(
+                    self._stream, lambda chunks=chunks: decode(chunks))
+                break
+            except region.RegionDecodeError as exc:
+                j = chunks[exc.blob]
+                del blobs[j]
+                with self._lock:
+                    self._recover_chunk(j, CorruptChunkError(self.keys[j] or "", f"layer {i} {exc}"))
+        self.decode_s += time.perf_counter() - t0
+        return out
+
     def _read_extents(self, i: int, host: torch.Tensor) -> None:
         """Layer ``i`` of every chunk read whole into its slot of ``host`` and checked, in batches that
         hold no GIL (`kvrag.extents`); chunks that fail are recovered.
@@ -416,7 +492,7 @@ class StoreFeed(ChunkFeed):
     def _layer(self, i: int) -> LayerKV:
         if self._prefetch is None:
             raise RuntimeError("no chunk in this feed has a cache")
-        if self._planar is not None:
+        if self._planar is not None or self._region_codec is not None:
             (k, v), event = self._prefetch.get(i)
             _consume(self.device, event, k, v)
             return k, v

@@ -13,6 +13,8 @@ from _tokenizer import make_tokenizer
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():  # kvrag's Triton kernels then run in Triton's interpreter (set before its import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 DATA = SHARED / "data"

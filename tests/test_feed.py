@@ -23,7 +23,10 @@ def setup():
 
 
 def _store(tmp_path, lm, kv, codec: str = "raw") -> tuple[KVStore, list[str]]:
-    kvstore = KVStore(make_store("disk", tmp_path / "chunks", fsync=False), make_codec(codec), lm.fingerprint)
+    chosen = make_codec(codec)
+    if chosen.needs_fit:
+        chosen.fit(list(kv), lm.spec.n_layers)
+    kvstore = KVStore(make_store("disk", tmp_path / "chunks", fsync=False), chosen, lm.fingerprint)
     keys = [f"{i:02x}" * 20 for i in range(len(kv))]
     for key, (k, v) in zip(keys, kv):
         kvstore.put(key, k, v)
@@ -117,6 +120,47 @@ def test_packed_staging_puts_runs_of_equally_long_chunks_side_by_side(monkeypatc
             assert torch.equal(k, ek) and torch.equal(v, ev)
 
 
+def test_store_feed_decodes_cachegen_layers_of_every_chunk_together(monkeypatch, tmp_path, setup):
+    """The device path (Triton rANS decoder, interpreted here; one region per layer), with a chunk
+    without cache, one whose file is corrupt and one whose stream the decoder rejects: each recovered,
+    the rest what the host path gives chunk by chunk."""
+    from kvrag.codec import cachegen_region
+
+    lm, _, _, kv, _ = setup
+    n = lm.spec.n_layers
+    kvstore, keys = _store(tmp_path, lm, kv, "cachegen")
+    decoded = [kvstore.load(key) for key in keys]
+    with StoreFeed(kvstore, keys, LENS, n, "cpu", torch.float32) as host:
+        assert host._region_codec is None  # the default off CUDA
+        want = [host.layer(layer) for layer in range(n)]
+    for layer, (k, v) in enumerate(want):
+        assert torch.equal(k, _expected(decoded, layer)[0]) and torch.equal(v, _expected(decoded, layer)[1])
+    path = kvstore.store._path(keys[2])
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x10  # inside the last layer: fails its checksum
+    path.write_bytes(bytes(data))
+    real, calls = cachegen_region.kernel_codes, []
+
+    def reject_once(codec, batch, device):  # the decoder rejects chunk 1's stream of layer 1
+        calls.append(batch.meta.shape[0])
+        if len(calls) == 2:
+            raise cachegen_region.RegionDecodeError(0, "test")
+        return real(codec, batch, device)
+
+    monkeypatch.setattr(cachegen_region, "kernel_codes", reject_once)
+    asked = []
+    recover = lambda j: asked.append(j) or decoded[j]  # noqa: E731
+    with StoreFeed(kvstore, [None, keys[1], keys[2]], LENS, n, "cpu", torch.float32, recover=recover,
+                   device_decode=True, workers=2) as feed:
+        assert feed._region_codec is not None
+        got = [feed.layer(layer) for layer in range(n)]
+    assert asked == [1, 2] and calls[:3] == [2, 2, 1]
+    for layer, (k, v) in enumerate(got):
+        ek, ev = _expected(decoded, layer, (False, True, True))
+        torch.testing.assert_close(k, ek, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, ev, rtol=1e-5, atol=1e-5)
+
+
 def test_store_feed_wants_layers_in_order(tmp_path, setup):
     lm, _, _, kv, _ = setup
     kvstore, keys = _store(tmp_path, lm, kv)
@@ -196,7 +240,7 @@ def _on_gpu(lm, prefix):
 
 @cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("tier", ["disk", "disk-int8", "ram", "gpu"])
+@pytest.mark.parametrize("tier", ["disk", "disk-int8", "disk-cachegen", "ram", "gpu"])
 def test_gpu_fusion_from_every_tier_matches_cpu_fusion(tmp_path, setup, tier):
     lm, prefix, chunks, kv, suffix = setup
     config = FuseConfig(mode="cacheblend", ratio=0.3)
@@ -212,7 +256,7 @@ def test_gpu_fusion_from_every_tier_matches_cpu_fusion(tmp_path, setup, tier):
     try:
         if tier.startswith("disk"):
             source = StoreFeed(kvstore, keys, LENS, n, "cuda", torch.float32, workers=2)
-            assert source._planar is not None
+            assert source._planar is not None or source._region_codec is not None
         elif tier == "ram":
             source = TensorFeed([(k.pin_memory(), v.pin_memory()) for k, v in kv], LENS, n, "cuda", torch.float32)
         else:

@@ -31,6 +31,10 @@ output into new tensors and ~0.46 GB/s into a reused buffer (`decode_layer_into`
 time is about 40% the rANS kernel (~0.58 symbols per element), 40% the per-head matmul, the rest the
 cross-head matmul and glue.
 
+`decode_region` decodes a layer (or several) of many chunks together, side by side as fusion lays
+them out: on CUDA with the Triton rANS decoder (`kvrag.kernels.rans_decode`, one launch for every
+blob) and two batched matmuls for the region (`kvrag.codec.cachegen_region`).
+
 Levels 0–3 (higher = finer steps, larger blobs); `default_level` is 1. ``params()`` records the
 level, the blob format and the fitted state's id; a blob of another level, state or format raises
 ValueError on decode (the container turns it into `CorruptChunkError`). Decoding is thread-safe and
@@ -53,6 +57,7 @@ from __future__ import annotations
 import math
 import struct
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -222,6 +227,7 @@ class _Shared:
         self.tag = int(self.state_id[:8], 16)
         self._tables: dict[int, _LevelTables] = {}
         self._lock = threading.Lock()
+        self.on_device: dict[tuple[int, str], Any] = {}  # per (level, device): `cachegen_region` tables
 
     def tables(self, level: int) -> _LevelTables:
         with self._lock:
@@ -406,29 +412,43 @@ class CacheGenCodec(Codec):
         else:  # the same single rounding as decode_layer's .to(dtype)
             heads.copy_(torch.baddbmm(mean, rows, basis))
 
+    def decode_region(self, blobs: Sequence[Sequence[bytes]], layers: Sequence[int], lengths: Sequence[int],
+                      dtype: torch.dtype, device: torch.device | str = "cpu",
+                      kernel: bool | None = None) -> torch.Tensor:
+        """Layers of several chunks decoded together and put side by side: ``[len(layers), 2, H, T, D]``
+        in ``dtype`` on ``device`` (keys then values; ``T = sum(lengths)``, chunk ``j``'s tokens after
+        chunk ``j - 1``'s). ``blobs[i][j]`` is layer ``layers[i]`` of chunk ``j``, of ``lengths[j]`` tokens.
+
+        ``kernel`` picks the rANS decoder: the Triton one (`kvrag.kernels.rans_decode`, all blobs in one
+        launch) or the host one (blob by blob); None uses Triton on CUDA when it is installed. Both give
+        the same codes; the transforms then run on ``device``, once for the region. Each value is
+        `decode_layer`'s up to float32 rounding (see `kvrag.codec.cachegen_region`).
+
+        Raises:
+            ValueError: a blob does not decode (the message names it).
+        """
+        from kvrag.codec import cachegen_region as region
+        from kvrag.kernels import rans_decode
+
+        device = torch.device(device)
+        if kernel is None:
+            kernel = device.type == "cuda" and rans_decode.available()
+        if kernel:
+            codes = region.kernel_codes(self, region.build_batch(self, blobs, layers, lengths), device)
+        else:
+            codes = region.host_codes(self, blobs, layers, lengths).to(device)
+        return region.transform(self, codes, layers, dtype)
+
     def _components(self, blob: bytes, layer: int,
                     shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layer's decoded components as ``(mean [2H, 1, D], rows [2H, S, D], basis [2H, D, D])``
         (K heads then V heads): the layer is ``mean + rows @ basis``.
         """
-        shared = self._require_fit("decode_layer")
-        self._check_shape(tuple(shape), layer)
-        tables = shared.tables(self.level)
+        flat = torch.from_numpy(self._codes(blob, layer, shape))  # checks the fit and the shape first
+        tables = self._require_fit("decode_layer").tables(self.level)
         h, s, d = shape
-        plan, models = tables.plans[layer], tables.models
-        states, esc, words, n_words = self._parse_blob(
-            blob, shared, s, math.ceil(s * plan.symbols_per_token) + plan.symbols_slack)
-        if s * plan.bits_per_token - plan.bits_slack > 16 * n_words + 32 * rans.LANES:
-            raise ValueError(f"cachegen layer {layer}: {n_words} words cannot hold {s} tokens")
         m = tables.mix.shape[-1] // h
-        size_a, size_b, pad = h * m * s, h * d * s, rans.TUPLE
-        buf = np.empty(2 * (size_a + pad + size_b) + pad, np.float32)
-        status = rans.decode(words, n_words, states, s * plan.width, plan.k, plan.dist, plan.base0 + s * plan.base_s,
-                             models.slot_sym, models.sym_info, models.rows, models.has_escape, esc, buf)
-        if status != rans.OK:
-            raise ValueError(f"cachegen layer {layer}: entropy decoding failed (status {status}): the stream, "
-                             "its escapes and its header do not match")
-        flat = torch.from_numpy(buf)
+        size_a, pad = h * m * s, rans.TUPLE
         at = 2 * (size_a + pad)  # the heads' codes, [2H, D, S]
         if m:  # undo the cross-head KLT: [H*m, H*m] @ [H*m, S] per kind, into each head's first m rows
             top = flat.as_strided((2, h * m, s), (size_a + pad, s, 1))
@@ -437,8 +457,44 @@ class CacheGenCodec(Codec):
         rows = flat.as_strided((2 * h, s, d), (d * s, 1, s), at)
         return tables.decode_mean[layer], rows, tables.decode_basis[layer]
 
-    def _parse_blob(self, blob: bytes, shared: _Shared, seq: int,
-                    max_symbols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    def _codes(self, blob: bytes, layer: int, shape: tuple[int, int, int]) -> np.ndarray:
+        """The layer's dequantised codes, as the rANS decoder writes them: for a chunk of ``S`` tokens,
+        code row ``r`` (`_LayerPlan.base_s`) starts at ``base0 + S * r`` (mix rows of K, of V, then
+        ``TUPLE`` floats of slack each; head rows of K and V, then ``TUPLE`` floats).
+        """
+        shared = self._require_fit("decode_layer")
+        self._check_shape(tuple(shape), layer)
+        tables = shared.tables(self.level)
+        h, s, d = shape
+        plan, models = tables.plans[layer], tables.models
+        states, esc, words, n_words = self._parse_blob(
+            blob, shared, s, math.ceil(s * plan.symbols_per_token) + plan.symbols_slack, layer)
+        m = tables.mix.shape[-1] // h
+        pad = rans.TUPLE
+        buf = np.empty(2 * (h * m * s + pad + h * d * s) + pad, np.float32)
+        status = rans.decode(words, n_words, states, s * plan.width, plan.k, plan.dist, plan.base0 + s * plan.base_s,
+                             models.slot_sym, models.sym_info, models.rows, models.has_escape, esc, buf)
+        if status != rans.OK:
+            raise ValueError(f"cachegen layer {layer}: entropy decoding failed (status {status}): the stream, "
+                             "its escapes and its header do not match")
+        return buf
+
+    def _parse_blob(self, blob: bytes, shared: _Shared, seq: int, max_symbols: int,
+                    layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        n_esc, n_words = self._check_header(blob, shared, seq, layer)
+        esc_start = _BLOB.size + 4 * rans.LANES
+        words_start = esc_start + 2 * n_esc
+        states = np.frombuffer(blob, "<u4", rans.LANES, _BLOB.size).astype(np.uint32)
+        esc = np.frombuffer(blob, "<i2", n_esc, esc_start).astype(np.float32)
+        # the padding `rans.decode` needs; its content never matters (a stream that uses it fails)
+        words = np.empty(n_words + max_symbols + rans.LANES, np.uint16)
+        words[:n_words] = np.frombuffer(blob, "<u2", n_words, words_start)
+        return states, esc, words, n_words
+
+    def _check_header(self, blob: bytes, shared: _Shared, seq: int, layer: int) -> tuple[int, int]:
+        """``(n_escapes, n_words)`` of a layer blob whose header and size match this codec, ``seq`` and
+        the fewest bits ``layer`` can code ``seq`` tokens in.
+        """
         if len(blob) < _BLOB.size:
             raise ValueError(f"cachegen blob of {len(blob)} bytes is shorter than its header")
         version, level, lanes, tag, blob_seq, n_esc, n_words = _BLOB.unpack_from(blob)
@@ -457,12 +513,10 @@ class CacheGenCodec(Codec):
         words_start = esc_start + 2 * n_esc
         if words_start + 2 * n_words != len(blob):
             raise ValueError(f"cachegen blob of {len(blob)} bytes does not match its section lengths")
-        states = np.frombuffer(blob, "<u4", lanes, _BLOB.size).astype(np.uint32)
-        esc = np.frombuffer(blob, "<i2", n_esc, esc_start).astype(np.float32)
-        # the padding `rans.decode` needs; its content never matters (a stream that uses it fails)
-        words = np.empty(n_words + max_symbols + rans.LANES, np.uint16)
-        words[:n_words] = np.frombuffer(blob, "<u2", n_words, words_start)
-        return states, esc, words, n_words
+        plan = shared.tables(self.level).plans[layer]
+        if seq * plan.bits_per_token - plan.bits_slack > 16 * n_words + 32 * rans.LANES:
+            raise ValueError(f"cachegen layer {layer}: {n_words} words cannot hold {seq} tokens")
+        return n_esc, n_words
 
     def with_level(self, level: int) -> CacheGenCodec:
         """A copy of the codec at another quality level, sharing the fitted state."""

@@ -232,12 +232,15 @@ class StoreFeed(ChunkFeed):
     ``device_decode`` chooses where ``cachegen`` caches decode: True, on ``device`` for the whole
     region at once (the Triton decoder; on the CPU only in Triton's interpreter, for tests); False, on
     the host chunk by chunk; None (default), on the device when it is CUDA and the decoder passes its
-    check there (`kvrag.kernels.rans_decode.works`).
+    check there (`kvrag.kernels.rans_decode.works`). ``region_layers`` layers are decoded per launch
+    there (default: on CUDA, enough for ~4 blobs per multiprocessor, as each blob's 32 lanes are one
+    program; 1 elsewhere).
     """
 
     def __init__(self, kvstore: Any, keys: Sequence[str | None], lengths: Sequence[int], n_layers: int,
                  device: torch.device | str, dtype: torch.dtype, recover: Callable[[int], KV] | None = None,
-                 depth: int = DEFAULT_DEPTH, workers: int | None = None, device_decode: bool | None = None) -> None:
+                 depth: int = DEFAULT_DEPTH, workers: int | None = None, device_decode: bool | None = None,
+                 region_layers: int | None = None) -> None:
         super().__init__(lengths, [k is not None for k in keys], n_layers, device, dtype)
         if workers is None:  # decoding threads; a layer's chunks decode in parallel
             workers = min(8, max(1, (os.cpu_count() or 2) // 2)) if _is_cuda(self.device) else 1
@@ -256,6 +259,10 @@ class StoreFeed(ChunkFeed):
         self._extents = ExtentReads.of(self._readers, self._planar) if self._planar is not None else None
         self._workers = workers
         self._region_codec = self._device_decoding(device_decode) if self._planar is None else None
+        if region_layers is not None and region_layers < 1:
+            raise ValueError(f"region_layers must be >= 1, got {region_layers}")
+        self._group = region_layers
+        self._ahead: dict[int, tuple[LayerKV, Any]] = {}  # layers decoded with an earlier one of their group
         self._stream = _copy_stream(self.device) if self._region_codec is not None and _is_cuda(self.device) else None
         if _is_cuda(self.device) and self._shape is not None and self._region_codec is None:
             h, d = self._shape
@@ -434,49 +441,76 @@ class StoreFeed(ChunkFeed):
         return out
 
     def _produce_region(self, i: int) -> tuple[LayerKV, Any]:
-        """Layer ``i`` of every chunk read whole, then decoded together on the device (on the side
-        stream on CUDA): one launch of the Triton rANS decoder and two batched matmuls for the region.
-        A blob that does not decode has its chunk recovered, and the layer is decoded without it.
+        """Layer ``i``, decoded on the device with the next layers of its group (`_region_group`): every
+        chunk's blobs of those layers read whole, then one launch of the Triton rANS decoder and two
+        batched matmuls for the region (on the side stream on CUDA). A blob that does not decode has
+        its chunk recovered, and the group is decoded without it.
         """
+        if i not in self._ahead:
+            t0 = time.perf_counter()
+            layers = list(range(i, min(i + self._region_group(), self.n_layers)))
+            kv, event = self._decode_group(layers)
+            for g, layer in enumerate(layers):
+                self._ahead[layer] = ((kv[g, 0], kv[g, 1]), event)
+            self.decode_s += time.perf_counter() - t0
+        return self._ahead.pop(i)
+
+    def _region_group(self) -> int:
+        """Layers decoded per launch: on CUDA enough blobs for ~4 programs per multiprocessor (each blob is
+        one program of 32 lanes), within ~1 GiB of float32 codes; 1 elsewhere unless set.
+        """
+        if self._group is not None:
+            return self._group
+        if not _is_cuda(self.device) or self._shape is None:
+            return 1
+        h, d = self._shape
+        chunks = max(1, sum(r is not None for r in self._readers))
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        codes = 4 * self.total * 2 * h * (d + self._region_codec._require_fit("decode_region").state.mix_dims)
+        return max(1, min(-(-4 * sms // chunks), (1 << 30) // max(1, codes)))
+
+    def _decode_group(self, layers: list[int]) -> tuple[torch.Tensor, Any]:
+        """``[len(layers), 2, H, total, D]`` of the region on the device, and the event that marks it ready."""
         from kvrag.codec import cachegen_region as region
 
-        t0 = time.perf_counter()
-        codec = self._region_codec
-        blobs: dict[int, bytes] = {}
-        self._each_chunk(lambda j: self._read(j, lambda reader: blobs.__setitem__(j, reader.read_layer_bytes(i))))
+        assert self._shape is not None
+        codec, h, d = self._region_codec, *self._shape
+        blobs: dict[int, list[bytes]] = {}
+        self._each_chunk(lambda j: self._read(
+            j, lambda reader: blobs.__setitem__(j, [reader.read_layer_bytes(layer) for layer in layers])))
 
-        def decode(chunks: list[int]) -> LayerKV:
-            assert self._shape is not None
+        def decode(chunks: list[int]) -> torch.Tensor:
             if chunks:
-                batch = region.build_batch(codec, [[blobs[j] for j in chunks]], [i],
-                                           [self.lengths[j] for j in chunks], [self.offsets[j] for j in chunks],
-                                           self.total)
+                batch = region.build_batch(codec, [[blobs[j][g] for j in chunks] for g in range(len(layers))],
+                                           layers, [self.lengths[j] for j in chunks],
+                                           [self.offsets[j] for j in chunks], self.total)
                 codes = region.kernel_codes(codec, batch, self.device)
-                kv = region.transform(codec, codes, [i], self._stored_dtype)[0].to(self.dtype)
+                kv = region.transform(codec, codes, layers, self._stored_dtype).to(self.dtype)
             else:
-                kv = torch.empty((2, self._shape[0], self.total, self._shape[1]), dtype=self.dtype, device=self.device)
+                kv = torch.empty((len(layers), 2, h, self.total, d), dtype=self.dtype, device=self.device)
             for j, (off, n) in enumerate(zip(self.offsets, self.lengths)):  # chunks not decoded here
-                if j not in blobs:
-                    if j in self._recovered:
+                if j in blobs:
+                    continue
+                if j in self._recovered:
+                    for g, layer in enumerate(layers):
                         for kind in (0, 1):
-                            kv[kind, :, off : off + n].copy_(self._recovered[j][kind][i], non_blocking=True)
-                    else:
-                        kv[:, :, off : off + n].zero_()
-            return kv[0], kv[1]
+                            kv[g, kind, :, off : off + n].copy_(self._recovered[j][kind][layer], non_blocking=True)
+                else:
+                    kv[:, :, :, off : off + n].zero_()
+            return kv
 
         while True:
             chunks = sorted(blobs)
             try:
-                out = (decode(chunks), None) if self._stream is None else _on_stream(
-                    self._stream, lambda chunks=chunks: decode(chunks))
-                break
+                if self._stream is None:
+                    return decode(chunks), None
+                return _on_stream(self._stream, lambda chunks=chunks: decode(chunks))
             except region.RegionDecodeError as exc:
-                j = chunks[exc.blob]
+                j = chunks[exc.blob % len(chunks)]
                 del blobs[j]
                 with self._lock:
-                    self._recover_chunk(j, CorruptChunkError(self.keys[j] or "", f"layer {i} {exc}"))
-        self.decode_s += time.perf_counter() - t0
-        return out
+                    self._recover_chunk(j, CorruptChunkError(self.keys[j] or "", f"layers {layers[0]}–{layers[-1]}: "
+                                                             f"{exc}"))
 
     def _read_extents(self, i: int, host: torch.Tensor) -> None:
         """Layer ``i`` of every chunk read whole into its slot of ``host`` and checked, in batches that

@@ -120,10 +120,13 @@ def test_packed_staging_puts_runs_of_equally_long_chunks_side_by_side(monkeypatc
             assert torch.equal(k, ek) and torch.equal(v, ev)
 
 
-def test_store_feed_decodes_cachegen_layers_of_every_chunk_together(monkeypatch, tmp_path, setup):
-    """The device path (Triton rANS decoder, interpreted here; one region per layer), with a chunk
-    without cache, one whose file is corrupt and one whose stream the decoder rejects: each recovered,
-    the rest what the host path gives chunk by chunk."""
+@pytest.mark.parametrize(("group", "calls", "asked"), [(1, [2, 2, 1, 1], [1, 2]), (3, [6, 1], [2, 1])])
+def test_store_feed_decodes_cachegen_layers_of_every_chunk_together(monkeypatch, tmp_path, setup, group, calls,
+                                                                     asked):
+    """The device path (Triton rANS decoder, interpreted here; ``group`` layers of every chunk per
+    launch), with a chunk without cache, one whose file is corrupt in its last layer and one whose
+    stream the decoder rejects in the second launch: each recovered, the rest what the host path gives
+    chunk by chunk."""
     from kvrag.codec import cachegen_region
 
     lm, _, _, kv, _ = setup
@@ -139,22 +142,22 @@ def test_store_feed_decodes_cachegen_layers_of_every_chunk_together(monkeypatch,
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x10  # inside the last layer: fails its checksum
     path.write_bytes(bytes(data))
-    real, calls = cachegen_region.kernel_codes, []
+    real, launched = cachegen_region.kernel_codes, []
 
-    def reject_once(codec, batch, device):  # the decoder rejects chunk 1's stream of layer 1
-        calls.append(batch.meta.shape[0])
-        if len(calls) == 2:
+    def reject_once(codec, batch, device):  # the second launch rejects its first blob (chunk 1's)
+        launched.append(batch.meta.shape[0])
+        if len(launched) == 2:
             raise cachegen_region.RegionDecodeError(0, "test")
         return real(codec, batch, device)
 
     monkeypatch.setattr(cachegen_region, "kernel_codes", reject_once)
-    asked = []
-    recover = lambda j: asked.append(j) or decoded[j]  # noqa: E731
+    recovered = []
+    recover = lambda j: recovered.append(j) or decoded[j]  # noqa: E731
     with StoreFeed(kvstore, [None, keys[1], keys[2]], LENS, n, "cpu", torch.float32, recover=recover,
-                   device_decode=True, workers=2) as feed:
+                   device_decode=True, workers=2, region_layers=group) as feed:
         assert feed._region_codec is not None
         got = [feed.layer(layer) for layer in range(n)]
-    assert asked == [1, 2] and calls[:3] == [2, 2, 1]
+    assert recovered == asked and launched == calls
     for layer, (k, v) in enumerate(got):
         ek, ev = _expected(decoded, layer, (False, True, True))
         torch.testing.assert_close(k, ek, rtol=1e-5, atol=1e-5)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -71,7 +72,10 @@ def _batches(lengths: Sequence[int], batch_tokens: int) -> Iterator[list[int]]:
         yield batch
 
 
-def _prefill_batch(lm: LoadedModel, prefix: PrefixCache, chunks: list[list[int]]) -> list[KV]:
+def _forward(lm: LoadedModel, prefix: PrefixCache, chunks: list[list[int]]) -> tuple[Any, torch.Tensor]:
+    """The model's forward over a batch of chunks (right-padded) after the prefix: its output and the
+    chunks' positions.
+    """
     n_max, p = max(map(len, chunks)), prefix.length
     ids = torch.zeros(len(chunks), n_max, dtype=torch.long, device=lm.device)
     for row, chunk in enumerate(chunks):
@@ -86,6 +90,25 @@ def _prefill_batch(lm: LoadedModel, prefix: PrefixCache, chunks: list[list[int]]
             input_ids=ids, position_ids=positions[None].expand(len(chunks), -1),
             past_key_values=cache, use_cache=True,
         )
+    return out, positions
+
+
+def plain_prefill(lm: LoadedModel, prefix: PrefixCache, chunks: Sequence[Sequence[int]],
+                  batch_tokens: int = 4096) -> int:
+    """The model's own prefill of ``chunks`` after the prefix, batched as `chunk_caches` batches them,
+    with nothing kept: the baseline that an index build's cache precompute is measured against.
+    Returns the tokens prefilled.
+    """
+    for batch in _batches([len(c) for c in chunks], batch_tokens):
+        _forward(lm, prefix, [list(chunks[i]) for i in batch])
+    if lm.device.type == "cuda":
+        torch.cuda.synchronize(lm.device)
+    return sum(len(c) for c in chunks)
+
+
+def _prefill_batch(lm: LoadedModel, prefix: PrefixCache, chunks: list[list[int]]) -> list[KV]:
+    out, positions = _forward(lm, prefix, chunks)
+    p = prefix.length
     layers = hf_compat.cache_layers(out.past_key_values)
     keys = torch.stack([k[:, :, p:] for k, _ in layers], dim=1)  # [B, L, H, n_max, D]
     values = torch.stack([v[:, :, p:] for _, v in layers], dim=1)

@@ -498,3 +498,23 @@ def test_bench_speed_adaptive_rows_carry_the_plans_predictions(tmp_path: Path) -
     # `reuse` was measured first (warm-up), so every timed plan predicted something
     assert all(math.isfinite(v) and v > 0 for v in adaptive["plan_recompute_ms_all"])
     assert all(math.isfinite(v) and v >= 0 for v in adaptive["plan_load_ms_all"])  # 0: every chunk from text
+
+
+def test_bench_build_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The build's cache phase against the plain prefill of the same chunks, per codec."""
+    data = _qa_file(tmp_path / "q.jsonl")
+    out = tmp_path / "out"
+    rc = main(["bench", "build", "--data", str(data), "--model", str(tiny_model_dir), "--n", "3", "--fit", "1",
+               "--codecs", "raw,cachegen", "--repeats", "2", "--device", "cpu", "--out", str(out)])
+    assert rc == 0
+    payload = json.loads((out / "build.json").read_text())
+    rows = {r["codec"]: r for r in payload["rows"]}
+    assert list(rows) == ["raw", "cachegen"]
+    for row in rows.values():
+        assert row["chunks"] == 2  # the two passages of questions 2 and 3 that the warm-up index lacks
+        assert row["tokens"] == row["plain_tokens"] > 0
+        assert row["plain_tok_s"] > 0 and row["build_tok_s"] > 0
+        assert row["ratio"] == pytest.approx(row["build_tok_s"] / row["plain_tok_s"])
+    assert 0 < rows["cachegen"]["stored_MB"] < rows["raw"]["stored_MB"]
+    assert "build / plain" in (out / "build.md").read_text()
+    assert main(["bench", "build", "--data", str(data), "--model", str(tiny_model_dir), "--n", "3", "--fit", "3"]) != 0

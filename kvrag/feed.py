@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvrag.errors import CorruptChunkError
@@ -262,6 +263,7 @@ class StoreFeed(ChunkFeed):
         if region_layers is not None and region_layers < 1:
             raise ValueError(f"region_layers must be >= 1, got {region_layers}")
         self._group = region_layers
+        self._staging: torch.Tensor | None = None  # the device path's reused host buffer
         self._ahead: dict[int, tuple[LayerKV, Any]] = {}  # layers decoded with an earlier one of their group
         self._stream = _copy_stream(self.device) if self._region_codec is not None and _is_cuda(self.device) else None
         if _is_cuda(self.device) and self._shape is not None and self._region_codec is None:
@@ -470,20 +472,39 @@ class StoreFeed(ChunkFeed):
         return max(1, min(-(-4 * sms // chunks), (1 << 30) // max(1, codes)))
 
     def _decode_group(self, layers: list[int]) -> tuple[torch.Tensor, Any]:
-        """``[len(layers), 2, H, total, D]`` of the region on the device, and the event that marks it ready."""
+        """``[len(layers), 2, H, total, D]`` of the region on the device, and the event that marks it ready.
+
+        Each open chunk's blobs of those layers are read and checked straight into their places in one
+        reused staging buffer (pinned on CUDA), in which the decoder finds them.
+        """
         from kvrag.codec import cachegen_region as region
 
         assert self._shape is not None
         codec, h, d = self._region_codec, *self._shape
-        blobs: dict[int, list[bytes]] = {}
-        self._each_chunk(lambda j: self._read(
-            j, lambda reader: blobs.__setitem__(j, [reader.read_layer_bytes(layer) for layer in layers])))
+        opened = [j for j, reader in enumerate(self._readers) if reader is not None]
+        sizes = np.array([[self._readers[j].header.layers[layer][1] for j in opened] for layer in layers],
+                         np.int64).reshape(len(layers), len(opened))
+        at, nbytes = region.aligned(sizes.ravel())
+        at = at.reshape(sizes.shape)
+        staged = self._staging_buffer(nbytes)
+        host = staged.numpy()
+        read: set[int] = set()
+
+        def fill(col: int, reader: Any) -> None:
+            for g, layer in enumerate(layers):
+                start = int(at[g, col])
+                reader.read_layer_into(layer, [memoryview(host[start : start + int(sizes[g, col])])])
+            read.add(opened[col])
+
+        self._each_chunk(lambda j: j in opened and self._read(j, lambda reader: fill(opened.index(j), reader)))
+        blobs = {j: opened.index(j) for j in read}  # chunk -> its column in at / sizes
 
         def decode(chunks: list[int]) -> torch.Tensor:
             if chunks:
-                batch = region.build_batch(codec, [[blobs[j][g] for j in chunks] for g in range(len(layers))],
-                                           layers, [self.lengths[j] for j in chunks],
-                                           [self.offsets[j] for j in chunks], self.total)
+                cols = [blobs[j] for j in chunks]
+                batch = region.batch_from(codec, staged, at[:, cols].ravel(), sizes[:, cols].ravel(), layers,
+                                          [self.lengths[j] for j in chunks], [self.offsets[j] for j in chunks],
+                                          self.total)
                 codes = region.kernel_codes(codec, batch, self.device)
                 kv = region.transform(codec, codes, layers, self._stored_dtype).to(self.dtype)
             else:
@@ -512,6 +533,15 @@ class StoreFeed(ChunkFeed):
                     self._recover_chunk(j, CorruptChunkError(self.keys[j] or "", f"layers {layers[0]}–{layers[-1]}: "
                                                              f"{exc}"))
 
+    def _staging_buffer(self, nbytes: int) -> torch.Tensor:
+        """A host byte buffer of at least ``nbytes`` for the device path, kept for the next groups (pinned on
+        CUDA). Reusing it is safe: each group's upload has finished when its decoding reports back.
+        """
+        if self._staging is None or self._staging.numel() < nbytes:
+            size = max(nbytes, int(1.25 * (self._staging.numel() if self._staging is not None else 0)))
+            self._staging = torch.empty(size, dtype=torch.uint8, pin_memory=_is_cuda(self.device))
+        return self._staging
+
     def _read_extents(self, i: int, host: torch.Tensor) -> None:
         """Layer ``i`` of every chunk read whole into its slot of ``host`` and checked, in batches that
         hold no GIL (`kvrag.extents`); chunks that fail are recovered.
@@ -539,6 +569,7 @@ class StoreFeed(ChunkFeed):
     def close(self) -> None:
         if self._prefetch is not None:
             self._prefetch.close()
+        self._staging = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         for reader in self._readers:

@@ -111,6 +111,15 @@ def test_region_checks_its_inputs(codec: CacheGenCodec) -> None:
         codec.decode_region(blobs, [0], [6, 6], torch.float32, kernel=True)
     with pytest.raises(ValueError, match="outside the fitted"):
         codec.decode_region(blobs, [L], [5, 6], torch.float32, kernel=True)
+    batch = region.build_batch(codec, blobs, [0], [5, 6])
+    sizes = [len(b) for b in blobs[0]]
+    at, _ = region.aligned(sizes)
+    with pytest.raises(ValueError, match="do not fit"):  # a blob not at a multiple of 4
+        region.batch_from(codec, batch.data, at + 2, sizes, [0], [5, 6])
+    with pytest.raises(ValueError, match="do not fit"):  # one blob for two chunks
+        region.batch_from(codec, batch.data, at[:1], sizes[:1], [0], [5, 6])
+    with pytest.raises(ValueError, match="blob 0 .*holds 5 tokens, header says 6"):  # the lengths swapped
+        region.batch_from(codec, batch.data, at, sizes, [0], [6, 5])
 
 
 def test_stream_runs_cover_every_code(codec: CacheGenCodec) -> None:

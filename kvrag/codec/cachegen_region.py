@@ -31,6 +31,8 @@ import torch
 
 from kvrag.codec import rans
 from kvrag.codec.cachegen import _BLOB
+from kvrag.codec.cachegen import BLOB_FORMAT as _FORMAT
+from kvrag.codec.cachegen import MAX_SEQ as _MAX_SEQ
 
 assert _BLOB.size % 4 == 0  # the lane states of a blob stored at a multiple of 4 bytes are aligned
 
@@ -44,7 +46,7 @@ _META, _RUN = 10, 5  # `kvrag.kernels.rans_decode`'s META and RUN
 class StreamBatch:
     """Everything the Triton decoder needs besides the tables, built on the host."""
 
-    data: np.ndarray  # uint8: the blobs, each at a multiple of 4 bytes
+    data: torch.Tensor  # uint8 on the host: the blobs, each at a multiple of 4 bytes
     meta: np.ndarray  # int32 [n_blobs, _META]
     runs: np.ndarray  # int32 [n_runs, _RUN]
     max_starts: int  # the most run starts in one step of 32 symbols of any blob
@@ -88,17 +90,45 @@ def build_batch(codec: CacheGenCodec, blobs: Sequence[Sequence[bytes]], layers: 
                 lengths: Sequence[int], columns: Sequence[int] | None = None, total: int | None = None) -> StreamBatch:
     """Check every blob's header and lay the blobs and their runs out for the Triton decoder.
 
-    ``blobs[i][j]``: layer ``layers[i]`` of chunk ``j`` (``lengths[j]`` tokens), whose tokens go to the
-    region's columns from ``columns[j]`` (by default right after chunk ``j - 1``'s) in a region of
-    ``total`` tokens (by default all the chunks'). Raises ValueError for a blob that does not match
-    (`CacheGenCodec._check_header`), naming it.
+    ``blobs[i][j]``: layer ``layers[i]`` of chunk ``j`` (``lengths[j]`` tokens). The blobs are copied
+    into one buffer; `batch_from` takes them already there. Raises ValueError for a blob that does
+    not match (`CacheGenCodec._check_header`), naming it.
+    """
+    _check_region(blobs, layers, lengths)
+    flat = [blob for row in blobs for blob in row]  # layer-major, as the region's blobs are numbered
+    at, nbytes = aligned(np.fromiter(map(len, flat), np.int64, len(flat)))
+    data = torch.empty(nbytes, dtype=torch.uint8)
+    view = data.numpy()
+    for offset, blob in zip(at.tolist(), flat):
+        view[offset : offset + len(blob)] = np.frombuffer(blob, np.uint8)
+    return batch_from(codec, data, at, np.fromiter(map(len, flat), np.int64, len(flat)), layers, lengths, columns,
+                      total)
+
+
+def aligned(sizes: np.ndarray) -> tuple[np.ndarray, int]:
+    """Offsets of blobs of ``sizes`` bytes laid one after another at multiples of 4, and the bytes in all."""
+    padded = (np.asarray(sizes, np.int64) + 3) // 4 * 4
+    ends = np.cumsum(padded)
+    return ends - padded, int(ends[-1]) if ends.size else 0
+
+
+def batch_from(codec: CacheGenCodec, data: torch.Tensor, at: np.ndarray, sizes: np.ndarray, layers: Sequence[int],
+               lengths: Sequence[int], columns: Sequence[int] | None = None, total: int | None = None) -> StreamBatch:
+    """`build_batch` for blobs already in ``data`` (uint8 on the host, e.g. pinned), blob ``i * n_chunks + j``
+    (layer ``layers[i]`` of chunk ``j``) at byte ``at[i * n_chunks + j]`` (a multiple of 4), ``sizes`` bytes
+    long. Chunk ``j``'s tokens go to the region's columns from ``columns[j]`` (by default right after chunk
+    ``j - 1``'s) in a region of ``total`` tokens (by default all the chunks').
     """
     shared = codec._require_fit("decode_region")
     tables = shared.tables(codec.level)
     state = shared.state
     mix_rows, head_rows = _rows(state.n_heads, state.mix_dims, state.head_dim)
-    _check_region(blobs, layers, lengths)
     seqs = np.asarray(lengths, np.int64).reshape(-1)
+    at, sizes = np.asarray(at, np.int64), np.asarray(sizes, np.int64)
+    if len(at) != len(sizes) or len(at) != len(layers) * len(seqs) or (at % 4).any() or (
+            at.size and int((at + sizes).max()) > data.numel()):
+        raise ValueError(f"decode_region: {len(at)} blobs at {at.tolist()[:8]}… do not fit {len(layers)} layers "
+                         f"of {len(seqs)} chunks in {data.numel()} bytes")
     offsets = np.concatenate([[0], np.cumsum(seqs)]).astype(np.int64)
     if columns is not None:
         if len(columns) != len(lengths) or total is None or any(
@@ -106,15 +136,11 @@ def build_batch(codec: CacheGenCodec, blobs: Sequence[Sequence[bytes]], layers: 
             raise ValueError(f"decode_region: columns {list(columns)} do not place {list(lengths)} tokens "
                              f"in a region of {total}")
         offsets = np.asarray([*columns, total], np.int64)
-    n_blobs, n_chunks = len(layers) * len(seqs), len(seqs)
-    counts = np.empty((n_blobs, 2), np.int64)  # escapes, words
-    runs, per_blob, n_sym, max_starts, padded = [], [], [], 0, []
+    for layer in layers:
+        codec._check_shape((state.n_heads, 0, state.head_dim), layer)
+    counts = _check_headers(codec, data.numpy(), at, sizes, layers, seqs)  # escapes, words
+    runs, per_blob, n_sym, max_starts = [], [], [], 0
     for i, layer in enumerate(layers):
-        for j, blob in enumerate(blobs[i]):
-            with _naming(i * n_chunks + j):
-                codec._check_shape((state.n_heads, int(seqs[j]), state.head_dim), layer)
-                counts[i * n_chunks + j] = codec._check_header(blob, shared, int(seqs[j]), layer)
-            padded += [blob, bytes(-len(blob) % 4)]
         r, n_runs, syms, crossed = layer_runs(tables.plans[layer], seqs)
         row = r[:, 3]  # this layer's rows among the region's (see the module docstring)
         r[:, 3] = np.where(row < mix_rows, i * mix_rows + row, len(layers) * mix_rows + i * head_rows + row - mix_rows)
@@ -122,9 +148,6 @@ def build_batch(codec: CacheGenCodec, blobs: Sequence[Sequence[bytes]], layers: 
         per_blob.append(n_runs)
         n_sym.append(syms)
         max_starts = max(max_starts, crossed)
-    data = np.frombuffer(bytearray().join(padded), np.uint8)  # writable, as torch wants
-    sizes = np.asarray([len(b) for b in padded[::2]], np.int64)
-    at = np.cumsum(-(-sizes // 4) * 4) - (-(-sizes // 4) * 4)  # each blob's offset in data
     esc = (at + _BLOB.size) // 2 + 2 * rans.LANES
     run_end = np.cumsum(np.concatenate(per_blob)) if per_blob else np.zeros(0, np.int64)
     n_runs_all = np.concatenate(per_blob) if per_blob else np.zeros(0, np.int64)
@@ -134,6 +157,38 @@ def build_batch(codec: CacheGenCodec, blobs: Sequence[Sequence[bytes]], layers: 
     return StreamBatch(data, meta.astype(np.int32).reshape(-1, _META),
                        np.concatenate(runs) if runs else np.zeros((0, _RUN), np.int32), max_starts,
                        len(layers) * (mix_rows + head_rows), int(offsets[-1]))
+
+
+_HEADER = np.dtype([("format", "u1"), ("level", "u1"), ("lanes", "<u2"), ("tag", "<u4"), ("seq", "<u4"),
+                    ("n_esc", "<u4"), ("n_words", "<u4")])  # `_BLOB`'s fields
+
+
+def _check_headers(codec: CacheGenCodec, data: np.ndarray, at: np.ndarray, sizes: np.ndarray,
+                   layers: Sequence[int], seqs: np.ndarray) -> np.ndarray:
+    """``int64 [n_blobs, 2]`` escapes and words of every blob, whose headers are checked all at once as
+    `CacheGenCodec._check_header` checks one; the first blob that fails raises its error, named.
+    """
+    shared = codec._require_fit("decode_region")
+    plans = shared.tables(codec.level).plans
+    layer_of, seq_of = np.repeat(np.asarray(layers, np.int64), len(seqs)), np.tile(seqs, len(layers))
+    ok = (sizes >= _BLOB.size) & (seq_of <= _MAX_SEQ)
+    head = np.zeros(len(sizes), _HEADER)
+    whole = np.flatnonzero(ok)
+    head[whole] = data[at[whole, None] + np.arange(_BLOB.size)].view(_HEADER).ravel()
+    n_esc, n_words = head["n_esc"].astype(np.int64), head["n_words"].astype(np.int64)
+    bits = np.asarray([plans[layer].bits_per_token for layer in layers]).repeat(len(seqs))
+    slack = np.asarray([plans[layer].bits_slack for layer in layers]).repeat(len(seqs))
+    ok &= (head["format"] == _FORMAT) & (head["level"] == codec.level) & (head["lanes"] == rans.LANES)
+    ok &= (head["tag"] == shared.tag) & (head["seq"] == seq_of)
+    ok &= _BLOB.size + 4 * rans.LANES + 2 * (n_esc + n_words) == sizes
+    ok &= ~(seq_of * bits - slack > 16 * n_words + 32 * rans.LANES)
+    if not ok.all():
+        k = int(np.flatnonzero(~ok)[0])
+        with _naming(k):
+            codec._check_shape((shared.state.n_heads, int(seq_of[k]), shared.state.head_dim), int(layer_of[k]))
+            codec._check_header(data[at[k] : at[k] + sizes[k]].tobytes(), shared, int(seq_of[k]), int(layer_of[k]))
+        raise RegionDecodeError(k, "its header does not match")  # (the checks above name the reason)
+    return np.stack([n_esc, n_words], axis=1)
 
 
 class RegionDecodeError(ValueError):
@@ -228,7 +283,7 @@ def kernel_codes(codec: CacheGenCodec, batch: StreamBatch, device: torch.device)
     from kvrag.kernels import rans_decode
 
     tables = device_tables(codec, device)
-    data = torch.from_numpy(batch.data).to(device, non_blocking=True)
+    data = batch.data.to(device, non_blocking=True)
     meta = torch.from_numpy(batch.meta).to(device, non_blocking=True)
     runs = torch.from_numpy(batch.runs).to(device, non_blocking=True)
     codes = torch.empty(batch.rows, batch.total, device=device)

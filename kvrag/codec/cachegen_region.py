@@ -6,10 +6,9 @@ blobs of some layers of every chunk of a region are decoded together:
 1. *Codes.* Every blob's rANS stream is decoded into one ``float32`` matrix of ``T`` columns, in
    which each chunk owns its columns: first the ``2 * H * m`` cross-head rows (K then V) of every
    layer, then the ``2 * H * D`` head rows (K heads then V heads) of every layer, each layer's rows
-   in `_LayerPlan.base_s` order. On CUDA this is
-   one launch of the Triton decoder (`kvrag.kernels.rans_decode`: one program per blob, its 32
-   lanes side by side); elsewhere the host decoder (`kvrag.codec.rans`) runs blob by blob and its
-   codes are copied in.
+   in `_LayerPlan.base_s` order. On CUDA this is one launch of the Triton decoder
+   (`kvrag.kernels.rans_decode`: one program per blob, its 32 lanes side by side); elsewhere the
+   host decoder (`kvrag.codec.rans`) runs blob by blob and its codes are copied in.
 2. *Transforms.* One batched matmul per kind undoes the cross-head KLT for the whole region, and one
    ``baddbmm`` the per-head KLT: ``[n_layers * 2H, T, D]``, keys then values, in the cache's dtype.
 

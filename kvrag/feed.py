@@ -27,6 +27,7 @@ the part of loading that recompute did not hide.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -468,6 +469,7 @@ class StoreFeed(ChunkFeed):
         h, d = self._shape
         chunks = max(1, sum(r is not None for r in self._readers))
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        assert self._region_codec is not None
         codes = 4 * self.total * 2 * h * (d + self._region_codec._require_fit("decode_region").state.mix_dims)
         return max(1, min(-(-4 * sms // chunks), (1 << 30) // max(1, codes)))
 
@@ -479,8 +481,8 @@ class StoreFeed(ChunkFeed):
         """
         from kvrag.codec import cachegen_region as region
 
-        assert self._shape is not None
-        codec, h, d = self._region_codec, *self._shape
+        assert self._shape is not None and self._region_codec is not None
+        codec, (h, d) = self._region_codec, self._shape
         opened = [j for j, reader in enumerate(self._readers) if reader is not None]
         sizes = np.array([[self._readers[j].header.layers[layer][1] for j in opened] for layer in layers],
                          np.int64).reshape(len(layers), len(opened))
@@ -493,7 +495,7 @@ class StoreFeed(ChunkFeed):
         def fill(col: int, reader: Any) -> None:
             for g, layer in enumerate(layers):
                 start = int(at[g, col])
-                reader.read_layer_into(layer, [memoryview(host[start : start + int(sizes[g, col])])])
+                reader.read_layer_into(layer, [host[start : start + int(sizes[g, col])].data])
             read.add(opened[col])
 
         self._each_chunk(lambda j: j in opened and self._read(j, lambda reader: fill(opened.index(j), reader)))
@@ -525,7 +527,7 @@ class StoreFeed(ChunkFeed):
             try:
                 if self._stream is None:
                     return decode(chunks), None
-                return _on_stream(self._stream, lambda chunks=chunks: decode(chunks))
+                return _on_stream(self._stream, functools.partial(decode, chunks))
             except region.RegionDecodeError as exc:
                 j = chunks[exc.blob % len(chunks)]
                 del blobs[j]

@@ -146,3 +146,15 @@ def test_triton_decoder_self_check_passes() -> None:
     """The once-per-device check that picks the device path (a two-run stream decoded exactly)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     assert rans_decode.works(device)
+
+
+def test_without_triton_the_device_path_stays_off(monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """No triton: the check says so (with a warning) and decoding explicitly on the kernel fails clearly."""
+    monkeypatch.setattr(rans_decode, "triton", None)
+    with caplog.at_level("WARNING"):
+        assert not rans_decode.works.__wrapped__(torch.device("cpu"))
+    assert "needs triton" in caplog.text and not rans_decode.available()
+    with pytest.raises(RuntimeError, match="pip install triton"):
+        rans_decode.decode(torch.zeros(4, dtype=torch.uint8), torch.zeros((1, rans_decode.META), dtype=torch.int32),
+                           torch.zeros((0, rans_decode.RUN), dtype=torch.int32), {}, torch.zeros(1, 1), 0)

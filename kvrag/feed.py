@@ -424,14 +424,7 @@ class StoreFeed(ChunkFeed):
 
         def decode(staged: torch.Tensor) -> LayerKV:
             keys, values = planar.decode(staged, self.dtype)
-            for j, (off, n) in enumerate(zip(self.offsets, self.lengths)):  # chunks not read from a file
-                if not self.available[j]:
-                    keys[:, off : off + n].zero_()
-                    values[:, off : off + n].zero_()
-                elif j in self._recovered:
-                    kv = self._recovered[j]
-                    keys[:, off : off + n].copy_(kv[0][i], non_blocking=True)
-                    values[:, off : off + n].copy_(kv[1][i], non_blocking=True)
+            self._fill_unread(keys, values, i)
             return keys, values
 
         if self._copier is None:
@@ -462,16 +455,15 @@ class StoreFeed(ChunkFeed):
         """Layers decoded per launch: on CUDA enough blobs for ~4 programs per multiprocessor (each blob is
         one program of 32 lanes), within ~1 GiB of float32 codes; 1 elsewhere unless set.
         """
-        if self._group is not None:
-            return self._group
-        if not _is_cuda(self.device) or self._shape is None:
-            return 1
-        h, d = self._shape
-        chunks = max(1, sum(r is not None for r in self._readers))
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        assert self._region_codec is not None
-        codes = 4 * self.total * 2 * h * (d + self._region_codec._require_fit("decode_region").state.mix_dims)
-        return max(1, min(-(-4 * sms // chunks), (1 << 30) // max(1, codes)))
+        if self._group is None:
+            self._group = 1
+            if _is_cuda(self.device) and self._shape is not None and self._region_codec is not None:
+                h, d = self._shape
+                chunks = max(1, sum(r is not None for r in self._readers))
+                sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+                codes = 4 * self.total * 2 * h * (d + self._region_codec._require_fit("decode_region").state.mix_dims)
+                self._group = max(1, min(-(-4 * sms // chunks), (1 << 30) // max(1, codes)))
+        return self._group
 
     def _decode_group(self, layers: list[int]) -> tuple[torch.Tensor, Any]:
         """``[len(layers), 2, H, total, D]`` of the region on the device, and the event that marks it ready.
@@ -483,23 +475,22 @@ class StoreFeed(ChunkFeed):
 
         assert self._shape is not None and self._region_codec is not None
         codec, (h, d) = self._region_codec, self._shape
-        opened = [j for j, reader in enumerate(self._readers) if reader is not None]
-        sizes = np.array([[self._readers[j].header.layers[layer][1] for j in opened] for layer in layers],
-                         np.int64).reshape(len(layers), len(opened))
+        column = {j: c for c, j in enumerate(j for j, reader in enumerate(self._readers) if reader is not None)}
+        sizes = np.array([[self._readers[j].header.layers[layer][1] for j in column] for layer in layers],
+                         np.int64).reshape(len(layers), len(column))
         at, nbytes = region.aligned(sizes.ravel())
         at = at.reshape(sizes.shape)
         staged = self._staging_buffer(nbytes)
         host = staged.numpy()
-        read: set[int] = set()
+        blobs: dict[int, int] = {}  # chunk -> its column in at / sizes, once all its blobs are read and checked
 
-        def fill(col: int, reader: Any) -> None:
+        def fill(j: int, reader: Any) -> None:
             for g, layer in enumerate(layers):
-                start = int(at[g, col])
-                reader.read_layer_into(layer, [host[start : start + int(sizes[g, col])].data])
-            read.add(opened[col])
+                start = int(at[g, column[j]])
+                reader.read_layer_into(layer, [host[start : start + int(sizes[g, column[j]])].data])
+            blobs[j] = column[j]
 
-        self._each_chunk(lambda j: j in opened and self._read(j, lambda reader: fill(opened.index(j), reader)))
-        blobs = {j: opened.index(j) for j in read}  # chunk -> its column in at / sizes
+        self._each_chunk(lambda j: j in column and self._read(j, lambda reader: fill(j, reader)))
 
         def decode(chunks: list[int]) -> torch.Tensor:
             if chunks:
@@ -511,15 +502,8 @@ class StoreFeed(ChunkFeed):
                 kv = region.transform(codec, codes, layers, self._stored_dtype).to(self.dtype)
             else:
                 kv = torch.empty((len(layers), 2, h, self.total, d), dtype=self.dtype, device=self.device)
-            for j, (off, n) in enumerate(zip(self.offsets, self.lengths)):  # chunks not decoded here
-                if j in blobs:
-                    continue
-                if j in self._recovered:
-                    for g, layer in enumerate(layers):
-                        for kind in (0, 1):
-                            kv[g, kind, :, off : off + n].copy_(self._recovered[j][kind][layer], non_blocking=True)
-                else:
-                    kv[:, :, :, off : off + n].zero_()
+            for g, layer in enumerate(layers):
+                self._fill_unread(kv[g, 0], kv[g, 1], layer)
             return kv
 
         while True:
@@ -543,6 +527,19 @@ class StoreFeed(ChunkFeed):
             size = max(nbytes, int(1.25 * (self._staging.numel() if self._staging is not None else 0)))
             self._staging = torch.empty(size, dtype=torch.uint8, pin_memory=_is_cuda(self.device))
         return self._staging
+
+    def _fill_unread(self, keys: torch.Tensor, values: torch.Tensor, i: int) -> None:
+        """Layer ``i``'s columns of the chunks not read from a file: zeros for a chunk without cache,
+        the recovered cache for a recovered one.
+        """
+        for j, (off, n) in enumerate(zip(self.offsets, self.lengths)):
+            if not self.available[j]:
+                keys[:, off : off + n].zero_()
+                values[:, off : off + n].zero_()
+            elif j in self._recovered:
+                kv = self._recovered[j]
+                keys[:, off : off + n].copy_(kv[0][i], non_blocking=True)
+                values[:, off : off + n].copy_(kv[1][i], non_blocking=True)
 
     def _read_extents(self, i: int, host: torch.Tensor) -> None:
         """Layer ``i`` of every chunk read whole into its slot of ``host`` and checked, in batches that

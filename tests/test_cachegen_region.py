@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import pytest
 import torch
 from kvrag.kernels import rans_decode
@@ -125,7 +126,8 @@ def test_region_checks_its_inputs(codec: CacheGenCodec) -> None:
 def test_stream_runs_cover_every_code(codec: CacheGenCodec) -> None:
     plan = codec._shared.tables(codec.level).plans[2]
     for seq in (1, 2, 5, 33):
-        runs, n_sym, _ = region.stream_runs(plan, seq)
+        runs, _, symbols, _ = region.layer_runs(plan, np.array([seq]))
+        n_sym = int(symbols[0])
         count = torch.diff(torch.tensor(list(runs[:, 0]) + [n_sym]))
         assert (count > 0).all() and int(runs[0, 0]) == 0
         assert int((count * torch.from_numpy(runs[:, 2].astype("int64"))).sum()) == seq * int(plan.width.sum())

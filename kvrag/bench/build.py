@@ -71,6 +71,7 @@ def run_build_bench(lm: Any, items: list[dict[str, Any]], fit: int, codecs: list
     if not first or not rest:
         raise ValueError(f"bench build needs passages in both the first {fit} questions and the rest")
     split = SplitConfig(mode="document", max_tokens=2048, min_tokens=0)  # one chunk per passage
+    ids = [chunk_token_ids(lm.tokenizer, text) for _, text in rest]
     rows = []
     for codec in codecs:
         warm = work / f"warm-{codec}"
@@ -82,7 +83,6 @@ def run_build_bench(lm: Any, items: list[dict[str, Any]], fit: int, codecs: list
             target = work / f"{codec}-{r}"
             shutil.copytree(warm, target)
             with KVRag.open(target, model=lm) as rag:
-                ids = [chunk_token_ids(lm.tokenizer, text) for _, text in rest]
                 t0 = time.perf_counter()
                 tokens = plain_prefill(lm, rag.prefix, ids, batch_tokens)
                 best_plain = max(best_plain, tokens / (time.perf_counter() - t0))

@@ -420,7 +420,8 @@ class CacheGenCodec(Codec):
         chunk ``j - 1``'s). ``blobs[i][j]`` is layer ``layers[i]`` of chunk ``j``, of ``lengths[j]`` tokens.
 
         ``kernel`` picks the rANS decoder: the Triton one (`kvrag.kernels.rans_decode`, all blobs in one
-        launch) or the host one (blob by blob); None uses Triton on CUDA when it is installed. Both give
+        launch) or the host one (blob by blob); None uses Triton on CUDA where it passes its check
+        (`kvrag.kernels.rans_decode.works`), as fusion's loader does. Both give
         the same codes; the transforms then run on ``device``, once for the region. Each value is
         `decode_layer`'s up to float32 rounding (see `kvrag.codec.cachegen_region`).
 
@@ -432,7 +433,7 @@ class CacheGenCodec(Codec):
 
         device = torch.device(device)
         if kernel is None:
-            kernel = device.type == "cuda" and rans_decode.available()
+            kernel = device.type == "cuda" and rans_decode.works(device)
         if kernel:
             codes = region.kernel_codes(self, region.build_batch(self, blobs, layers, lengths), device)
         else:

@@ -79,12 +79,6 @@ def layer_runs(plan: _LayerPlan, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return runs[keep].astype(np.int32), keep.sum(axis=1), count.sum(axis=1), max_starts
 
 
-def stream_runs(plan: _LayerPlan, seq: int) -> tuple[np.ndarray, int, int]:
-    """`layer_runs` for one chunk: ``(runs, n_symbols, max_starts)``."""
-    runs, _, n_sym, max_starts = layer_runs(plan, np.array([seq]))
-    return runs, int(n_sym[0]), max_starts
-
-
 def build_batch(codec: CacheGenCodec, blobs: Sequence[Sequence[bytes]], layers: Sequence[int],
                 lengths: Sequence[int], columns: Sequence[int] | None = None, total: int | None = None) -> StreamBatch:
     """Check every blob's header and lay the blobs and their runs out for the Triton decoder.
@@ -95,13 +89,13 @@ def build_batch(codec: CacheGenCodec, blobs: Sequence[Sequence[bytes]], layers: 
     """
     _check_region(blobs, layers, lengths)
     flat = [blob for row in blobs for blob in row]  # layer-major, as the region's blobs are numbered
-    at, nbytes = aligned(np.fromiter(map(len, flat), np.int64, len(flat)))
+    sizes = np.fromiter(map(len, flat), np.int64, len(flat))
+    at, nbytes = aligned(sizes)
     data = torch.empty(nbytes, dtype=torch.uint8)
     view = data.numpy()
     for offset, blob in zip(at.tolist(), flat):
         view[offset : offset + len(blob)] = np.frombuffer(blob, np.uint8)
-    return batch_from(codec, data, at, np.fromiter(map(len, flat), np.int64, len(flat)), layers, lengths, columns,
-                      total)
+    return batch_from(codec, data, at, sizes, layers, lengths, columns, total)
 
 
 def aligned(sizes: np.ndarray) -> tuple[np.ndarray, int]:

@@ -95,9 +95,8 @@ class _Models:
     freq: np.ndarray  # u32 [n_dist, 256]
     start: np.ndarray  # u32 [n_dist, 256]
     slot_sym: np.ndarray  # u8 [n_dist, 4096]
-    sym_info: np.ndarray  # u32 [n_dist, 256]
+    sym_info: np.ndarray  # u32 [n_dist, 256], with `rans.ESCAPE_FLAG` on the symbols that hold an escape
     rows: np.ndarray  # f32 [n_dist, 256 * 4]: the codes of each symbol
-    has_escape: np.ndarray  # bool [n_dist, 256]
     min_bits: np.ndarray  # f64 [n_dist]: information content of each distribution's likeliest symbol
 
 
@@ -165,12 +164,12 @@ def _models(state: CacheGenState, level: int) -> _Models:
         for d, (p, w) in enumerate(((joint, k), (single, 1))):
             f = rans.quantise_frequencies(p)
             freq[2 * i + d, : f.size] = f
-            slot_sym[2 * i + d], sym_info[2 * i + d] = rans.decode_table(f)
             rows[2 * i + d] = _tuple_rows(int(e), w)
+            escape = (rows[2 * i + d].reshape(rans.MAX_ALPHABET, rans.TUPLE) == rans.ESCAPE).any(axis=1)
+            slot_sym[2 * i + d], sym_info[2 * i + d] = rans.decode_table(f, escape[: f.size])
     start = np.stack([rans.starts(f) for f in freq])
     min_bits = -np.log2(freq.max(axis=1) / rans.PROB_SCALE)
-    has_escape = (rows.reshape(n_dist, rans.MAX_ALPHABET, rans.TUPLE) == rans.ESCAPE).any(axis=2)
-    return _Models(radius, width, freq, start, slot_sym, sym_info, rows.astype(np.float32), has_escape, min_bits)
+    return _Models(radius, width, freq, start, slot_sym, sym_info, rows.astype(np.float32), min_bits)
 
 
 def _plans(state: CacheGenState, level: int, models: _Models) -> list[_LayerPlan]:
@@ -474,7 +473,7 @@ class CacheGenCodec(Codec):
         pad = rans.TUPLE
         buf = np.empty(2 * (h * m * s + pad + h * d * s) + pad, np.float32)
         status = rans.decode(words, n_words, states, s * plan.width, plan.k, plan.dist, plan.base0 + s * plan.base_s,
-                             models.slot_sym, models.sym_info, models.rows, models.has_escape, esc, buf)
+                             models.slot_sym, models.sym_info, models.rows, esc, buf)
         if status != rans.OK:
             raise ValueError(f"cachegen layer {layer}: entropy decoding failed (status {status}): the stream, "
                              "its escapes and its header do not match")

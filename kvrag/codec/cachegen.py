@@ -97,6 +97,7 @@ class _Models:
     slot_sym: np.ndarray  # u8 [n_dist, 4096]
     sym_info: np.ndarray  # u32 [n_dist, 256], with `rans.ESCAPE_FLAG` on the symbols that hold an escape
     rows: np.ndarray  # f32 [n_dist, 256 * 4]: the codes of each symbol
+    escaped: np.ndarray  # i32 [n_dist, 256]: how many of each symbol's codes are escaped
     min_bits: np.ndarray  # f64 [n_dist]: information content of each distribution's likeliest symbol
 
 
@@ -156,6 +157,7 @@ def _models(state: CacheGenState, level: int) -> _Models:
     slot_sym = np.zeros((n_dist, rans.PROB_SCALE), np.uint8)
     sym_info = np.zeros((n_dist, rans.MAX_ALPHABET), np.uint32)
     rows = np.zeros((n_dist, rans.MAX_ALPHABET * rans.TUPLE), np.int8)
+    escaped = np.zeros((n_dist, rans.MAX_ALPHABET), np.int32)
     for i, (e, k) in enumerate(zip(radius, width)):
         single = model.probs.reshape(-1, model.probs.shape[-1])[i, : 2 * e + 2].astype(np.float64)
         joint = single
@@ -165,11 +167,11 @@ def _models(state: CacheGenState, level: int) -> _Models:
             f = rans.quantise_frequencies(p)
             freq[2 * i + d, : f.size] = f
             rows[2 * i + d] = _tuple_rows(int(e), w)
-            escape = (rows[2 * i + d].reshape(rans.MAX_ALPHABET, rans.TUPLE) == rans.ESCAPE).any(axis=1)
-            slot_sym[2 * i + d], sym_info[2 * i + d] = rans.decode_table(f, escape[: f.size])
+            escaped[2 * i + d] = (rows[2 * i + d].reshape(rans.MAX_ALPHABET, rans.TUPLE) == rans.ESCAPE).sum(axis=1)
+            slot_sym[2 * i + d], sym_info[2 * i + d] = rans.decode_table(f, escaped[2 * i + d, : f.size] > 0)
     start = np.stack([rans.starts(f) for f in freq])
     min_bits = -np.log2(freq.max(axis=1) / rans.PROB_SCALE)
-    return _Models(radius, width, freq, start, slot_sym, sym_info, rows.astype(np.float32), min_bits)
+    return _Models(radius, width, freq, start, slot_sym, sym_info, rows.astype(np.float32), escaped, min_bits)
 
 
 def _plans(state: CacheGenState, level: int, models: _Models) -> list[_LayerPlan]:

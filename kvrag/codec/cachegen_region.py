@@ -246,10 +246,9 @@ class _DeviceTables:
         def put(a: np.ndarray, dtype: type) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a, dtype)).to(device)
 
-        escapes = (models.rows.reshape(len(models.rows), rans.MAX_ALPHABET, rans.TUPLE) == rans.ESCAPE).sum(axis=2)
         self.rans = {"slot_sym": put(models.slot_sym, np.uint8), "freq": put(models.freq, np.int32),
                      "start": put(models.start, np.int32), "rows": put(models.rows, np.float32),
-                     "escapes": put(escapes, np.int32)}
+                     "escapes": put(models.escaped, np.int32)}
         self.mix = tables.decode_mix.to(device)
         self.basis = tables.decode_basis.to(device)
         self.mean = tables.decode_mean.to(device)
@@ -291,12 +290,12 @@ def kernel_codes(codec: CacheGenCodec, batch: StreamBatch, device: torch.device)
 def transform(codec: CacheGenCodec, codes: torch.Tensor, layers: Sequence[int],
               dtype: torch.dtype) -> torch.Tensor:
     """``[n_layers, 2, H, T, D]`` K/V in ``dtype`` from a region's codes (on their device)."""
-    state = codec._require_fit("decode_region").state
-    h, m, d = state.n_heads, state.mix_dims, state.head_dim
+    shared = codec._require_fit("decode_region")
+    h, m, d = shared.state.n_heads, shared.state.mix_dims, shared.state.head_dim
     n_l, total = len(layers), codes.shape[1]
     mix_rows = n_l * 2 * h * m
     if codes.device.type == "cpu":
-        tables = codec._require_fit("decode_region").tables(codec.level)
+        tables = shared.tables(codec.level)
         mix, basis, mean = tables.decode_mix, tables.decode_basis, tables.decode_mean
     else:
         dev = device_tables(codec, codes.device)

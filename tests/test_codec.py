@@ -294,6 +294,27 @@ def test_rans_kernels_match_the_reference_decoder(n_symbols: int) -> None:
         assert rans.decode(*args) in failed
 
 
+def test_rans_refill_takes_words_in_lane_order_for_every_lane_mask() -> None:
+    """The host decoder renormalises 8 lanes at a time with a permutation of the next 8 words: it must
+    give the same states and read position as renormalising lane after lane, for every mask of lanes."""
+    rng = np.random.default_rng(5)
+    for trial in range(300):
+        x = rng.integers(0, 2**32, rans.LANES, dtype=np.uint64).astype(np.uint32)
+        low = rng.random(rans.LANES) < (trial % 11) / 10  # from no lane reading to every lane reading
+        x[low] = rng.integers(0, rans.RANS_L, int(low.sum()))
+        p0 = int(rng.integers(0, 7))
+        words = rng.integers(0, 2**16, p0 + rans.LANES, dtype=np.uint64).astype(np.uint16)  # exactly what it may read
+        expect, p = x.astype(np.uint64), p0
+        for lane in range(rans.LANES):
+            if expect[lane] < rans.RANS_L:
+                expect[lane] = (expect[lane] << 16) | int(words[p])
+                p += 1
+        assert rans._refill(x, words, np.uint64(p0)) == p
+        assert np.array_equal(x, expect.astype(np.uint32))
+    masks = rans._REFILL_OFFSETS.reshape(256, 8)  # each lane that reads gets the count of readers before it
+    assert masks[0b10110110].tolist() == [0, 0, 1, 0, 2, 3, 0, 4]
+
+
 def test_rans_rejects_symbols_without_frequency() -> None:
     freq = np.zeros((1, rans.MAX_ALPHABET), np.uint32)
     freq[0, :2] = rans.quantise_frequencies(np.array([0.5, 0.5]))

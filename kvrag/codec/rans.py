@@ -13,7 +13,8 @@ back. It is built so that a GPU decoder with one thread per lane is direct:
 - **Renormalisation.** After decoding a symbol, if ``x < 2**16`` the lane reads the next word:
   ``x = (x << 16) | words[p]; p += 1``. The words of all lanes form one stream in symbol order:
   within a step of ``LANES`` symbols, lanes read in increasing lane order (on a GPU: a prefix sum
-  of the lanes' read flags gives each lane its word). At most one word per symbol.
+  of the lanes' read flags gives each lane its word; on the host, 8 lanes at a time, the same
+  prefix counts from a table). At most one word per symbol.
 - **Stream.** ``u32 states[LANES]`` (the lanes' states before symbol 0) then ``u16 words[n]``. The
   encoder starts every lane at ``2**16``, so after the last symbol a correct decode leaves every
   lane at ``2**16`` with every word consumed: a built-in integrity check.
@@ -31,7 +32,7 @@ import numba.extending
 import numpy as np
 from llvmlite import ir as llvm_ir
 
-LANES = 32
+LANES = 32  # a multiple of 8: the decoder renormalises 8 lanes at a time
 PROB_BITS = 12
 PROB_SCALE = 1 << PROB_BITS
 RANS_L = 1 << 16
@@ -130,16 +131,72 @@ def _copy4(typingctx, dst, dst_at, src, src_at):  # type: ignore[no-untyped-def]
     return numba.types.void(dst, dst_at, src, src_at), codegen
 
 
+def _refill_offsets() -> np.ndarray:
+    """``u8 [256 * 8]``: for each 8-bit mask of lanes that read a word, lane ``b``'s row holds how many
+    lanes before ``b`` read one (the index of its word among the next 8); lanes that read none get 0.
+    """
+    masks = np.arange(256)[:, None]
+    reads = (masks >> np.arange(8)) & 1
+    return ((np.cumsum(reads, axis=1) - reads) * reads).astype(np.uint8).ravel()
+
+
+_REFILL_OFFSETS = _refill_offsets()
+
+
+@numba.extending.intrinsic
+def _refill8(typingctx, x, lane0, words, p):  # type: ignore[no-untyped-def]
+    """Renormalise lanes ``lane0 .. lane0 + 7`` of ``x`` (u32) from ``words[p:]`` (u16), in lane
+    order, as 8-wide vector code; the new read position.
+
+    Lanes below ``RANS_L`` take the next words in turn: the 8 words at ``p`` are loaded at once and
+    each such lane picks its own with a permutation (``vpermd`` where AVX2 is enabled), indexed by
+    `_REFILL_OFFSETS` at the lanes' mask; ``p`` then advances by the mask's popcount. So it always
+    reads ``words[p : p + 8]``. ``x`` and ``words`` must be C-contiguous (numba refuses others here).
+    """
+    if not all(isinstance(a, numba.types.Array) and a.layout == "C" and a.ndim == 1 for a in (x, words)):
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        i8, i16, i32, i64 = (llvm_ir.IntType(n) for n in (8, 16, 32, 64))
+        vec = llvm_ir.VectorType(i32, 8)
+
+        def data(array_type, value):  # type: ignore[no-untyped-def]
+            return context.make_array(array_type)(context, builder, value).data
+
+        def at(index: int):  # type: ignore[no-untyped-def]
+            return context.cast(builder, args[index], signature.args[index], numba.types.uint64)
+
+        u8_array = numba.types.Array(numba.types.uint8, 1, "C")
+        table = data(u8_array, context.make_constant_array(builder, u8_array, _REFILL_OFFSETS))
+        lanes = builder.bitcast(builder.gep(data(signature.args[0], args[0]), [at(1)]), vec.as_pointer())
+        state = builder.load(lanes, align=4)
+        reads = builder.icmp_unsigned("<", state, llvm_ir.Constant(vec, [RANS_L] * 8))
+        mask = builder.bitcast(reads, i8)
+        row = builder.gep(table, [builder.shl(builder.zext(mask, i64), llvm_ir.Constant(i64, 3))])
+        offsets = builder.zext(builder.load(builder.bitcast(row, llvm_ir.VectorType(i8, 8).as_pointer()), align=1),
+                               vec)
+        p = at(3)
+        next8 = builder.gep(data(signature.args[2], args[2]), [p])
+        ahead = builder.zext(builder.load(builder.bitcast(next8, llvm_ir.VectorType(i16, 8).as_pointer()), align=2),
+                             vec)
+        picked = llvm_ir.Constant(vec, None)
+        for lane in range(8):  # a variable permutation: LLVM emits one vpermd for it where AVX2 is on
+            word = builder.extract_element(ahead, builder.extract_element(offsets, llvm_ir.Constant(i32, lane)))
+            picked = builder.insert_element(picked, word, llvm_ir.Constant(i32, lane))
+        refilled = builder.or_(builder.shl(state, llvm_ir.Constant(vec, [16] * 8)), picked)
+        builder.store(builder.select(reads, refilled, state), lanes, align=4)
+        return builder.add(p, builder.zext(builder.ctpop(mask), i64))
+
+    return numba.types.uint64(x, lane0, words, p), codegen
+
+
 @numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
 def _refill(x: np.ndarray, words: np.ndarray, p: np.uint64) -> np.uint64:
-    """Renormalise every lane in lane order from ``words[p:]``; the new read position. Branch-free:
-    a lane that needs no word reads one anyway and ignores it.
+    """Renormalise every lane in lane order from ``words[p:]``; the new read position. Reads
+    ``words[p : p + LANES]`` at most (8 lanes at a time, `_refill8`).
     """
-    for lane in range(LANES):
-        v = x[lane]
-        refill = np.uint32(v < np.uint32(RANS_L))
-        x[lane] = (v << (refill * np.uint32(16))) | (np.uint32(words[p]) & (np.uint32(0) - refill))
-        p += np.uint64(refill)
+    for lane0 in range(0, LANES, 8):
+        p = _refill8(x, lane0, words, p)
     return p
 
 

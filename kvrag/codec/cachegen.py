@@ -26,9 +26,9 @@ Per layer, separately for pre-RoPE K and for V, on the ``C = kv_heads * head_dim
 Measured on SmolLM2-135M (60 chunks of <= 256 tokens, fitted on 120 others, one core of a shared
 2-core EPYC): level 1 takes 2.61 bits/element (6.1× smaller than bf16, container included; format 1
 with constriction: 2.40 bits, decoded at 0.064 GB/s); ``mix_dims`` 8 / 24 give 2.65 / 2.57 bits at
-about the same speed. On MuSiQue passages of ~590 tokens level 1 decodes at ~0.40 GB/s of bf16
-output into new tensors and 0.51–0.53 GB/s into a reused buffer (`decode_layer_into`), one core. That
-time is about 35% the rANS kernel (~0.58 symbols per element), 45% the per-head matmul, the rest the
+about the same speed. On MuSiQue passages of ~590 tokens level 1 decodes at 0.41–0.46 GB/s of bf16
+output into new tensors and ~0.6 GB/s into a reused buffer (`decode_layer_into`), one core. That
+time is about 25% the rANS kernel (~0.58 symbols per element), 55% the per-head matmul, the rest the
 cross-head matmul and glue.
 
 `decode_region` decodes a layer (or several) of many chunks together, side by side as fusion lays

@@ -56,9 +56,10 @@ def available() -> bool:
 
 
 def _decode(states_ptr, halves_ptr, meta_ptr, runs_ptr, slot_ptr, freq_ptr, start_ptr, rows_ptr, esc_cnt_ptr,
-            out_ptr, status_ptr, T, MAX_RUNS: tl.constexpr, N_LANES: tl.constexpr):
+            out_ptr, status_ptr, T, MAX_RUNS: tl.constexpr, N_LANES: tl.constexpr, N_META: tl.constexpr,
+            N_RUN: tl.constexpr):
     b = tl.program_id(0)
-    m = meta_ptr + b * 10
+    m = meta_ptr + b * N_META
     states_off, esc_off, n_esc = tl.load(m), tl.load(m + 1), tl.load(m + 2)
     words_off, n_words, n_sym = tl.load(m + 3), tl.load(m + 4), tl.load(m + 5)
     cur, run_end, col, seq = tl.load(m + 6), tl.load(m + 7), tl.load(m + 8), tl.load(m + 9)
@@ -73,10 +74,10 @@ def _decode(states_ptr, halves_ptr, meta_ptr, runs_ptr, slot_ptr, freq_ptr, star
         r = tl.zeros([N_LANES], tl.int32) + cur
         nxt = cur
         for j in tl.static_range(1, MAX_RUNS):
-            first = tl.load(runs_ptr + (cur + j) * 5, mask=cur + j < run_end, other=2147483647)
+            first = tl.load(runs_ptr + (cur + j) * N_RUN, mask=cur + j < run_end, other=2147483647)
             r += (first <= i).to(tl.int32)
             nxt += (first <= (t + 1) * N_LANES).to(tl.int32)
-        run = runs_ptr + r * 5
+        run = runs_ptr + r * N_RUN
         run_first = tl.load(run, mask=active, other=0)
         dist = tl.load(run + 1, mask=active, other=0)
         k = tl.load(run + 2, mask=active, other=0)
@@ -153,7 +154,7 @@ def decode(data: torch.Tensor, meta: torch.Tensor, runs: torch.Tensor, tables: d
     kernel[(meta.shape[0],)](
         data.view(torch.int32), data.view(torch.int16), meta, runs, tables["slot_sym"], tables["freq"],
         tables["start"], tables["rows"], tables["escapes"], out, status, out.shape[1],
-        MAX_RUNS=bound, N_LANES=LANES, num_warps=1)
+        MAX_RUNS=bound, N_LANES=LANES, N_META=META, N_RUN=RUN, num_warps=1)
     return status
 
 

@@ -333,8 +333,6 @@ class StoreFeed(ChunkFeed):
         if wanted and not able:
             raise ValueError("device_decode needs chunks stored with one codec that decodes on the device "
                              "(cachegen, one fitted state and level)")
-        if wanted:
-            self._stored_dtype = readers[0].header.dtype
         return codec if wanted else None
 
     def _read(self, j: int, read: Callable[[Any], None]) -> bool:
@@ -499,7 +497,8 @@ class StoreFeed(ChunkFeed):
                                           [self.lengths[j] for j in chunks], [self.offsets[j] for j in chunks],
                                           self.total)
                 codes = region.kernel_codes(codec, batch, self.device)
-                kv = region.transform(codec, codes, layers, self._stored_dtype).to(self.dtype)
+                stored = self._readers[chunks[0]].header.dtype  # one dtype for all (`_device_decoding`)
+                kv = region.transform(codec, codes, layers, stored).to(self.dtype)
             else:
                 kv = torch.empty((len(layers), 2, h, self.total, d), dtype=self.dtype, device=self.device)
             for g, layer in enumerate(layers):

@@ -293,7 +293,7 @@ def transform(codec: CacheGenCodec, codes: torch.Tensor, layers: Sequence[int],
     shared = codec._require_fit("decode_region")
     h, m, d = shared.state.n_heads, shared.state.mix_dims, shared.state.head_dim
     n_l, total = len(layers), codes.shape[1]
-    mix_rows = n_l * 2 * h * m
+    mix_rows = n_l * _rows(h, m, d)[0]
     if codes.device.type == "cpu":
         tables = shared.tables(codec.level)
         mix, basis, mean = tables.decode_mix, tables.decode_basis, tables.decode_mean

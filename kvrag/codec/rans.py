@@ -178,6 +178,7 @@ def _decode8(typingctx, x, lane0, tab, info, row, out, o, k):  # type: ignore[no
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         data, u64 = (functools.partial(f, context, builder, signature, args) for f in (_data, _u64))
+        tab, info, row, out = data(2), data(3), data(4), data(5)
         lanes = builder.bitcast(builder.gep(data(0), [u64(1)]), _LANES8.as_pointer())
         state = builder.load(lanes, align=4)
         slot = builder.and_(state, _splat(PROB_SCALE - 1))
@@ -185,11 +186,11 @@ def _decode8(typingctx, x, lane0, tab, info, row, out, o, k):  # type: ignore[no
         entries = llvm_ir.Constant(_LANES8, None)
         for j in range(8):
             lane = llvm_ir.Constant(_I32, j)
-            sym = builder.zext(builder.load(builder.gep(data(2), [builder.zext(builder.extract_element(slot, lane),
-                                                                                _I64)])), _I64)
-            entries = builder.insert_element(entries, builder.load(builder.gep(data(3), [sym])), lane)
-            _move4(builder, data(4), builder.mul(sym, llvm_ir.Constant(_I64, TUPLE)),
-                   data(5), builder.add(o, builder.mul(k, llvm_ir.Constant(_I64, j))))
+            at = builder.zext(builder.extract_element(slot, lane), _I64)
+            sym = builder.zext(builder.load(builder.gep(tab, [at])), _I64)
+            entries = builder.insert_element(entries, builder.load(builder.gep(info, [sym])), lane)
+            _move4(builder, row, builder.mul(sym, llvm_ir.Constant(_I64, TUPLE)),
+                   out, builder.add(o, builder.mul(k, llvm_ir.Constant(_I64, j))))
         # x = freq * (x >> PROB_BITS) + slot - start, with entry = freq << 16 | flag | start
         freq = builder.lshr(entries, _splat(16))
         start = builder.and_(entries, _splat(PROB_SCALE - 1))
@@ -261,7 +262,7 @@ def _refill(x: np.ndarray, words: np.ndarray, p: np.uint64) -> np.uint64:
     ``words[p : p + LANES]`` at most (8 lanes at a time, `_refill8`).
     """
     for lane0 in range(0, LANES, 8):
-        p = _refill8(x, lane0, words, p)
+        p = _refill8(x, lane0, words, p)  # type: ignore[call-arg]  # mypy sees the intrinsic's typing signature
     return p
 
 
@@ -311,7 +312,7 @@ def decode(words: np.ndarray, n_words: int, states: np.ndarray, seg_n: np.ndarra
                 whole = count == LANES
                 if whole:
                     for lane0 in range(0, LANES, 8):
-                        flags |= _decode8(x, lane0, tab, info, row, out, o, k)
+                        flags |= _decode8(x, lane0, tab, info, row, out, o, k)  # type: ignore[call-arg]
                         p = _refill8(x, lane0, words, p)
                         o += np.uint64(8 * k)
                 else:
@@ -322,7 +323,7 @@ def decode(words: np.ndarray, n_words: int, states: np.ndarray, seg_n: np.ndarra
                         fs = info[sym]
                         flags |= fs
                         x[lane] = (fs >> np.uint32(16)) * (v >> np.uint32(PROB_BITS)) + slot - (fs & mask)
-                        _copy4(out, o, row, sym * np.uint64(TUPLE))
+                        _copy4(out, o, row, sym * np.uint64(TUPLE))  # type: ignore[call-arg]
                         o += np.uint64(k)
                 if flags & np.uint32(ESCAPE_FLAG):
                     for t in range(o0, o):

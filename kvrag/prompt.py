@@ -30,23 +30,27 @@ class PromptLayout:
         suffix_template: everything after the last passage, with ``{question}`` in place.
         prefix_ids: token ids of ``prefix_text`` (special tokens as the template renders them).
         instruction: the system instruction used.
+        question_tail: the line put after the question ("" for none).
     """
 
     prefix_text: str
     suffix_template: str
     prefix_ids: tuple[int, ...]
     instruction: str
+    question_tail: str = ""
 
     def digest(self) -> str:
         payload = json.dumps([self.prefix_ids, self.suffix_template], sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
     def to_json(self) -> dict[str, Any]:
-        return {"instruction": self.instruction, "digest": self.digest()}
+        return {"instruction": self.instruction, "question_tail": self.question_tail, "digest": self.digest()}
 
 
-def _render(tokenizer: Any, instruction: str) -> str:
+def _render(tokenizer: Any, instruction: str, question_tail: str) -> str:
     user = f"Passages:{SEPARATOR}{_CTX}Question: {_QUESTION}"
+    if question_tail:
+        user += "\n" + question_tail
     if getattr(tokenizer, "chat_template", None):
         messages = [
             {"role": "system", "content": instruction},
@@ -57,15 +61,20 @@ def _render(tokenizer: Any, instruction: str) -> str:
     return f"{bos}{instruction}{SEPARATOR}{user}\nAnswer:"
 
 
-def build_layout(tokenizer: Any, instruction: str = DEFAULT_INSTRUCTION) -> PromptLayout:
-    """Render the model's chat template around sentinels and split it into prefix and suffix."""
-    rendered = _render(tokenizer, instruction)
+def build_layout(tokenizer: Any, instruction: str = DEFAULT_INSTRUCTION,
+                 question_tail: str = "") -> PromptLayout:
+    """Render the model's chat template around sentinels and split it into prefix and suffix.
+
+    ``question_tail``, when given, is a line put right after the question. The chunk caches depend on the
+    prefix alone; the tail only changes the suffix.
+    """
+    rendered = _render(tokenizer, instruction, question_tail.strip())
     head, _, rest = rendered.partition(_CTX)
     if _QUESTION not in rest:
         raise ValueError("the chat template dropped the user message; cannot build a prompt layout")
     suffix_template = rest.replace("{", "{{").replace("}", "}}").replace(_QUESTION, "{question}")
     prefix_ids = tuple(tokenizer(head, add_special_tokens=False)["input_ids"])
-    return PromptLayout(head, suffix_template, prefix_ids, instruction)
+    return PromptLayout(head, suffix_template, prefix_ids, instruction, question_tail.strip())
 
 
 def chunk_text_for_prompt(text: str) -> str:

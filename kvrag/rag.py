@@ -39,7 +39,13 @@ from kvrag.generate import TextStreamer, decode_tokens, eos_ids
 from kvrag.index import ChunkIndex, ChunkRecord
 from kvrag.kvgen import KV, PrefixCache, chunk_caches, lead_key, prefix_cache
 from kvrag.model import LoadedModel, load_model
-from kvrag.prompt import DEFAULT_INSTRUCTION, build_layout, chunk_token_ids, prompt_text, suffix_token_ids
+from kvrag.prompt import (
+    DEFAULT_INSTRUCTION,
+    build_layout,
+    chunk_token_ids,
+    prompt_text,
+    suffix_token_ids,
+)
 from kvrag.store import KVStore, make_store
 
 log = logging.getLogger(__name__)
@@ -115,9 +121,9 @@ class KVRag:
 
     def __init__(self, path: Path, index: ChunkIndex, lm: LoadedModel, embedder: Embedder,
                  codec: Codec, instruction: str, batch_tokens: int = 4096, neighbour_context: int = 0,
-                 neighbour_kv: str = "stored") -> None:
+                 neighbour_kv: str = "stored", question_tail: str = "") -> None:
         self.path, self.index, self.lm, self.embedder = path, index, lm, embedder
-        self.layout = build_layout(lm.tokenizer, instruction)
+        self.layout = build_layout(lm.tokenizer, instruction, question_tail)
         self.kvstore = KVStore(make_store("disk", path / "chunks"), codec, lm.fingerprint)
         self.batch_tokens = batch_tokens
         self.neighbour_context, self.neighbour_kv = neighbour_context, neighbour_kv
@@ -133,8 +139,8 @@ class KVRag:
         embedder: str | None = None, *, split: SplitConfig | None = None, codec: str = "raw",
         codec_level: int | None = None, index_kind: str = "flat", dtype: str | None = None,
         device: str | None = None, batch_tokens: int = 4096, instruction: str = DEFAULT_INSTRUCTION,
-        neighbour_context: int | None = None, neighbour_kv: str | None = None, show_progress: bool = True,
-        caches: bool = True,
+        question_tail: str = "", neighbour_context: int | None = None,
+        neighbour_kv: str | None = None, show_progress: bool = True, caches: bool = True,
     ) -> KVRag:
         """Build (or extend) an index at ``path`` over ``documents``.
 
@@ -150,6 +156,12 @@ class KVRag:
             split: chunking settings (`SplitConfig`).
             codec: chunk-cache codec name (``raw`` is lossless).
             index_kind: ``flat`` or ``hnsw``.
+            instruction: the system instruction, before the passages (the chunk caches depend on it).
+            question_tail: a line put right after the question (default none), e.g. how to answer.
+                It changes no cache; the index keeps it for every later question. Repeating the
+                short-answer request there made SmolLM2-135M's answers shorter and closer to `full`'s
+                on MuSiQue but further from them on HotpotQA (benchmarks/README.md, "A line after the
+                question").
             neighbour_context: compute each chunk's cache after this many of its nearest chunks (by
                 embedding) instead of after the prompt prefix alone (default 0; an existing index keeps
                 its own). Chunks retrieved together are often each other's neighbours, so their stored
@@ -175,11 +187,16 @@ class KVRag:
         if ChunkIndex.exists(path):
             rag = cls.open(path, model=model if isinstance(model, LoadedModel) else None, device=device)
             rag._check_build_args(model, embedder, codec, neighbour_context, neighbour_kv)
+            asked = (instruction != DEFAULT_INSTRUCTION and instruction != rag.layout.instruction
+                     or question_tail.strip() not in ("", rag.layout.question_tail))
+            if asked:
+                log.warning("index %s keeps the prompt it was built with (instruction %r, question tail %r)",
+                            path, rag.layout.instruction, rag.layout.question_tail)
         else:
             if neighbour_context is not None and neighbour_context < 0:
                 raise ValueError(f"neighbour_context must be >= 0, got {neighbour_context}")
             rag = cls._create(path, model, embedder, split or SplitConfig(), codec, codec_level, index_kind, dtype,
-                              device, batch_tokens, instruction, neighbour_context or 0,
+                              device, batch_tokens, instruction, question_tail, neighbour_context or 0,
                               check_neighbour_kv(neighbour_kv or "stored"))
         rag.add(loaded, show_progress=show_progress, caches=caches)
         return rag
@@ -187,8 +204,8 @@ class KVRag:
     @classmethod
     def _create(cls, path: Path, model: str | LoadedModel, embedder_name: str | None, split: SplitConfig,
                 codec_name: str, codec_level: int | None, index_kind: str, dtype: str | None,
-                device: str | None, batch_tokens: int, instruction: str, neighbour_context: int,
-                neighbour_kv: str) -> KVRag:
+                device: str | None, batch_tokens: int, instruction: str, question_tail: str,
+                neighbour_context: int, neighbour_kv: str) -> KVRag:
         codec = make_codec(codec_name, codec_level)
         lm = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
         embedder = Embedder(embedder_name, device=device)
@@ -200,13 +217,14 @@ class KVRag:
             "embedder": embedder.name,
             "codec": codec.params(),
             "split": asdict(split),
-            "prompt": {"instruction": instruction, "digest": build_layout(lm.tokenizer, instruction).digest()},
+            "prompt": build_layout(lm.tokenizer, instruction, question_tail).to_json(),
             "batch_tokens": batch_tokens,
             "neighbour_context": neighbour_context,
             "neighbour_kv": neighbour_kv,
         }
         index = ChunkIndex.create(path, manifest, embedder.dim, index_kind)
-        return cls(path, index, lm, embedder, codec, instruction, batch_tokens, neighbour_context, neighbour_kv)
+        return cls(path, index, lm, embedder, codec, instruction, batch_tokens, neighbour_context, neighbour_kv,
+                   question_tail)
 
     @classmethod
     def open(cls, path: str | Path, *, model: str | LoadedModel | None = None,
@@ -236,9 +254,11 @@ class KVRag:
         codec = make_codec(manifest["codec"]["name"], manifest["codec"].get("level"))
         if codec.needs_fit:
             codec.load_state(path / "codec")
+        prompt = manifest["prompt"]
         rag = cls(path, index, lm, Embedder(manifest["embedder"], device=device), codec,
-                  manifest["prompt"]["instruction"], manifest.get("batch_tokens", 4096),
-                  manifest.get("neighbour_context", 0), manifest.get("neighbour_kv", "prefill"))
+                  prompt["instruction"], manifest.get("batch_tokens", 4096),
+                  manifest.get("neighbour_context", 0), manifest.get("neighbour_kv", "prefill"),
+                  prompt.get("question_tail", ""))
         if rag.layout.digest() != manifest["prompt"]["digest"]:
             raise IndexMismatchError(f"the tokenizer's prompt layout differs from the one index {path} was built with")
         return rag

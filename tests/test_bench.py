@@ -452,13 +452,17 @@ def test_bench_quality_with_a_neighbour_pool(tmp_path: Path, tiny_model_dir: Pat
                                   for i in range(4)]))
     rc = main(["bench", "quality", "--data", str(data), "--model", str(tiny_model_dir), "--n", "2", "--modes",
                "full,reuse", "--max-new-tokens", "2", "--warmup", "0", "--device", "cpu", "--neighbour-context", "2",
-               "--neighbour-pool", f"{data},{corpus}", "--index", str(index), "--out", str(out)])
+               "--neighbour-pool", f"{data},{corpus}", "--question-tail", "Be brief.", "--index", str(index),
+               "--out", str(out)])
     assert rc == 0
     payload = json.loads((out / "quality.json").read_text())
+    assert payload["question_tail"] == "Be brief."
+    assert "after each question: 'Be brief.'" in (out / "quality.md").read_text()
     # the two questions' 4 distinct passages, and the pool: the third question's own passage and the corpus
     assert payload["index_chunks"] == 4 + 1 + 4 and payload["neighbour_pool"] == [str(data), str(corpus)]
     assert "among 9 indexed passages" in (out / "quality.md").read_text()
     with KVRag.open(index) as rag:
+        assert rag.layout.question_tail == "Be brief."
         cached = {r.text for r in rag.index.records() if rag.kvstore.contains(r.key)}
     assert cached == {"Meeting\nDr. Smith arrived in Washington at 5 p.m. on Monday.",
                       "She met Mr. Jones, who had travelled from London 0.",

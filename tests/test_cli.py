@@ -74,3 +74,13 @@ def test_index_lazy_indexes_without_caches(tiny_model_dir: Path, tmp_path: Path,
     assert main(["index", str(docs), "--index", str(idx), "-q"]) == 0  # without --lazy: the missing caches
     with KVRag.open(idx) as rag:
         assert all(rag.kvstore.is_valid(k) for k in keys)
+
+
+def test_index_with_its_own_instruction_and_question_tail(tiny_model_dir: Path, tmp_path: Path):
+    docs = tmp_path / "docs.txt"
+    docs.write_text("Gamma labs moved to Lisbon in 2011.")
+    idx = tmp_path / "idx"
+    assert main(["index", str(docs), "--index", str(idx), "--model", str(tiny_model_dir), "-q", "--lazy",
+                 "--instruction", "Use the passages.", "--question-tail", ""]) == 0
+    prompt = json.loads((idx / "manifest.json").read_text())["prompt"]
+    assert prompt["instruction"] == "Use the passages." and prompt["question_tail"] == ""

@@ -297,3 +297,33 @@ def test_every_entry_point_defaults_to_the_same_mode():
     for name in ("langchain", "llama_index"):
         module = importlib.import_module(f"kvrag.integrations.{name}")
         assert module.KVCachedLLM.model_fields["mode"].default == DEFAULT_MODE, name
+
+
+def test_question_tail_follows_the_question_and_leaves_the_prefix_alone(tiny_lm):
+    from kvrag.prompt import build_layout, suffix_text
+
+    plain = build_layout(tiny_lm.tokenizer)
+    tailed = build_layout(tiny_lm.tokenizer, question_tail="Answer in one word.")
+    assert tailed.prefix_ids == plain.prefix_ids  # the chunk caches do not depend on the tail
+    assert "Who?\nAnswer in one word." in suffix_text(tailed, "Who?")
+    assert "Answer in one word." not in suffix_text(plain, "Who?") and plain.question_tail == ""
+    assert tailed.digest() != plain.digest()
+
+
+def test_index_keeps_its_question_tail_and_older_indexes_have_none(built, tiny_lm, tmp_path, caplog):
+    _, path = built
+    assert KVRag.open(path, model=tiny_lm).layout.question_tail == ""
+    custom = KVRag.build(DOCS[:1], tmp_path / "custom", model=tiny_lm, split=SPLIT, question_tail=" Be brief. ",
+                         show_progress=False, caches=False)
+    assert KVRag.open(custom.path, model=tiny_lm).layout.question_tail == "Be brief."
+    with caplog.at_level("WARNING", logger="kvrag.rag"):
+        KVRag.build(DOCS[1:2], custom.path, model=tiny_lm, question_tail="Other.", show_progress=False, caches=False)
+    assert "keeps the prompt it was built with" in caplog.text
+    assert KVRag.open(custom.path, model=tiny_lm).layout.question_tail == "Be brief."
+    older = KVRag.build(DOCS[:1], tmp_path / "older", model=tiny_lm, split=SPLIT, question_tail="",
+                        show_progress=False, caches=False)
+    manifest_path = older.path / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["prompt"]["question_tail"]  # as written before the setting existed
+    manifest_path.write_text(json.dumps(manifest))
+    assert KVRag.open(older.path, model=tiny_lm).layout.question_tail == ""

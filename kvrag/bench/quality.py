@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "indexed without caches before the questions' passages, so that neighbour context "
                              "chooses each passage's neighbours from a corpus, not from the benchmark's passages "
                              "alone")
+    parser.add_argument("--question-tail", default="", metavar="TEXT",
+                        help="a line put right after each question (KVRag.build question_tail; an existing "
+                             "--index keeps its own)")
     parser.add_argument("--index", default=None, help="index directory (default: a temporary one)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
     parser.add_argument("--device", default=None)
@@ -180,8 +183,8 @@ def precision_twin(rag: Any, dtype: str) -> Any:
     from kvrag.rag import KVRag
 
     lm = load_model(rag.lm.source, dtype=dtype, device=str(rag.lm.device))
-    return KVRag(rag.path, rag.index, lm, rag.embedder, rag.kvstore.codec, rag.manifest["prompt"]["instruction"],
-                 rag.batch_tokens)
+    return KVRag(rag.path, rag.index, lm, rag.embedder, rag.kvstore.codec, rag.layout.instruction,
+                 rag.batch_tokens, question_tail=rag.layout.question_tail)
 
 
 def answer_row(
@@ -433,7 +436,7 @@ def pareto_plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def build_index(args: argparse.Namespace, items: list[dict[str, Any]], index_dir: Path,
                 neighbour_context: int | None = None, neighbour_kv: str | None = None,
-                pool: Sequence[Path] = ()) -> tuple[Any, float]:
+                pool: Sequence[Path] = (), question_tail: str = "") -> tuple[Any, float]:
     """The index over the questions' passages (with caches), after the ``pool`` passages (without)."""
     from kvrag.config import SplitConfig
     from kvrag.rag import KVRag
@@ -444,7 +447,7 @@ def build_index(args: argparse.Namespace, items: list[dict[str, Any]], index_dir
     first = pool_documents(pool, {text for _, text in docs}) if pool else docs
     rag = KVRag.build(first, index_dir, model=args.model, split=split, device=args.device,
                       neighbour_context=neighbour_context, neighbour_kv=neighbour_kv, show_progress=False,
-                      caches=not pool)
+                      caches=not pool, question_tail=question_tail)
     if pool:
         rag.add(docs, show_progress=False)
     return rag, time.perf_counter() - t0
@@ -478,6 +481,8 @@ def write_outputs(args: argparse.Namespace, items: list[dict[str, Any]], specs: 
     among = (f" among {extra['index_chunks']} indexed passages" if extra.get("neighbour_pool") else "")
     caches = (f"; chunk caches computed after each passage's {context} nearest passages{among}{placed}" if context
               else "; chunk caches computed after the prompt prefix")
+    if extra.get("question_tail"):
+        caches += f"; after each question: {extra['question_tail']!r}"
     (out / "quality.md").write_text(
         f"# kvrag bench quality\n\n`{payload['command']}`\n\n{done} questions from "
         f"`{Path(args.data).name}`{partial}, model `{args.model}`, mean prompt {summary[0]['prompt_tokens']:.0f} "
@@ -502,8 +507,8 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvrag-bench-") as tmp:
         pool = [Path(p) for p in args.neighbour_pool.split(",") if p] if args.neighbour_pool else []
         rag, build_s = build_index(args, items, Path(args.index) if args.index else Path(tmp) / "index",
-                                   args.neighbour_context, args.neighbour_kv, pool)
-        extra = {"index_chunks": len(rag.index), "index_build_s": build_s,
+                                   args.neighbour_context, args.neighbour_kv, pool, args.question_tail)
+        extra = {"index_chunks": len(rag.index), "index_build_s": build_s, "question_tail": rag.layout.question_tail,
                  "neighbour_pool": [str(p) for p in pool],
                  "neighbour_context": rag.neighbour_context,
                  "neighbour_kv": rag.neighbour_kv if rag.neighbour_context else None}

@@ -41,6 +41,7 @@ from kvrag.kvgen import KV, PrefixCache, chunk_caches, lead_key, prefix_cache
 from kvrag.model import LoadedModel, load_model
 from kvrag.prompt import (
     DEFAULT_INSTRUCTION,
+    PromptLayout,
     build_layout,
     chunk_token_ids,
     prompt_text,
@@ -120,10 +121,10 @@ class KVRag:
     """
 
     def __init__(self, path: Path, index: ChunkIndex, lm: LoadedModel, embedder: Embedder,
-                 codec: Codec, instruction: str, batch_tokens: int = 4096, neighbour_context: int = 0,
-                 neighbour_kv: str = "stored", question_tail: str = "") -> None:
+                 codec: Codec, layout: PromptLayout, batch_tokens: int = 4096, neighbour_context: int = 0,
+                 neighbour_kv: str = "stored") -> None:
         self.path, self.index, self.lm, self.embedder = path, index, lm, embedder
-        self.layout = build_layout(lm.tokenizer, instruction, question_tail)
+        self.layout = layout
         self.kvstore = KVStore(make_store("disk", path / "chunks"), codec, lm.fingerprint)
         self.batch_tokens = batch_tokens
         self.neighbour_context, self.neighbour_kv = neighbour_context, neighbour_kv
@@ -186,12 +187,7 @@ class KVRag:
                 f" (skipped: {', '.join(s for s, _ in loaded.skipped)})" if loaded.skipped else ""))
         if ChunkIndex.exists(path):
             rag = cls.open(path, model=model if isinstance(model, LoadedModel) else None, device=device)
-            rag._check_build_args(model, embedder, codec, neighbour_context, neighbour_kv)
-            asked = (instruction != DEFAULT_INSTRUCTION and instruction != rag.layout.instruction
-                     or question_tail.strip() not in ("", rag.layout.question_tail))
-            if asked:
-                log.warning("index %s keeps the prompt it was built with (instruction %r, question tail %r)",
-                            path, rag.layout.instruction, rag.layout.question_tail)
+            rag._check_build_args(model, embedder, codec, neighbour_context, neighbour_kv, instruction, question_tail)
         else:
             if neighbour_context is not None and neighbour_context < 0:
                 raise ValueError(f"neighbour_context must be >= 0, got {neighbour_context}")
@@ -209,6 +205,7 @@ class KVRag:
         codec = make_codec(codec_name, codec_level)
         lm = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
         embedder = Embedder(embedder_name, device=device)
+        layout = build_layout(lm.tokenizer, instruction, question_tail)
         manifest = {
             "format_version": FORMAT_VERSION,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -217,14 +214,13 @@ class KVRag:
             "embedder": embedder.name,
             "codec": codec.params(),
             "split": asdict(split),
-            "prompt": build_layout(lm.tokenizer, instruction, question_tail).to_json(),
+            "prompt": layout.to_json(),
             "batch_tokens": batch_tokens,
             "neighbour_context": neighbour_context,
             "neighbour_kv": neighbour_kv,
         }
         index = ChunkIndex.create(path, manifest, embedder.dim, index_kind)
-        return cls(path, index, lm, embedder, codec, instruction, batch_tokens, neighbour_context, neighbour_kv,
-                   question_tail)
+        return cls(path, index, lm, embedder, codec, layout, batch_tokens, neighbour_context, neighbour_kv)
 
     @classmethod
     def open(cls, path: str | Path, *, model: str | LoadedModel | None = None,
@@ -255,16 +251,15 @@ class KVRag:
         if codec.needs_fit:
             codec.load_state(path / "codec")
         prompt = manifest["prompt"]
-        rag = cls(path, index, lm, Embedder(manifest["embedder"], device=device), codec,
-                  prompt["instruction"], manifest.get("batch_tokens", 4096),
-                  manifest.get("neighbour_context", 0), manifest.get("neighbour_kv", "prefill"),
-                  prompt.get("question_tail", ""))
-        if rag.layout.digest() != manifest["prompt"]["digest"]:
+        layout = build_layout(lm.tokenizer, prompt["instruction"], prompt.get("question_tail", ""))
+        if layout.digest() != prompt["digest"]:
             raise IndexMismatchError(f"the tokenizer's prompt layout differs from the one index {path} was built with")
-        return rag
+        return cls(path, index, lm, Embedder(manifest["embedder"], device=device), codec, layout,
+                   manifest.get("batch_tokens", 4096), manifest.get("neighbour_context", 0),
+                   manifest.get("neighbour_kv", "prefill"))
 
     def _check_build_args(self, model: Any, embedder: str | None, codec: str, neighbour_context: int | None,
-                          neighbour_kv: str | None) -> None:
+                          neighbour_kv: str | None, instruction: str, question_tail: str) -> None:
         manifest = self.index.manifest
         if isinstance(model, str) and model != manifest["model"]["source"]:
             log.info("index was built from %r; extending it with the model given (%r)",
@@ -279,6 +274,10 @@ class KVRag:
         if neighbour_kv is not None and self.neighbour_context and neighbour_kv != self.neighbour_kv:
             raise IndexMismatchError(
                 f"index puts neighbours before a chunk as {self.neighbour_kv!r}, not {neighbour_kv!r}")
+        if (instruction not in (DEFAULT_INSTRUCTION, self.layout.instruction)
+                or question_tail.strip() not in ("", self.layout.question_tail)):
+            log.warning("index %s keeps the prompt it was built with (instruction %r, question tail %r)",
+                        self.path, self.layout.instruction, self.layout.question_tail)
 
     @property
     def manifest(self) -> dict[str, Any]:

@@ -183,8 +183,7 @@ def precision_twin(rag: Any, dtype: str) -> Any:
     from kvrag.rag import KVRag
 
     lm = load_model(rag.lm.source, dtype=dtype, device=str(rag.lm.device))
-    return KVRag(rag.path, rag.index, lm, rag.embedder, rag.kvstore.codec, rag.layout.instruction,
-                 rag.batch_tokens, question_tail=rag.layout.question_tail)
+    return KVRag(rag.path, rag.index, lm, rag.embedder, rag.kvstore.codec, rag.layout, rag.batch_tokens)
 
 
 def answer_row(

@@ -300,6 +300,12 @@ def test_bench_deviation_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert all(share >= ratio - 1e-9 for share, ratio in zip(shares, (0.05, 0.15, 0.25, 0.5)))  # top r hold >= r
     assert all(0.0 <= o <= 1.0 for o in s["ranking_by_layer"])
     assert any(r is not None and r > 0 for r in s["offset_relative"])
+    # by place in the prompt: one value per chunk after the first, token-weighted back to the overall mean
+    places = s["prompt_position_relative"]
+    counts = [sum(row["chunk_n"][j] for row in payload["rows"] if j < len(row["chunk_n"])) for j in range(len(places))]
+    assert len(places) == max(len(row["chunk_n"]) for row in payload["rows"]) >= 2
+    assert sum(r * c for r, c in zip(places, counts)) / sum(counts) == pytest.approx(1.0, rel=1e-6)
+    assert "## Position in the prompt" in (out / "deviation.md").read_text()
     assert main(["bench", "deviation", "--data", str(data), "--model", str(tiny_model_dir), "--n", "3",
                  "--neutral-passages", "1", "--out", str(out)]) == 2  # no passages left after 3 questions
 

@@ -16,6 +16,8 @@ Reported, summed over the questions:
   a random pick finds ``r``);
 - **position in chunk**: mean deviation per block of token offsets, relative to the overall mean
   (whether a chunk's first tokens, which AttnLink recomputes, deviate more);
+- **position in the prompt**: mean deviation of the chunks that stand 2nd, 3rd, … in the prompt,
+  relative to the overall mean (whether a chunk misses more the more passages precede it);
 - with ``--neutral-passages K``: the same per-layer energies for chunk caches computed after the
   prefix plus K passages of other questions (whether a generic context at KV generation helps).
 
@@ -170,6 +172,9 @@ def measure_question(rag: Any, item: dict[str, Any], stored: Tally, neutral: Tal
         "ranking_by_layer": [top_overlap(dev[layer], total, 0.15) for layer in range(dev.shape[0])],
         "offset_sum": bucket_sum.tolist(),
         "offset_n": bucket_n.tolist(),
+        # per chunk from the prompt's second on: summed deviation and token count
+        "chunk_sum": [float(part.sum()) for part in total.split([len(o) for o in offsets])],
+        "chunk_n": [len(o) for o in offsets],
     }
 
 
@@ -216,10 +221,24 @@ def summarise(rows: list[dict[str, Any]], stored: Tally, neutral: Tally | None) 
             float(s / c) / overall if c > 0 and overall > 0 else None
             for s, c in zip(bucket_sum.tolist(), bucket_n.tolist())
         ],
+        "prompt_position_relative": _by_prompt_position(rows, overall),
     }
     if neutral is not None:
         out["neutral_k_energy"], out["neutral_v_energy"] = neutral.energies()
     return out
+
+
+def _by_prompt_position(rows: list[dict[str, Any]], overall: float) -> list[float | None]:
+    """Mean deviation per token of the chunks at each place in the prompt (the second chunk first),
+    over the questions that have a chunk there, relative to ``overall``.
+    """
+    places = max(len(r["chunk_sum"]) for r in rows)
+    sums, counts = [0.0] * places, [0] * places
+    for row in rows:
+        for j, (s, c) in enumerate(zip(row["chunk_sum"], row["chunk_n"])):
+            sums[j] += s
+            counts[j] += c
+    return [s / c / overall if c > 0 and overall > 0 else None for s, c in zip(sums, counts)]
 
 
 def markdown(summary: dict[str, Any], header: str) -> str:
@@ -239,10 +258,14 @@ def markdown(summary: dict[str, Any], header: str) -> str:
         ["offset in chunk", "mean deviation / overall mean"],
         [[f"{i * OFFSET_BLOCK}–{(i + 1) * OFFSET_BLOCK - 1}" if i < OFFSET_BUCKETS - 1 else f"≥ {i * OFFSET_BLOCK}", r]
          for i, r in enumerate(summary["offset_relative"])])
+    places = common.markdown_table(
+        ["chunk's place in the prompt", "mean deviation / overall mean"],
+        [[j + 2, r] for j, r in enumerate(summary["prompt_position_relative"])])
     return (f"{header}\n\n## Per layer\n\nDeviation energy relative to the full prefill's; top-15% overlap: share "
             f"of the 15% of tokens with the largest total deviation that this layer's deviation also ranks in its "
             f"top 15% (random: 0.15).\n\n{common.markdown_table(layer_headers, layer_rows)}\n\n"
-            f"## Concentration over tokens\n\n{conc}\n\n## Position in chunk\n\n{offsets}\n")
+            f"## Concentration over tokens\n\n{conc}\n\n## Position in chunk\n\n{offsets}\n\n"
+            f"## Position in the prompt\n\n{places}\n")
 
 
 def layer_plot(summary: dict[str, Any], path: Path, title: str) -> None:

@@ -382,7 +382,8 @@ class CacheGenCodec(Codec):
         tables = shared.tables(self.level)
         plan = tables.plans[layer]
         codes = [self._quantise(x, kind, layer, tables) for kind, x in enumerate((keys, values))]
-        symbols, run_len, escaped = _layer_symbols(*codes, plan.kind, plan.col0, plan.width, plan.radius, plan.k)
+        symbols, run_len, escaped = _layer_symbols(  # type: ignore[call-arg]  # numba's Dispatcher stub
+            *codes, plan.kind, plan.col0, plan.width, plan.radius, plan.k)
         run_dist = np.stack([plan.dist, plan.dist + 1], axis=1).ravel()  # tuples, then singles, per segment
         words, states, status = rans.encode(symbols, run_len, run_dist, tables.models.freq, tables.models.start)
         assert status == rans.OK, status  # every symbol of a fitted alphabet has a frequency >= 1

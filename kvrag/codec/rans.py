@@ -109,7 +109,7 @@ def encode(symbols: np.ndarray, run_len: np.ndarray, run_dist: np.ndarray, freq:
         # branch-free renormalisation: the low word is always written below the stream, kept only if emitted
         emit = np.uint32(np.uint64(v) >= (np.uint64(f) << np.uint64(32 - PROB_BITS)))
         out[p - 1] = np.uint16(v & np.uint32(0xFFFF))
-        p -= emit
+        p -= int(emit)
         v >>= emit * np.uint32(16)
         q = v // f
         x[lane] = (q << np.uint32(PROB_BITS)) + (v - q * f) + start[d, s]

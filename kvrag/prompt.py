@@ -68,13 +68,14 @@ def build_layout(tokenizer: Any, instruction: str = DEFAULT_INSTRUCTION,
     ``question_tail``, when given, is a line put right after the question. The chunk caches depend on the
     prefix alone; the tail only changes the suffix.
     """
-    rendered = _render(tokenizer, instruction, question_tail.strip())
+    tail = question_tail.strip()
+    rendered = _render(tokenizer, instruction, tail)
     head, _, rest = rendered.partition(_CTX)
     if _QUESTION not in rest:
         raise ValueError("the chat template dropped the user message; cannot build a prompt layout")
     suffix_template = rest.replace("{", "{{").replace("}", "}}").replace(_QUESTION, "{question}")
     prefix_ids = tuple(tokenizer(head, add_special_tokens=False)["input_ids"])
-    return PromptLayout(head, suffix_template, prefix_ids, instruction, question_tail.strip())
+    return PromptLayout(head, suffix_template, prefix_ids, instruction, tail)
 
 
 def chunk_text_for_prompt(text: str) -> str:

@@ -161,8 +161,8 @@ def measure_question(rag: Any, item: dict[str, Any], stored: Tally, neutral: Tal
         for j, (ref, _) in enumerate(pairs):
             neutral.add(ref, (others[j][0].float(), others[j][1].float()))
     total = dev.sum(0)
-    offsets = [torch.arange(ref[0].shape[2]) for ref, _ in pairs]
-    offset = torch.cat(offsets).clamp_max(OFFSET_BLOCK * OFFSET_BUCKETS - 1) // OFFSET_BLOCK
+    lengths = [ref[0].shape[2] for ref, _ in pairs]
+    offset = torch.cat([torch.arange(n) for n in lengths]).clamp_max(OFFSET_BLOCK * OFFSET_BUCKETS - 1) // OFFSET_BLOCK
     bucket_sum = torch.zeros(OFFSET_BUCKETS).index_add_(0, offset, total)
     bucket_n = torch.zeros(OFFSET_BUCKETS).index_add_(0, offset, torch.ones_like(total))
     return {
@@ -173,8 +173,8 @@ def measure_question(rag: Any, item: dict[str, Any], stored: Tally, neutral: Tal
         "offset_sum": bucket_sum.tolist(),
         "offset_n": bucket_n.tolist(),
         # per chunk from the prompt's second on: summed deviation and token count
-        "chunk_sum": [float(part.sum()) for part in total.split([len(o) for o in offsets])],
-        "chunk_n": [len(o) for o in offsets],
+        "chunk_sum": [float(part.sum()) for part in total.split(lengths)],
+        "chunk_n": lengths,
     }
 
 

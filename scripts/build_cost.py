@@ -6,6 +6,8 @@ neighbours' stored caches, and neighbour context prefilled with each chunk.
 
 Each build goes into a fresh temporary index over the passages of the first ``--n`` questions (one
 passage = one chunk, as `kvrag bench quality` builds it), one after another, 3 nearest passages.
+``--neighbours 1,3,6`` builds both neighbour-context variants at each of those counts instead (named
+``stored-1``, ``prefill-1``, …); ``--no-prefill`` leaves out the prefilled ones.
 """
 
 from __future__ import annotations
@@ -26,12 +28,18 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="bench-out/build_cost.json")
+    parser.add_argument("--neighbours", default="3", help="comma-separated neighbour counts of the neighbour-context builds")
+    parser.add_argument("--no-prefill", action="store_true", help="skip the build with the neighbours prefilled")
     args = parser.parse_args()
+    counts = [int(k) for k in args.neighbours.split(",")]
+    plans: list[tuple[str, int, str | None]] = [("plain", 0, None)]
+    for kind in ["stored"] + ([] if args.no_prefill else ["prefill"]):
+        plans += [(kind if len(counts) == 1 else f"{kind}-{k}", k, kind) for k in counts]
     common.set_threads(args.threads)
     build_args = argparse.Namespace(model=args.model, device=None, max_chunk_tokens=2048)
     items = load_questions(Path(args.data), args.n)
     results = {}
-    for name, context, how in [("plain", 0, None), ("stored", 3, "stored"), ("prefill", 3, "prefill")]:
+    for name, context, how in plans:
         tmp = Path(tempfile.mkdtemp(prefix="kvrag-build-"))
         try:
             rag, seconds = build_index(build_args, items, tmp / "index", context, how)

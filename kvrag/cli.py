@@ -14,17 +14,18 @@ from kvrag.errors import KVRagError
 
 
 def _index(args: argparse.Namespace) -> int:
+    from kvrag.prompt import DEFAULT_INSTRUCTION
     from kvrag.rag import KVRag
 
     docs = [Path(p) for p in args.paths]
-    prompt = {name: value for name, value in (("instruction", args.instruction), ("question_tail", args.question_tail))
-              if value is not None}
     split = SplitConfig(mode=args.split, max_tokens=args.max_tokens, min_tokens=min(args.min_tokens, args.max_tokens))
     rag = KVRag.build(docs, args.index, model=args.model, embedder=args.embedder, split=split,
                       codec=args.codec, codec_level=args.codec_level, index_kind=args.index_kind,
                       dtype=args.dtype, device=args.device, batch_tokens=args.batch_tokens,
                       neighbour_context=args.neighbour_context, neighbour_kv=args.neighbour_kv,
-                      show_progress=not args.quiet, caches=not args.lazy, **prompt)
+                      show_progress=not args.quiet, caches=not args.lazy,
+                      instruction=DEFAULT_INSTRUCTION if args.instruction is None else args.instruction,
+                      question_tail=args.question_tail)
     print(f"{args.index}: {len(rag.index)} chunks")
     rag.close()
     return 0
@@ -106,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "question uses it (a later run without --lazy computes the missing ones)")
     p.add_argument("--instruction", default=None,
                    help="system instruction before the passages (a new index only; default: kvrag.prompt's)")
-    p.add_argument("--question-tail", default=None,
+    p.add_argument("--question-tail", default="",
                    help="a line put right after each question, e.g. how to answer (a new index only; default none)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)

@@ -1,8 +1,8 @@
 r"""LangChain adapter: `KVRetriever` (chunks as `Document`s) and `KVCachedLLM` (fuses the chunks it finds).
 
 A LangChain LLM only ever sees a flat prompt string. `KVCachedLLM` finds the stored chunk texts in
-it (`kvrag.spans.find_chunk_spans`), reuses their caches and recomputes everything else
-(`kvrag.flat`); with no chunk found it is an ordinary LLM over the same model. For the caches to
+it (`kvrag.query.spans.find_chunk_spans`), reuses their caches and recomputes everything else
+(`kvrag.query.flat`); with no chunk found it is an ordinary LLM over the same model. For the caches to
 be usable, each chunk must appear as ``text.strip() + "\n\n"`` — use `format_docs`::
 
     from langchain_core.prompts import PromptTemplate
@@ -44,7 +44,7 @@ except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the
     ) from exc
 
 from kvrag.config import DEFAULT_MODE
-from kvrag.flat import chat_prompt, stream_flat_prompt
+from kvrag.query.flat import chat_prompt, stream_flat_prompt
 
 __all__ = ["KVCachedLLM", "KVRetriever", "format_docs"]
 

@@ -1,7 +1,7 @@
 """LlamaIndex adapter: `KVRetriever` (chunks as nodes), `KVCachedLLM` and `KVRagQueryEngine`.
 
 `KVCachedLLM` gets a flat prompt from LlamaIndex's synthesizers; it finds the stored chunk texts
-in it (`kvrag.spans`), reuses their caches and recomputes the rest (`kvrag.flat`) — any query
+in it (`kvrag.query.spans`), reuses their caches and recomputes the rest (`kvrag.query.flat`) — any query
 engine works, e.g. ``RetrieverQueryEngine.from_args(retriever, llm=llm)``. `KVRagQueryEngine` is
 the direct path: it hands the retrieved chunk ids straight to `KVRag.answer`, with no text search::
 
@@ -39,7 +39,7 @@ except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the
     ) from exc
 
 from kvrag.config import DEFAULT_MODE
-from kvrag.flat import chat_prompt, stream_flat_prompt
+from kvrag.query.flat import chat_prompt, stream_flat_prompt
 
 __all__ = ["KVCachedLLM", "KVRagQueryEngine", "KVRetriever"]
 

@@ -57,7 +57,7 @@ def _ask(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from kvrag.index import ChunkIndex
+    from kvrag.storage.chunk_index import ChunkIndex
 
     index = ChunkIndex.open(args.index)
     print(json.dumps({"chunks": len(index), "manifest": index.manifest}, indent=2))

@@ -1,6 +1,6 @@
 """Frozen configuration dataclasses, one per concern, passed down explicitly.
 
-What the user chooses lives here; what the model dictates lives in `kvrag.model.ModelSpec`.
+What the user chooses lives here; what the model dictates lives in `kvrag.model.loading.ModelSpec`.
 """
 
 from __future__ import annotations
@@ -95,9 +95,9 @@ class FuseConfig:
             ``"flex"`` (one decoder call per layer, its attention FlexAttention under a block mask;
             compiled on CUDA, an unfused reference elsewhere) or ``"auto"`` (the default: on CUDA,
             where it compiles and runs, ``flex`` for selections attending to at least
-            ``kvrag.fuse.FLEX_MIN_KEYS`` keys; ``blocks`` otherwise). Both are exact. FlexAttention
+            ``kvrag.fusion.fuse.FLEX_MIN_KEYS`` keys; ``blocks`` otherwise). Both are exact. FlexAttention
             is compiled by the first fusion that uses it in a process, which is then slow.
-        adaptive: let the loading controller (`kvrag.control`) plan fusions that load from the
+        adaptive: let the loading controller (`kvrag.loading.control`) plan fusions that load from the
             store: recompute the last chunks from their text when loading them would take longer
             than recomputing them, and raise ``cacheblend``'s ratio (up to its
             ceiling) while loading would still hide the recompute. ``ratio`` stays the floor. Plans

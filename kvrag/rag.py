@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from kvrag import hf_compat
-from kvrag.build import (
+from kvrag.model import hf_compat
+from kvrag.indexing.build import (
     Builder,
     BuildStats,
     cache_after_neighbours,
@@ -29,15 +29,15 @@ from kvrag.build import (
 )
 from kvrag.codec.base import Codec, make_codec
 from kvrag.config import DEFAULT_MODE, FuseConfig, GenerateConfig, SplitConfig
-from kvrag.control import LoadController, LoadPlan, prompt_shape
-from kvrag.documents import Document, Loaded, load_documents
-from kvrag.embed import Embedder
+from kvrag.loading.control import LoadController, LoadPlan, prompt_shape
+from kvrag.indexing.documents import Document, Loaded, load_documents
+from kvrag.indexing.embed import Embedder
 from kvrag.errors import CorruptChunkError, IndexMismatchError, InputError
-from kvrag.feed import StoreFeed
-from kvrag.fuse import FusionInput, FusionResult, Selector, fuse
-from kvrag.generate import TextStreamer, decode_tokens, eos_ids
-from kvrag.index import ChunkIndex, ChunkRecord
-from kvrag.kvgen import KV, PrefixCache, chunk_caches, lead_key, prefix_cache
+from kvrag.loading.feed import StoreFeed
+from kvrag.fusion.fuse import FusionInput, FusionResult, Selector, fuse
+from kvrag.generation.decode import TextStreamer, decode_tokens, eos_ids
+from kvrag.storage.chunk_index import ChunkIndex, ChunkRecord
+from kvrag.indexing.kvgen import KV, PrefixCache, chunk_caches, lead_key, prefix_cache
 from kvrag.model import LoadedModel, load_model
 from kvrag.prompt import (
     DEFAULT_INSTRUCTION,
@@ -47,7 +47,7 @@ from kvrag.prompt import (
     prompt_text,
     suffix_token_ids,
 )
-from kvrag.store import KVStore, make_store
+from kvrag.storage.store import KVStore, make_store
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
@@ -468,8 +468,8 @@ class KVRag:
             first_exact: whether ``caches``' first entry was computed right after the index's prompt
                 prefix, where the prompt places it: then it is exact and no selector recomputes it. Pass
                 False for caches computed any other way (e.g. each chunk on its own from position 0).
-            selector: a `kvrag.fuse.Selector` that chooses the recomputed positions instead of the one
-                ``mode`` names (e.g. `kvrag.fuse.FixedSelector`); ``mode`` still decides which caches load.
+            selector: a `kvrag.fusion.fuse.Selector` that chooses the recomputed positions instead of the one
+                ``mode`` names (e.g. `kvrag.fusion.fuse.FixedSelector`); ``mode`` still decides which caches load.
 
         Returns:
             `Answer` with the text, TTFT and its breakdown, and the chunks used.

@@ -1,7 +1,7 @@
-"""Prefill time per token against per unit of `kvrag.control.FusionShape.units`, at several lengths.
+"""Prefill time per token against per unit of `kvrag.loading.control.FusionShape.units`, at several lengths.
 
 The loading controller predicts recompute time as ``a + c · units``, a unit being one token through
-one layer weighted by ``1 + keys / K`` (``K``: `kvrag.control.half_cost_keys`). If that weighting is
+one layer weighted by ``1 + keys / K`` (``K``: `kvrag.loading.control.half_cost_keys`). If that weighting is
 right, a full prefill's seconds per unit stay level as the prompt grows while its seconds per token
 climb.
 
@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from kvrag import hf_compat
+from kvrag.model import hf_compat
 from kvrag.bench import common
 from kvrag.bench.speed import arch_model
-from kvrag.control import fusion_shape, half_cost_keys
+from kvrag.loading.control import fusion_shape, half_cost_keys
 
 
 def main() -> None:

@@ -46,8 +46,8 @@ from kvrag.bench.quality import (
     passage_text,
     row_against_full,
 )
-from kvrag.kvgen import KV, PrefixCache, chunk_cache_after, prefix_cache
-from kvrag.model import LoadedModel, rope_at, unapply_rope
+from kvrag.indexing.kvgen import KV, PrefixCache, chunk_cache_after, prefix_cache
+from kvrag.model.loading import LoadedModel, rope_at, unapply_rope
 from kvrag.prompt import chunk_token_ids
 
 VARIANTS = ("prefix", "start", "none", "none-first")

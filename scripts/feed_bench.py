@@ -9,8 +9,8 @@ positioned reads) for scale.
 
 Variants: the staging layout (``scatter``: each chunk's rows read straight into the side-by-side
 planes; ``packed``: each chunk's blob read whole, planes put side by side after the upload, see
-`kvrag.staging.PlaneLayout`), how packed blobs are read (``per chunk`` from Python, ``batched`` by
-`kvrag.extents` without the GIL) and the decoding threads.
+`kvrag.loading.staging.PlaneLayout`), how packed blobs are read (``per chunk`` from Python, ``batched`` by
+`kvrag.loading.extents` without the GIL) and the decoding threads.
 
     python3 scripts/feed_bench.py 32768 raw,int8
 """
@@ -29,11 +29,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvrag import checksum, extents  # noqa: E402
-from kvrag import feed as feed_mod  # noqa: E402
+from kvrag.storage import checksum  # noqa: E402
+
+from kvrag.loading import extents  # noqa: E402
+from kvrag.loading import feed as feed_mod  # noqa: E402
 from kvrag.codec.base import make_codec  # noqa: E402
-from kvrag.feed import StoreFeed  # noqa: E402
-from kvrag.store import KVStore, make_store  # noqa: E402
+from kvrag.loading.feed import StoreFeed  # noqa: E402
+from kvrag.storage.store import KVStore, make_store  # noqa: E402
 
 LAYERS, HEADS, DIM, CHUNK = 32, 8, 128, 512
 # (label, decoding threads, packed staging, batched extent reads)

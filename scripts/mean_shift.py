@@ -33,7 +33,7 @@ from kvrag.bench import common, metrics
 from kvrag.bench.deviation import stored_and_full
 from kvrag.bench.quality import experiment_parser, load_questions, passage_keys
 from kvrag.config import FuseConfig
-from kvrag.kvgen import lead_key
+from kvrag.indexing.kvgen import lead_key
 
 KV = tuple[torch.Tensor, torch.Tensor]
 FITS = ("none", "global_mean", "chunk_mean", "ridge_affine")

@@ -8,7 +8,7 @@ the same number of tokens and recomputes them the same way over the same stored 
 - ``exact`` (``full-attention@R``): the question's attention in a full prefill, the same probe pass
   run over the exact caches of the fused prompt. An oracle: it needs the full prefill;
 - ``value`` (``value-weighted@R``): ``stale`` with each head's weight on a token multiplied by the
-  norm of the token's value row in that head (`kvrag.fuse.question_attention`'s ``weigh_values``):
+  norm of the token's value row in that head (`kvrag.fusion.fuse.question_attention`'s ``weigh_values``):
   the size of what the token adds to the head's output, not only how much the head looks at it.
 
     python scripts/probe_rankings.py --data ../shared/data/qa/musique_cacheblend_dev75.jsonl \
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from kvrag import fuse as fuse_mod
+from kvrag.fusion import fuse as fuse_mod
 from kvrag.bench import common, metrics
 from kvrag.bench.deviation import full_chunk_rows
 from kvrag.bench.quality import (
@@ -48,8 +48,8 @@ from kvrag.bench.quality import (
     row_against_full,
 )
 from kvrag.config import FuseConfig
-from kvrag.fuse import FixedSelector, ProbeSelector, Selector
-from kvrag.kvgen import chunk_cache_after
+from kvrag.fusion.fuse import FixedSelector, ProbeSelector, Selector
+from kvrag.indexing.kvgen import chunk_cache_after
 from kvrag.prompt import chunk_token_ids
 
 RANKINGS = {"stale": "probe", "exact": "full-attention", "value": "value-weighted"}

@@ -33,10 +33,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvrag import hf_compat  # noqa: E402
+from kvrag.model import hf_compat  # noqa: E402
 from kvrag.bench import common, speed  # noqa: E402
 from kvrag.codec.base import make_codec  # noqa: E402
-from kvrag.store import KVStore, make_store  # noqa: E402
+from kvrag.storage.store import KVStore, make_store  # noqa: E402
 
 
 def median_ms(fn: Callable[[], object], sync: Callable[[], None], n: int = 5) -> float:

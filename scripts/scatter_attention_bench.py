@@ -8,7 +8,7 @@ it prints the median milliseconds of:
 - ``blocks``: the decoder layer's SDPA over up to 4 position-ordered blocks, each under a dense
   additive mask over the keys up to its last position, keys repeated to the query heads (what
   transformers passes when given a mask);
-- ``flex``: `kvrag.scatter_attention` in one call (FlexAttention under a block mask), given the
+- ``flex``: `kvrag.fusion.scatter_attention` in one call (FlexAttention under a block mask), given the
   repeated keys or the KV heads;
 - ``causal``: a full prefill's causal flash attention over all N positions, for scale.
 
@@ -29,7 +29,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvrag import fuse, scatter_attention  # noqa: E402
+from kvrag.fusion import fuse  # noqa: E402
+
+from kvrag.fusion import scatter_attention  # noqa: E402
 
 HEADS, KV_HEADS, DIM, CHUNK, SUFFIX = 32, 8, 128, 512, 32
 

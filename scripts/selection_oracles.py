@@ -33,8 +33,8 @@ from kvrag.bench import common, metrics
 from kvrag.bench.deviation import Tally, stored_and_full, token_deviation
 from kvrag.bench.quality import against_full, experiment_parser, load_run
 from kvrag.config import FuseConfig
-from kvrag.fuse import FixedSelector, ProbeSelector
-from kvrag.kvgen import lead_key
+from kvrag.fusion.fuse import FixedSelector, ProbeSelector
+from kvrag.indexing.kvgen import lead_key
 
 
 def sensitivity(context: tuple[torch.Tensor, torch.Tensor], plain: tuple[torch.Tensor, torch.Tensor],

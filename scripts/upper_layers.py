@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
-import kvrag.fuse as fusion
-from kvrag import hf_compat
+import kvrag.fusion.fuse as fusion
+from kvrag.model import hf_compat
 from kvrag.bench import common, metrics
 from kvrag.bench.quality import against_full, experiment_parser, load_run
 from kvrag.config import FuseConfig
-from kvrag.kvgen import lead_key
+from kvrag.indexing.kvgen import lead_key
 from kvrag.prompt import chunk_token_ids
 
 

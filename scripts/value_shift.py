@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-import kvrag.fuse as fusion
-from kvrag import hf_compat
+import kvrag.fusion.fuse as fusion
+from kvrag.model import hf_compat
 from kvrag.bench import common, metrics
 from kvrag.bench.quality import against_full, experiment_parser, load_run
 

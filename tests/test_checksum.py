@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import zlib
 
-from kvrag import checksum
+from kvrag.storage import checksum
 
 
 def test_checksum_equals_zlib_crc32_whole_and_continued():

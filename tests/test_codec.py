@@ -485,8 +485,8 @@ def test_cachegen_on_real_smollm2_kv(smollm2) -> None:
     """Real pre-RoPE caches of SmolLM2: size target (<= 2.67 bits/element) and small error."""
     from conftest import DATA
 
-    from kvrag.container import encode_chunk
-    from kvrag.kvgen import chunk_caches, prefix_cache
+    from kvrag.storage.container import encode_chunk
+    from kvrag.indexing.kvgen import chunk_caches, prefix_cache
 
     rows = [json.loads(line) for line in (DATA / "qa" / "musique_cacheblend_dev75.jsonl").open()]
     texts = [c["text"] for r in rows[:4] for c in r["ctxs"]][:30]

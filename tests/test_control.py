@@ -13,8 +13,8 @@ import torch
 from kvrag import FuseConfig, KVRag, SplitConfig
 from kvrag.bench.common import parse_mode
 from kvrag.codec.base import make_codec
-from kvrag.control import LoadController, LoadPlan, fusion_shape, half_cost_keys, prompt_shape
-from kvrag.store import KVStore, MemoryStore, ThrottledStore
+from kvrag.loading.control import LoadController, LoadPlan, fusion_shape, half_cost_keys, prompt_shape
+from kvrag.storage.store import KVStore, MemoryStore, ThrottledStore
 
 SHAPE = fusion_shape([100, 100, 100, 100], suffix_tokens=20, n_layers=10)
 

@@ -1,4 +1,4 @@
-"""Batched extent reads with CRC-32 checks (`kvrag.extents`) against plain reads and zlib."""
+"""Batched extent reads with CRC-32 checks (`kvrag.loading.extents`) against plain reads and zlib."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import zlib
 import numpy as np
 import pytest
 
-from kvrag import extents
+from kvrag.loading import extents
 
 
 def test_extents_read_into_place_and_flag_bad_checksums_and_short_files(tmp_path):

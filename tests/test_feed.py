@@ -6,13 +6,13 @@ import pytest
 import torch
 from test_fuse import _setup
 
-from kvrag import extents
+from kvrag.loading import extents
 from kvrag.codec.base import make_codec
 from kvrag.config import FuseConfig
 from kvrag.errors import CorruptChunkError
-from kvrag.feed import StoreFeed, TensorFeed
-from kvrag.fuse import FusionInput, fuse
-from kvrag.store import KVStore, make_store
+from kvrag.loading.feed import StoreFeed, TensorFeed
+from kvrag.fusion.fuse import FusionInput, fuse
+from kvrag.storage.store import KVStore, make_store
 
 LENS = (9, 14, 6)
 
@@ -74,7 +74,7 @@ def test_store_feed_decodes_planes_of_every_chunk_at_once_like_each_chunk(monkey
     """Encoded rows staged side by side (or packed per chunk and unpacked, the CUDA path) and decoded
     together, a chunk without cache zeroed and a corrupt one recomputed: what decoding each chunk's
     layer alone gives."""
-    import kvrag.feed as feed_mod
+    import kvrag.loading.feed as feed_mod
 
     monkeypatch.setattr(feed_mod, "PACKED_STAGING_DEVICES", {"cuda", "cpu"} if packed else set())
     lm, _, _, kv, _ = setup
@@ -102,8 +102,8 @@ def test_store_feed_decodes_planes_of_every_chunk_at_once_like_each_chunk(monkey
 @pytest.mark.parametrize("lens", [(6, 6, 6, 6), (5, 7, 5, 7, 7)])
 def test_packed_staging_puts_runs_of_equally_long_chunks_side_by_side(monkeypatch, tmp_path, codec, lens, batched):
     """Equally long chunks next to each other (one strided copy) or apart (an indexed copy), read in
-    batches without the GIL (`kvrag.extents`) or chunk by chunk where those cannot run."""
-    import kvrag.feed as feed_mod
+    batches without the GIL (`kvrag.loading.extents`) or chunk by chunk where those cannot run."""
+    import kvrag.loading.feed as feed_mod
 
     monkeypatch.setattr(feed_mod, "PACKED_STAGING_DEVICES", {"cuda", "cpu"})
     if not batched:
@@ -234,8 +234,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _on_gpu(lm, prefix):
-    from kvrag.kvgen import PrefixCache
-    from kvrag.model import wrap_model
+    from kvrag.indexing.kvgen import PrefixCache
+    from kvrag.model.loading import wrap_model
 
     gpu_lm = wrap_model(lm.model.to("cuda"), None, "tiny-gpu")
     return gpu_lm, PrefixCache(prefix.ids.cuda(), [(k.cuda(), v.cuda()) for k, v in prefix.kv])

@@ -8,11 +8,11 @@ import pytest
 import torch
 from conftest import ARCHS, tiny_model
 
-from kvrag import hf_compat
+from kvrag.model import hf_compat
 from kvrag.config import FuseConfig
-from kvrag.fuse import FixedSelector, FusionInput, ProbeSelector, fuse
-from kvrag.kvgen import chunk_caches, prefix_cache
-from kvrag.model import apply_rope, rope_at, unapply_rope, wrap_model
+from kvrag.fusion.fuse import FixedSelector, FusionInput, ProbeSelector, fuse
+from kvrag.indexing.kvgen import chunk_caches, prefix_cache
+from kvrag.model.loading import apply_rope, rope_at, unapply_rope, wrap_model
 
 CHUNK_LENS = (23, 17, 31, 12)
 
@@ -149,7 +149,7 @@ def _deviation(lm, inp, config, ref_cache) -> float:
 
 
 def test_kv_deviation_is_each_tokens_change_relative_to_the_fresh_rows_scale():
-    from kvrag.fuse import kv_deviation
+    from kvrag.fusion.fuse import kv_deviation
 
     fresh_k = torch.ones(1, 2, 3, 4)  # each token's squared K norm: 8
     fresh_v = torch.full((1, 2, 3, 4), 2.0)  # each token's squared V norm: 32
@@ -178,7 +178,7 @@ def test_kv_deviation_from_full_shrinks_as_ratio_grows():
 
 def test_generation_from_fused_cache_matches_hf_generate(setup):
     from kvrag.config import GenerateConfig
-    from kvrag.generate import decode_tokens
+    from kvrag.generation.decode import decode_tokens
 
     lm, prefix, chunks, kv, suffix = setup
     ids = torch.cat([prefix.ids, *chunks, suffix])
@@ -193,7 +193,7 @@ def test_generation_from_fused_cache_matches_hf_generate(setup):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_suffix_attention_matches_the_models_attention_weights(arch):
-    from kvrag.fuse import question_attention, segments, suffix_attention
+    from kvrag.fusion.fuse import question_attention, segments, suffix_attention
 
     lm, prefix, chunks, kv, suffix = _setup(arch)
     lm.model.config._attn_implementation = "eager"
@@ -228,7 +228,7 @@ def test_suffix_attention_matches_the_models_attention_weights(arch):
                                     FuseConfig(mode="attnlink", link_tokens=5), FuseConfig(mode="prefix")])
 def test_selected_tokens_run_in_causal_blocks_exactly(monkeypatch, arch, config):
     """Blocks of selected tokens that attend only up to their last position change nothing."""
-    import kvrag.fuse as fuse_mod
+    import kvrag.fusion.fuse as fuse_mod
 
     lm, prefix, chunks, kv, suffix = _setup(arch, seed=5)
     monkeypatch.setattr(fuse_mod, "ATTENTION_BLOCKS", 1)
@@ -249,7 +249,7 @@ def test_a_selection_of_the_last_positions_runs_under_a_lower_right_causal_bias_
     """The bias SDPA applies by itself gives what the explicit masks give (the CUDA path, run here on the CPU)."""
     from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-    import kvrag.fuse as fuse_mod
+    import kvrag.fusion.fuse as fuse_mod
 
     lm, prefix, chunks, kv, suffix = _setup(arch, seed=6)
     masked = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
@@ -274,7 +274,7 @@ def test_blocks_with_every_token_selected_equal_full_prefill_under_a_sliding_win
     import transformers as tf
     from conftest import _COMMON
 
-    import kvrag.fuse as fuse_mod
+    import kvrag.fusion.fuse as fuse_mod
 
     torch.manual_seed(0)
     cfg = tf.MistralConfig(vocab_size=300, sliding_window=16, **_COMMON)
@@ -368,8 +368,8 @@ def test_a_scattered_selection_runs_in_one_call_per_layer_exactly(monkeypatch, a
     unfused FlexAttention the CPU runs) gives what the masked blocks give."""
     import dataclasses
 
-    import kvrag.fuse as fuse_mod
-    from kvrag.scatter_attention import ScatterBias
+    import kvrag.fusion.fuse as fuse_mod
+    from kvrag.fusion.scatter_attention import ScatterBias
 
     lm, prefix, chunks, kv, suffix = _setup(arch, seed=7)
     blocks = fuse(lm, FusionInput(prefix, chunks, kv, suffix), dataclasses.replace(config, attention="blocks"))
@@ -391,7 +391,7 @@ def test_a_scattered_selection_runs_in_one_call_per_layer_exactly(monkeypatch, a
 
 
 def test_attention_kernel_choice_and_when_a_selection_runs_under_flex_attention():
-    import kvrag.fuse as fuse_mod
+    import kvrag.fusion.fuse as fuse_mod
 
     assert fuse_mod.attention_kernel("auto", torch.device("cpu")) is None  # masked blocks on the CPU
     assert fuse_mod.attention_kernel("blocks", torch.device("cpu")) is None
@@ -430,7 +430,7 @@ def test_layer_keys_values_are_the_rows_the_decoder_layer_writes(arch):
 def _narrowed_after_each_check(lm, inp: FusionInput, config: FuseConfig):
     """CacheBlend's loop as first written: a check layer runs on every selected token, and only the
     layers after it run on the kept ones. Logits and per-layer K/V."""
-    from kvrag.fuse import _blocks, _open_feed, _place_layer, _prefixed_layers, _token_scores, make_selector, segments
+    from kvrag.fusion.fuse import _blocks, _open_feed, _place_layer, _prefixed_layers, _token_scores, make_selector, segments
 
     seg, selector = segments(inp), make_selector(config)
     ids = torch.cat([inp.prefix.ids, *inp.chunk_ids, inp.suffix_ids])

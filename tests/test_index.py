@@ -1,4 +1,4 @@
-"""Tests for kvrag.index: storage roundtrips, exact search, crash consistency, concurrent readers.
+"""Tests for kvrag.storage.chunk_index: storage roundtrips, exact search, crash consistency, concurrent readers.
 
 Vectors are derived from keys (`_vec`), so any hit can be checked against the row it came from:
 a mismatch between FAISS row i and SQLite row i shows up as a wrong score.
@@ -18,9 +18,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrag import atomic
+from kvrag.storage import atomic
 from kvrag.errors import IndexNotFoundError, KVRagError
-from kvrag.index import ChunkIndex, ChunkRecord
+from kvrag.storage.chunk_index import ChunkIndex, ChunkRecord
 
 DIM = 16
 

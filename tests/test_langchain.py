@@ -53,7 +53,7 @@ def rag(smollm2, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVRag]:
 
 
 def test_import_kvrag_loads_no_framework():
-    code = ("import sys, kvrag; from kvrag import KVRag; import kvrag.flat, kvrag.spans; "
+    code = ("import sys, kvrag; from kvrag import KVRag; import kvrag.query.flat, kvrag.query.spans; "
             "print([m for m in sys.modules if m.startswith(('langchain', 'llama_index'))])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

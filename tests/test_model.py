@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_config, tiny_model
 
 from kvrag.errors import UnsupportedModelError
-from kvrag.model import check_rope, model_fingerprint, wrap_model
+from kvrag.model.loading import check_rope, model_fingerprint, wrap_model
 
 
 def test_dynamic_ntk_rope_is_refused():

@@ -12,12 +12,14 @@ from conftest import tiny_model
 from test_fuse import _reference_logits
 from test_rag import DOCS, SPLIT
 
-from kvrag import FuseConfig, KVRag, hf_compat
-from kvrag.build import cache_after_neighbours, nearest_chunks
+from kvrag import FuseConfig, KVRag
+
+from kvrag.model import hf_compat
+from kvrag.indexing.build import cache_after_neighbours, nearest_chunks
 from kvrag.errors import IndexMismatchError
-from kvrag.fuse import FusionInput, fuse, segments
-from kvrag.kvgen import chunk_cache_after, chunk_caches, chunk_caches_after, lead_key, placed_prefix, prefix_cache
-from kvrag.model import rope_at, unapply_rope, wrap_model
+from kvrag.fusion.fuse import FusionInput, fuse, segments
+from kvrag.indexing.kvgen import chunk_cache_after, chunk_caches, chunk_caches_after, lead_key, placed_prefix, prefix_cache
+from kvrag.model.loading import rope_at, unapply_rope, wrap_model
 from kvrag.prompt import chunk_token_ids
 
 

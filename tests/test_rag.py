@@ -155,7 +155,7 @@ def test_rebuild_with_one_more_document_computes_only_its_chunks(built, tiny_mod
 
 
 def test_killed_build_resumes_without_recomputing_stored_caches(tiny_model_dir, tmp_path, monkeypatch):
-    from kvrag.index import ChunkIndex
+    from kvrag.storage.chunk_index import ChunkIndex
 
     path = tmp_path / "idx"
     calls = {"n": 0}
@@ -287,7 +287,7 @@ def test_every_entry_point_defaults_to_the_same_mode():
 
     from kvrag.cli import build_parser
     from kvrag.config import DEFAULT_MODE, FuseConfig
-    from kvrag.flat import answer_flat_prompt, stream_flat_prompt
+    from kvrag.query.flat import answer_flat_prompt, stream_flat_prompt
     from kvrag.rag import KVRag
 
     assert DEFAULT_MODE == "probe" and FuseConfig().mode == DEFAULT_MODE

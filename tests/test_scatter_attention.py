@@ -1,4 +1,4 @@
-"""Attention for scattered queries (`kvrag.scatter_attention`) against dense masked SDPA."""
+"""Attention for scattered queries (`kvrag.fusion.scatter_attention`) against dense masked SDPA."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvrag import scatter_attention as sa
+from kvrag.fusion import scatter_attention as sa
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

@@ -9,11 +9,11 @@ import torch
 
 from kvrag import KVRag, SplitConfig
 from kvrag.config import FuseConfig
-from kvrag.flat import answer_flat_prompt, chat_prompt, plan_flat_prompt
-from kvrag.fuse import FusionInput, fuse
-from kvrag.kvgen import prefix_cache
+from kvrag.query.flat import answer_flat_prompt, chat_prompt, plan_flat_prompt
+from kvrag.fusion.fuse import FusionInput, fuse
+from kvrag.indexing.kvgen import prefix_cache
 from kvrag.rag import RetrievedChunk
-from kvrag.spans import find_chunk_spans
+from kvrag.query.spans import find_chunk_spans
 
 
 def _chunk(key: str, text: str) -> RetrievedChunk:

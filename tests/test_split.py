@@ -17,10 +17,10 @@ from _tokenizer import make_metaspace_tokenizer, make_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvrag import split as split_mod
+from kvrag.indexing import split as split_mod
 from kvrag.config import SplitConfig
 from kvrag.errors import InputError
-from kvrag.split import Chunk, KVSplitter
+from kvrag.indexing.split import Chunk, KVSplitter
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SHARED_NLTK_DATA = SHARED_DATA / "nltk_data"

@@ -12,7 +12,7 @@ Over the passages of the first ``--n`` questions of a QA JSONL (one passage = on
    the caches taken out and keys un-rotated, encoding and writing on the writer thread, and the
    wait for the last write) gives tokens per second.
 3. *Plain prefill*: the same chunks' token ids through the model after the prefix, batched the same
-   way, nothing kept (`kvrag.kvgen.plain_prefill`).
+   way, nothing kept (`kvrag.indexing.kvgen.plain_prefill`).
 
 Builds and plain prefills alternate, ``--repeats`` times; the best of each counts. Mounted as
 ``kvrag bench build --data QA.jsonl [--n 12] [--fit 4] [--codecs raw,cachegen] [--out DIR]``.
@@ -61,7 +61,7 @@ def run_build_bench(lm: Any, items: list[dict[str, Any]], fit: int, codecs: list
                     batch_tokens: int, work: Path) -> list[dict[str, Any]]:
     """One row per codec: tokens, best build and plain-prefill tokens/s, their ratio, stored bytes."""
     from kvrag.config import SplitConfig
-    from kvrag.kvgen import plain_prefill
+    from kvrag.indexing.kvgen import plain_prefill
     from kvrag.prompt import chunk_token_ids
     from kvrag.rag import KVRag
 

@@ -41,7 +41,7 @@ _KEY = "0" * 40
 def _measure(codec: Any, samples: Sequence[KV], repeats: int) -> dict[str, float]:
     import torch
 
-    from kvrag.container import ChunkReader, encode_chunk
+    from kvrag.storage.container import ChunkReader, encode_chunk
 
     t0, c0 = time.perf_counter(), time.process_time()
     blobs = [encode_chunk(codec, _KEY, "bench", k, v) for k, v in samples]

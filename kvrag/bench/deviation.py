@@ -4,7 +4,7 @@ For each question of a QA JSONL file, its passages' stored caches (one passage =
 compared with the K/V that a full prefill of the same fused prompt computes for those tokens. The
 first chunk is left out (it follows the prefix alone, so its cache is exact). A token's deviation
 at a layer is its squared K change plus its squared V change, each relative to the mean squared
-norm of that layer's full-prefill keys (values) — the scale `kvrag.fuse.kv_deviation` uses.
+norm of that layer's full-prefill keys (values) — the scale `kvrag.fusion.fuse.kv_deviation` uses.
 Reported, summed over the questions:
 
 - **per layer**: K and V deviation energy relative to the full-prefill energy;
@@ -39,7 +39,7 @@ from kvrag.bench import common
 from kvrag.bench.quality import build_index, load_questions, passage_keys, passage_text
 
 if TYPE_CHECKING:
-    from kvrag.kvgen import KV, PrefixCache
+    from kvrag.indexing.kvgen import KV, PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def full_chunk_rows(lm: Any, prefix: Any, chunk_ids: list[list[int]]) -> list[KV
     the K/V a full prefill of the fused prompt gives them, pre-RoPE ``[L, H, n, D]``. The question
     after the chunks is left out, as no chunk token attends to it.
     """
-    from kvrag.kvgen import chunk_caches
+    from kvrag.indexing.kvgen import chunk_caches
 
     _, (keys, values) = next(chunk_caches(lm, prefix, [sum(chunk_ids, [])]))
     rows, pos = [], 0
@@ -152,7 +152,7 @@ def measure_question(rag: Any, item: dict[str, Any], stored: Tally, neutral: Tal
     """Compare one question's stored chunk caches (and those computed after ``neutral_prefix``) with
     the caches a full prefill of its prompt gives the same tokens.
     """
-    from kvrag.kvgen import chunk_caches
+    from kvrag.indexing.kvgen import chunk_caches
 
     chunk_ids, pairs = stored_and_full(rag, item)
     dev = token_deviation(pairs, stored)  # [L, n]
@@ -195,7 +195,7 @@ def _neutral_prefix(rag: Any, items: list[dict[str, Any]], count: int) -> tuple[
     """The index's prompt prefix followed by the first ``count`` passages of ``items``, prefilled once;
     and how many passage tokens it adds.
     """
-    from kvrag.kvgen import prefix_cache
+    from kvrag.indexing.kvgen import prefix_cache
     from kvrag.prompt import chunk_token_ids
 
     passages = [passage_text(ctx) for item in items for ctx in item["ctxs"]][:count]

@@ -162,7 +162,7 @@ def pool_documents(paths: Sequence[Path], exclude: set[str]) -> list[tuple[str, 
 
 def passage_keys(rag: Any, item: dict[str, Any]) -> list[str]:
     """Chunk keys of an item's passages in dataset order (content hash, so duplicates share keys)."""
-    from kvrag.kvgen import chunk_key
+    from kvrag.indexing.kvgen import chunk_key
     from kvrag.prompt import chunk_token_ids
 
     keys = []
@@ -195,7 +195,7 @@ def answer_row(
     selector = None
     if spec.oracle:  # chosen from a full prefill, outside the answer's timing
         from kvrag.bench.deviation import oracle_positions
-        from kvrag.fuse import FixedSelector
+        from kvrag.fusion.fuse import FixedSelector
 
         selector = FixedSelector(oracle_positions(rag, item, cfg.ratio))
     ans = rag.answer(

@@ -4,7 +4,7 @@ For each length, random token chunks of ``--chunk-tokens`` are prefilled once af
 (`kvgen.chunk_caches`), stored through `KVStore` with the ``--codec`` codec (lossless ``raw`` by
 default) in a temporary folder, and each mode is timed from loading the chunks to the first token's
 logits (``full`` loads nothing and recomputes every token). Loading runs layer by layer alongside the recompute (a
-`kvrag.feed` pipeline) from each ``--tiers`` source: ``disk`` (the store; page cache warm), ``ram``
+`kvrag.loading.feed` pipeline) from each ``--tiers`` source: ``disk`` (the store; page cache warm), ``ram``
 (host memory, pinned on CUDA) and ``gpu`` (resident in GPU memory). A plain transformers forward
 over the same prompt (``hf-prefill``) is timed too, to show that ``full`` is a fair baseline. Runs
 are interleaved within each repeat, warm-up runs are excluded, GPU work is synchronised around every
@@ -29,7 +29,7 @@ from typing import Any
 
 from kvrag.bench import common
 from kvrag.config import ATTENTION_KERNELS
-from kvrag.control import LoadController, prompt_shape
+from kvrag.loading.control import LoadController, prompt_shape
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_schedule_flags(parser)
     parser.add_argument("--store-mbps", type=float, default=None, metavar="MB/S",
                         help="read the disk tier through one link of this many MB/s (a remote store; "
-                             "`kvrag.store.ThrottledStore`); default: the local disk as it is")
+                             "`kvrag.storage.store.ThrottledStore`); default: the local disk as it is")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1, …")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
@@ -144,7 +144,7 @@ def arch_model(arch: str, device: str, dtype: str | None) -> Any:
     import torch
     import transformers as tf
 
-    from kvrag.model import _resolve_dtype, wrap_model
+    from kvrag.model.loading import _resolve_dtype, wrap_model
 
     params = dict(ARCHS[arch])
     config_cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig}[params.pop("family")]
@@ -175,7 +175,7 @@ class Workload:
                  tiers: Sequence[str] = ("disk",)) -> None:
         import torch
 
-        from kvrag.kvgen import chunk_caches, chunk_key, prefix_cache
+        from kvrag.indexing.kvgen import chunk_caches, chunk_key, prefix_cache
 
         gen = torch.Generator().manual_seed(seed + length)
         rand = lambda n: torch.randint(3, lm.spec.vocab_size, (n,), generator=gen)  # noqa: E731
@@ -204,7 +204,7 @@ class Workload:
 
     def feed(self, lm: Any, tier: str, from_text: Sequence[int] = ()) -> Any:
         """A feed over this workload's chunk caches from ``tier`` (``from_text``: chunks left out, recomputed)."""
-        from kvrag.feed import StoreFeed, TensorFeed
+        from kvrag.loading.feed import StoreFeed, TensorFeed
 
         lengths = [int(c.numel()) for c in self.chunk_ids]
         dtype = self.prefix.kv[0][0].dtype
@@ -221,7 +221,7 @@ class Workload:
         """
         import torch
 
-        from kvrag.fuse import FusionInput, fuse
+        from kvrag.fusion.fuse import FusionInput, fuse
 
         device = lm.device
         common.cuda_sync(device)
@@ -343,7 +343,7 @@ def run_lengths(
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Time every length; ``on_length`` sees the results so far after each (partial outputs)."""
     from kvrag.codec.base import make_codec
-    from kvrag.store import KVStore, ThrottledStore, make_store
+    from kvrag.storage.store import KVStore, ThrottledStore, make_store
 
     store = make_store("disk", tmp / "chunks", fsync=False)
     if getattr(args, "store_mbps", None):

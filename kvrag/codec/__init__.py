@@ -1,7 +1,7 @@
 """Chunk-cache codecs behind one small interface and a name-keyed factory.
 
 A codec turns one layer of a chunk's cache — pre-RoPE keys and values, each
-``[kv_heads, seq, head_dim]`` — into bytes and back. The container (`kvrag.container`) frames the
+``[kv_heads, seq, head_dim]`` — into bytes and back. The container (`kvrag.storage.container`) frames the
 per-layer blobs with a header, offsets and checksums; codecs never see files.
 """
 

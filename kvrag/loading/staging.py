@@ -3,7 +3,7 @@ staging buffer (`PlaneLayout`) and how the blobs of files are read there in batc
 
 A codec with planes (`Codec.planes`: ``raw``, ``int8``) stores a layer of ``n`` tokens as planes
 ``[rows, n, width]`` bytes one after another; fusion wants every plane of the region ``[rows, total,
-width]``, the chunks' tokens side by side. `kvrag.feed.StoreFeed` stages them with these.
+width]``, the chunks' tokens side by side. `kvrag.loading.feed.StoreFeed` stages them with these.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvrag import extents
+from kvrag.loading import extents
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # [H, n, D] each: one layer of the whole chunk region
 

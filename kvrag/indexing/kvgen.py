@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvrag import hf_compat
+from kvrag.model import hf_compat
 from kvrag.model import LoadedModel, apply_rope, rope_at, unapply_rope
 
 KV = tuple[torch.Tensor, torch.Tensor]

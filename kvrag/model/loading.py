@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from kvrag import hf_compat
+from kvrag.model import hf_compat
 from kvrag.errors import UnsupportedModelError
-from kvrag.hf_compat import apply_rope, rotate_half
+from kvrag.model.hf_compat import apply_rope, rotate_half
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from typing import Any, BinaryIO, cast
 
 import torch
 
-from kvrag.atomic import atomic_write_bytes
+from kvrag.storage.atomic import atomic_write_bytes
 from kvrag.codec.base import Codec
-from kvrag.container import ChunkReader, encode_chunk
+from kvrag.storage.container import ChunkReader, encode_chunk
 from kvrag.errors import CorruptChunkError
 
 log = logging.getLogger(__name__)

@@ -12,9 +12,9 @@ and prepares the next layers while the current one is recomputed:
   a staging buffer (pinned on CUDA); file reads, checksums and the codecs' decoders release the GIL
   for their bulk work. Codecs that describe their blobs as planes (``raw``, ``int8``:
   `Codec.planes`) are read still encoded and decoded for the whole region at once
-  (`kvrag.staging`). On the CPU every chunk's rows are scattered side by side by one positioned
+  (`kvrag.loading.staging`). On the CPU every chunk's rows are scattered side by side by one positioned
   read per chunk. On CUDA each chunk's blob is read whole into its own slot — for files, all chunks
-  of a layer in a few batched calls that hold no GIL (`kvrag.extents`), so loading does not slow the
+  of a layer in a few batched calls that hold no GIL (`kvrag.loading.extents`), so loading does not slow the
   thread that launches fusion's kernels — then a side stream copies the (smaller) encoded bytes to
   the GPU, which puts the planes side by side and decodes them. ``cachegen`` layers are read whole
   and, on CUDA with Triton, decoded on the GPU for the whole region at once
@@ -41,8 +41,8 @@ import numpy as np
 import torch
 
 from kvrag.errors import CorruptChunkError
-from kvrag.kvgen import KV
-from kvrag.staging import ExtentReads, LayerKV, PlaneLayout
+from kvrag.indexing.kvgen import KV
+from kvrag.loading.staging import ExtentReads, LayerKV, PlaneLayout
 
 log = logging.getLogger(__name__)
 
@@ -542,7 +542,7 @@ class StoreFeed(ChunkFeed):
 
     def _read_extents(self, i: int, host: torch.Tensor) -> None:
         """Layer ``i`` of every chunk read whole into its slot of ``host`` and checked, in batches that
-        hold no GIL (`kvrag.extents`); chunks that fail are recovered.
+        hold no GIL (`kvrag.loading.extents`); chunks that fail are recovered.
         """
         table = self._extents
         assert table is not None

@@ -1,6 +1,6 @@
 """The loading controller: how much to recompute, and which chunks to recompute from their text.
 
-Fusion loads the stored layers while it recomputes (`kvrag.feed`), so its time to first token is
+Fusion loads the stored layers while it recomputes (`kvrag.loading.feed`), so its time to first token is
 about ``max(load, recompute)``. When loading is the longer of the two, the stored caches cost time
 that the model could spend recomputing; CacheBlend §5 picks the recompute ratio that loading hides,
 CacheGen §3.3 recomputes a chunk from its text when its cache would arrive too late. The controller
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from kvrag import hf_compat
+from kvrag.model import hf_compat
 from kvrag.config import FuseConfig
 
 if TYPE_CHECKING:
@@ -239,7 +239,7 @@ def fusion_shape(chunk_tokens: Sequence[int], suffix_tokens: int, n_layers: int,
                  prefix_tokens: int = 0, half_cost_keys: float = math.inf, window: int | None = None
                  ) -> FusionShape:
     """The `FusionShape` of a prompt: every chunk after the first is stale, the first too unless its
-    cache is exact where the prompt places it (see `kvrag.fuse.FusionInput`).
+    cache is exact where the prompt places it (see `kvrag.fusion.fuse.FusionInput`).
     """
     stale = tuple(j > 0 or not first_exact for j in range(len(chunk_tokens)))
     return FusionShape(tuple(int(n) for n in chunk_tokens), stale, int(suffix_tokens), n_layers,

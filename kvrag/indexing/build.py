@@ -23,11 +23,11 @@ import torch
 
 from kvrag.codec.base import Codec
 from kvrag.config import SplitConfig
-from kvrag.documents import Loaded
-from kvrag.embed import Embedder
+from kvrag.indexing.documents import Loaded
+from kvrag.indexing.embed import Embedder
 from kvrag.errors import CorruptChunkError
-from kvrag.index import ChunkIndex, ChunkRecord
-from kvrag.kvgen import (
+from kvrag.storage.chunk_index import ChunkIndex, ChunkRecord
+from kvrag.indexing.kvgen import (
     KV,
     PrefixCache,
     chunk_cache_after,
@@ -39,8 +39,8 @@ from kvrag.kvgen import (
 )
 from kvrag.model import LoadedModel
 from kvrag.prompt import PromptLayout, chunk_token_ids
-from kvrag.split import KVSplitter
-from kvrag.store import KVStore
+from kvrag.indexing.split import KVSplitter
+from kvrag.storage.store import KVStore
 
 log = logging.getLogger(__name__)
 GROUP_CHUNKS = 256

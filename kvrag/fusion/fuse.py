@@ -19,10 +19,12 @@ from typing import Any
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
-from kvrag import hf_compat, scatter_attention
+from kvrag.model import hf_compat
+
+from kvrag.fusion import scatter_attention
 from kvrag.config import FuseConfig
-from kvrag.feed import ChunkFeed, TensorFeed
-from kvrag.kvgen import KV, PrefixCache
+from kvrag.loading.feed import ChunkFeed, TensorFeed
+from kvrag.indexing.kvgen import KV, PrefixCache
 from kvrag.model import LoadedModel, apply_rope, rope_at
 
 

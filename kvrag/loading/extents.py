@@ -7,7 +7,7 @@ kernels, and each slows the other. `read_checked` runs a whole batch in compiled
 one GIL round trip per batch.
 
 Available on POSIX systems with numba and a CRC-32 library (`available`); callers fall back to
-``os.preadv`` and `kvrag.checksum` elsewhere. Compiled on first use (about half a second).
+``os.preadv`` and `kvrag.storage.checksum` elsewhere. Compiled on first use (about half a second).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Answer a flat prompt string — as LangChain or LlamaIndex hand it over — fusing the chunk caches in it.
 
-The prompt is cut at the chunks `kvrag.spans.find_chunk_spans` locates and tokenized piece by piece:
+The prompt is cut at the chunks `kvrag.query.spans.find_chunk_spans` locates and tokenized piece by piece:
 
     [head text][chunk 1 + SEPARATOR][text between]…[chunk k + SEPARATOR][tail text]
 
@@ -28,10 +28,10 @@ import torch
 
 from kvrag.config import DEFAULT_MODE, FuseConfig, GenerateConfig
 from kvrag.errors import InputError
-from kvrag.fuse import FusionInput, fuse
-from kvrag.kvgen import KV, prefix_cache
+from kvrag.fusion.fuse import FusionInput, fuse
+from kvrag.indexing.kvgen import KV, prefix_cache
 from kvrag.prompt import chunk_token_ids
-from kvrag.spans import Span, find_chunk_spans
+from kvrag.query.spans import Span, find_chunk_spans
 
 if TYPE_CHECKING:
     from kvrag.rag import Answer, KVRag, RetrievedChunk

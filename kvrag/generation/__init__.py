@@ -1,0 +1,1 @@
+"""Generation: decode tokens from a fused cache, with streaming text and stop strings."""

@@ -1,0 +1,19 @@
+"""The model stage: loading a Hugging Face, local or GGUF model, its fingerprint, and RoPE helpers.
+
+Everything that depends on transformers internals lives in `kvrag.model.hf_compat`; the rest of kvrag
+reaches the model through `LoadedModel` and the helpers re-exported here.
+"""
+
+from kvrag.model.loading import (
+    LoadedModel,
+    ModelSpec,
+    apply_rope,
+    load_model,
+    model_fingerprint,
+    rope_at,
+    unapply_rope,
+    wrap_model,
+)
+
+__all__ = ["LoadedModel", "ModelSpec", "apply_rope", "load_model", "model_fingerprint", "rope_at", "unapply_rope",
+           "wrap_model"]

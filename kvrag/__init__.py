@@ -27,9 +27,12 @@ from kvrag.errors import (
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from kvrag.rag import Answer, KVRag, RetrievedChunk
+    from kvrag.query.answer import Answer, RetrievedChunk
+    from kvrag.query.pipeline import FusedPrompt
+    from kvrag.rag import KVRag
 
-_LAZY = {"KVRag": "kvrag.rag", "Answer": "kvrag.rag", "RetrievedChunk": "kvrag.rag"}
+_LAZY = {"KVRag": "kvrag.rag", "Answer": "kvrag.query.answer", "RetrievedChunk": "kvrag.query.answer",
+         "FusedPrompt": "kvrag.query.pipeline"}
 
 
 def __getattr__(name: str) -> Any:
@@ -41,7 +44,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "Answer", "CodecConfig", "CorruptChunkError", "FuseConfig", "GenerateConfig", "IndexMismatchError",
+    "Answer", "CodecConfig", "CorruptChunkError", "FuseConfig", "FusedPrompt", "GenerateConfig", "IndexMismatchError",
     "IndexNotFoundError", "InputError", "KVRag", "KVRagError", "RetrievedChunk", "SplitConfig",
     "StoreConfig", "UnsupportedModelError", "__version__",
 ]

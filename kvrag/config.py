@@ -9,8 +9,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 SplitMode = Literal["semantic", "fixed", "document"]
-FuseMode = Literal["full", "prefix", "reuse", "cacheblend", "attnlink", "probe"]
-FUSE_MODES: tuple[str, ...] = ("full", "prefix", "reuse", "cacheblend", "attnlink", "probe")
 ATTENTION_KERNELS: tuple[str, ...] = ("auto", "blocks", "flex")
 # The mode an answer fuses with when none is named: at the same ratio `probe` agreed with `full` more than
 # `cacheblend` on every data set measured (benchmarks/README.md, "`probe` against `cacheblend`").
@@ -74,8 +72,9 @@ class FuseConfig:
     """How retrieved chunk caches are fused at query time.
 
     Attributes:
-        mode: one of ``full``, ``prefix``, ``reuse``, ``cacheblend``, ``attnlink``, ``probe``
-            (the default, `DEFAULT_MODE`).
+        mode: the name of a registered selector (`kvrag.fusion.available_modes`): the built-in
+            ``full``, ``prefix``, ``reuse``, ``cacheblend``, ``attnlink`` and ``probe`` (the default,
+            `DEFAULT_MODE`), or one added with `kvrag.fusion.register_selector`.
         ratio: the fraction of chunk tokens recomputed, in (0, 1]: ``cacheblend``'s target after
             its last check layer, ``probe``'s selection through every layer.
         check_layers: layers at which ``cacheblend`` ranks the selected tokens by the deviation of
@@ -95,9 +94,9 @@ class FuseConfig:
             ``"flex"`` (one decoder call per layer, its attention FlexAttention under a block mask;
             compiled on CUDA, an unfused reference elsewhere) or ``"auto"`` (the default: on CUDA,
             where it compiles and runs, ``flex`` for selections attending to at least
-            ``kvrag.fusion.fuse.FLEX_MIN_KEYS`` keys; ``blocks`` otherwise). Both are exact. FlexAttention
+            ``kvrag.fusion.attention.FLEX_MIN_KEYS`` keys; ``blocks`` otherwise). Both are exact. FlexAttention
             is compiled by the first fusion that uses it in a process, which is then slow.
-        adaptive: let the loading controller (`kvrag.loading.control`) plan fusions that load from the
+        adaptive: let the loading controller (`kvrag.query.plan`) plan fusions that load from the
             store: recompute the last chunks from their text when loading them would take longer
             than recomputing them, and raise ``cacheblend``'s ratio (up to its
             ceiling) while loading would still hide the recompute. ``ratio`` stays the floor. Plans
@@ -120,8 +119,11 @@ class FuseConfig:
             raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
         if self.score not in ("kv", "attention", "kv_attention"):
             raise ValueError(f"score must be 'kv', 'attention' or 'kv_attention', got {self.score!r}")
-        if self.mode not in FUSE_MODES:
-            raise ValueError(f"unknown fusion mode {self.mode!r}; expected one of {FUSE_MODES}")
+        # the registry is the one place mode names are spelled; it imports no torch
+        from kvrag.fusion.selectors.base import available_modes
+
+        if self.mode not in available_modes():
+            raise ValueError(f"unknown fusion mode {self.mode!r}; expected one of {available_modes()}")
         if not (isinstance(self.ratio, (int, float)) and 0.0 < float(self.ratio) <= 1.0):
             raise ValueError(f"ratio must be in (0, 1], got {self.ratio!r}")
         if not self.check_layers or any(c < 0 for c in self.check_layers):

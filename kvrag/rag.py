@@ -1,24 +1,26 @@
-"""`KVRag`: build an index of chunk caches, open it, retrieve, fuse and answer.
+"""`KVRag`: the facade over kvrag's pipeline. Build an index of chunk caches, open it, answer.
 
-This is the public entry point; it wires the pieces (split, embed, index, kvgen, codec, store,
-fuse, generate) and owns the per-index state that is computed once: the loaded model, the prompt
-layout and the prefix cache.
+Index time (`build`, `add`) runs `kvrag.indexing`: read, split, embed, compute caches, store. Question
+time (`answer`, `stream`, `prepare`) runs `kvrag.query.pipeline`: retrieve -> plan -> load -> fuse, then
+generates. The facade owns the per-index state that is computed once (the loaded model, the prompt
+layout, the prefix's KV and the loading controller's measurements) and hands it down as a
+`QueryContext`; no stage reaches back into it.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvrag.model import hf_compat
+from kvrag.codec.base import Codec, make_codec
+from kvrag.config import DEFAULT_MODE, FuseConfig, GenerateConfig, SplitConfig
+from kvrag.errors import CorruptChunkError, IndexMismatchError, InputError
+from kvrag.fusion import Selector
 from kvrag.indexing.build import (
     Builder,
     BuildStats,
@@ -27,88 +29,23 @@ from kvrag.indexing.build import (
     nearest_chunks,
     split_documents,
 )
-from kvrag.codec.base import Codec, make_codec
-from kvrag.config import DEFAULT_MODE, FuseConfig, GenerateConfig, SplitConfig
-from kvrag.loading.control import LoadController, LoadPlan, prompt_shape
 from kvrag.indexing.documents import Document, Loaded, load_documents
 from kvrag.indexing.embed import Embedder
-from kvrag.errors import CorruptChunkError, IndexMismatchError, InputError
-from kvrag.loading.feed import StoreFeed
-from kvrag.fusion.fuse import FusionInput, FusionResult, Selector, fuse
-from kvrag.generation.decode import TextStreamer, decode_tokens, eos_ids
-from kvrag.storage.chunk_index import ChunkIndex, ChunkRecord
 from kvrag.indexing.kvgen import KV, PrefixCache, chunk_caches, lead_key, prefix_cache
+from kvrag.indexing.manifest import check_format, check_model, new_manifest
 from kvrag.model import LoadedModel, load_model
-from kvrag.prompt import (
-    DEFAULT_INSTRUCTION,
-    PromptLayout,
-    build_layout,
-    chunk_token_ids,
-    prompt_text,
-    suffix_token_ids,
-)
-from kvrag.storage.store import KVStore, make_store
+from kvrag.prompt import DEFAULT_INSTRUCTION, PromptLayout, build_layout, chunk_token_ids, prompt_text
+from kvrag.query import pipeline
+from kvrag.query.answer import Answer, RetrievedChunk
+from kvrag.query.pipeline import FusedPrompt, QueryContext
+from kvrag.query.plan import LoadController
+from kvrag.storage.chunk_index import ChunkIndex
+from kvrag.storage.kvstore import KVStore
+from kvrag.storage.stores import make_store
 
 log = logging.getLogger(__name__)
-FORMAT_VERSION = 1
 
-
-@dataclass(frozen=True)
-class RetrievedChunk:
-    """A chunk used for an answer: its key, text, retrieval score and origin."""
-
-    key: str
-    text: str
-    score: float
-    doc_id: str
-    source: str
-    seq: int
-
-    @classmethod
-    def from_record(cls, record: ChunkRecord, score: float = math.nan) -> RetrievedChunk:
-        return cls(record.key, record.text, score, record.doc_id, record.source, record.seq)
-
-
-@dataclass
-class Answer:
-    """An answer with the chunks it used and where the time to first token went."""
-
-    text: str
-    mode: str
-    ratio: float
-    ttft_s: float
-    chunks: list[RetrievedChunk]
-    timings: dict[str, float] = field(default_factory=dict)
-    token_ids: list[int] = field(default_factory=list)
-    n_prompt_tokens: int = 0
-    recompute_fraction: float = 0.0
-    score_nll: float = math.nan  # teacher-forced NLL of ``score_ids`` under this fusion, when asked
-    token_logprobs: list[float] = field(default_factory=list)  # log-probability of each generated token
-    load_plan: LoadPlan | None = None  # the loading controller's plan, for an adaptive fusion
-
-    def to_json(self) -> dict[str, Any]:
-        out = {
-            "answer": self.text, "mode": self.mode, "ratio": self.ratio, "ttft_s": self.ttft_s,
-            "timings": self.timings, "prompt_tokens": self.n_prompt_tokens,
-            "recompute_fraction": self.recompute_fraction,
-            "chunks": [{"key": c.key, "score": c.score, "doc_id": c.doc_id, "source": c.source}
-                       for c in self.chunks],
-        }
-        if self.load_plan is not None:
-            out["load_plan"] = self.load_plan.to_json()
-        return out
-
-
-def _library_versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {}
-    for name in ("kvrag", "torch", "transformers", "faiss-cpu", "sentence-transformers"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            continue
-    return out
+__all__ = ["Answer", "FusedPrompt", "KVRag", "RetrievedChunk"]
 
 
 class KVRag:
@@ -129,6 +66,7 @@ class KVRag:
         self.batch_tokens = batch_tokens
         self.neighbour_context, self.neighbour_kv = neighbour_context, neighbour_kv
         self._prefix: PrefixCache | None = None
+        self._context: QueryContext | None = None
         self.last_answer: Answer | None = None
         self.controller = LoadController()  # throughputs of this index's fusions (`FuseConfig.adaptive`)
 
@@ -206,19 +144,8 @@ class KVRag:
         lm = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
         embedder = Embedder(embedder_name, device=device)
         layout = build_layout(lm.tokenizer, instruction, question_tail)
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "library_versions": _library_versions(),
-            "model": {"source": lm.source, "fingerprint": lm.fingerprint, "spec": asdict(lm.spec)},
-            "embedder": embedder.name,
-            "codec": codec.params(),
-            "split": asdict(split),
-            "prompt": layout.to_json(),
-            "batch_tokens": batch_tokens,
-            "neighbour_context": neighbour_context,
-            "neighbour_kv": neighbour_kv,
-        }
+        manifest = new_manifest(lm, embedder.name, codec, split, layout, batch_tokens, neighbour_context,
+                                neighbour_kv)
         index = ChunkIndex.create(path, manifest, embedder.dim, index_kind)
         return cls(path, index, lm, embedder, codec, layout, batch_tokens, neighbour_context, neighbour_kv)
 
@@ -234,19 +161,14 @@ class KVRag:
         path = Path(path)
         index = ChunkIndex.open(path)
         manifest = index.manifest
-        if manifest.get("format_version") != FORMAT_VERSION:
-            raise IndexMismatchError(
-                f"index format {manifest.get('format_version')!r} at {path}; this kvrag reads {FORMAT_VERSION}")
+        check_format(manifest, path)
         stored = manifest["model"]
         if isinstance(model, LoadedModel):
             lm = model
         else:
             dtype = dtype or stored["spec"]["dtype"]
             lm = load_model(model or stored["source"], dtype=dtype, device=device)
-        if lm.fingerprint != stored["fingerprint"]:
-            raise IndexMismatchError(
-                f"index {path} was built with model {stored['source']!r} (fingerprint "
-                f"{stored['fingerprint']}), but the model given is {lm.source!r} (fingerprint {lm.fingerprint})")
+        check_model(manifest, lm, path)
         codec = make_codec(manifest["codec"]["name"], manifest["codec"].get("level"))
         if codec.needs_fit:
             codec.load_state(path / "codec")
@@ -314,20 +236,22 @@ class KVRag:
 
     # -- query ------------------------------------------------------------------------------
 
+    @property
+    def context(self) -> QueryContext:
+        """What the question-time stages read, built once per opened index."""
+        if self._context is None:
+            self._context = QueryContext(self.lm, self.index, self.embedder, self.kvstore, self.layout,
+                                         self.prefix, self.neighbour_context, self.controller,
+                                         lambda chunk, first: self._recompute_chunk(chunk, lead=first))
+        return self._context
+
     def retrieve(self, question: str, k: int = 4) -> list[RetrievedChunk]:
         """The ``k`` chunks most similar to ``question``, best first (all of them if fewer)."""
-        _check_question(question)
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"k must be a positive int, got {k!r}")
-        if k > len(self.index):
-            log.info("k=%d is larger than the index (%d chunks); using all of them", k, len(self.index))
-        hits = self.index.search(self.embedder.encode_query(question), k)
-        return [RetrievedChunk.from_record(rec, float(score)) for rec, score in hits]
+        return pipeline.retrieve(self.context, question, k)
 
     def resolve_chunks(self, chunks: Sequence[str | RetrievedChunk]) -> list[RetrievedChunk]:
         """Chunk keys (or chunks) to `RetrievedChunk`s; unknown keys raise KeyError naming the key."""
-        return [c if isinstance(c, RetrievedChunk) else RetrievedChunk.from_record(self.index.get(c))
-                for c in chunks]
+        return pipeline.resolve_chunks(self.index, chunks)
 
     def prompt_text(self, question: str, chunks: Sequence[str | RetrievedChunk]) -> str:
         """The flat prompt string that `answer` feeds the model for these chunks."""
@@ -354,100 +278,46 @@ class KVRag:
         self.kvstore.put(key, kv[0].cpu(), kv[1].cpu())
         return kv
 
-    def _prompt_ids(self, question: str, chunks: list[RetrievedChunk]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The chunks' and the question suffix's token ids, checked against the context window."""
-        suffix = suffix_token_ids(self.lm.tokenizer, self.layout, question)
-        chunk_ids = [torch.tensor(chunk_token_ids(self.lm.tokenizer, c.text)) for c in chunks]
-        total = self.prefix.length + sum(int(c.numel()) for c in chunk_ids) + len(suffix)
-        if total >= self.lm.spec.max_position:
-            raise InputError(
-                f"the prompt has {total} tokens but the model's context window is "
-                f"{self.lm.spec.max_position}; use fewer or smaller chunks (k) or a shorter question")
-        return chunk_ids, torch.tensor(suffix)
+    def prepare(self, question: str, k: int = 4, mode: str = DEFAULT_MODE, ratio: float = 0.15, *,
+                chunks: Sequence[str | RetrievedChunk] | None = None, fuse_config: FuseConfig | None = None,
+                caches: Sequence[KV | None] | None = None, first_exact: bool = True,
+                selector: Selector | None = None) -> FusedPrompt:
+        """Retrieve, load and fuse, stopping before generation: the fused prompt can then generate
+        (`FusedPrompt.generate`, `FusedPrompt.stream`) and score given tokens on the same cache
+        (`FusedPrompt.nll`, `FusedPrompt.teacher_logprobs`). Arguments as in `answer`.
 
-    def _fusion_input(self, chunks: list[RetrievedChunk], chunk_ids: list[torch.Tensor], suffix: torch.Tensor,
-                      mode: str, caches: Sequence[KV | None] | None = None,
-                      from_text: Sequence[int] = (), first_exact: bool = True) -> FusionInput:
-        """The fusion input: ``caches`` when given, else the stored caches through a `StoreFeed`
-        (chunks in ``from_text`` recomputed from their text instead).
+        Example:
+            >>> fused = rag.prepare("Who designed the bridge?", k=4)  # doctest: +SKIP
+            >>> answer = fused.generate()  # doctest: +SKIP
+            >>> fused.nll(reference_token_ids)  # doctest: +SKIP
         """
-        if mode == "full":
-            return FusionInput(self.prefix, chunk_ids, [None] * len(chunks), suffix)
-        if caches is not None:
-            return FusionInput(self.prefix, chunk_ids, list(caches), suffix, first_exact)
-        # with neighbour context the first chunk reads its plain cache, which is exact where it stands
-        keys: list[str | None] = [
-            None if j in from_text else lead_key(c.key) if j == 0 and self.neighbour_context else c.key
-            for j, c in enumerate(chunks)]
-        feed = StoreFeed(self.kvstore, keys, [int(c.numel()) for c in chunk_ids],
-                         self.lm.spec.n_layers, self.lm.device, self.prefix.kv[0][0].dtype,
-                         recover=lambda j: self._recompute_chunk(chunks[j], lead=j == 0))
-        return FusionInput(self.prefix, chunk_ids, feed, suffix)
-
-    def _prepare(self, question: str, k: int, chunks: Sequence[str | RetrievedChunk] | None,
-                 fuse_config: FuseConfig, caches: Sequence[KV | None] | None = None,
-                 selector: Selector | None = None, first_exact: bool = True,
-                 ) -> tuple[list[RetrievedChunk], FusionInput, FusionResult, dict[str, float], LoadPlan | None]:
-        _check_question(question)
-        if caches is not None and chunks is None:
-            raise ValueError("caches= needs chunks= (one cache per chunk, in the same order)")
-        if not first_exact and caches is None:
-            raise ValueError("first_exact=False describes caches= given by the caller; the index's own caches "
-                             "know where they were computed")
-        t0 = time.perf_counter()
-        used = self.retrieve(question, k) if chunks is None else self.resolve_chunks(chunks)
-        if caches is not None and len(caches) != len(used):
-            raise ValueError(f"caches has {len(caches)} entries but chunks has {len(used)}; give one per chunk")
-        t1 = time.perf_counter()
-        chunk_ids, suffix = self._prompt_ids(question, used)
-        shape = prompt_shape(self.lm, [int(c.numel()) for c in chunk_ids], int(suffix.numel()), self.prefix.length)
-        plan = None
-        if caches is None and fuse_config.mode != "full":  # loads from the store: the controller may plan
-            fuse_config, plan = self.controller.adapt(fuse_config, shape)
-        from_text = plan.from_text if plan is not None else ()
-        inp = self._fusion_input(used, chunk_ids, suffix, fuse_config.mode, caches, from_text, first_exact)
-        t2 = time.perf_counter()
-        fused = fuse(self.lm, inp, fuse_config, selector)
-        if isinstance(inp.chunk_kv, StoreFeed) and selector is None:
-            if self.lm.device.type == "cuda":  # the fusion's kernels, finished, for its measured time
-                torch.cuda.synchronize(self.lm.device)
-            self.controller.observe(fuse_config, shape, from_text, fused.n_selected,
-                                    time.perf_counter() - t2 - fused.load_wait_s, inp.chunk_kv.decode_s)
-        # Layers load while fusion runs: load_s is opening the chunk files plus the time fusion waited
-        # for a layer (loading that recompute did not hide); fuse_s is the rest.
-        timings = {"retrieve_s": t1 - t0, "load_s": t2 - t1 + fused.load_wait_s,
-                   "fuse_s": fused.fuse_s - fused.load_wait_s}
-        return used, inp, fused, timings, plan
+        config = fuse_config or FuseConfig(mode=mode, ratio=ratio)
+        return pipeline.prepare(self.context, question, k, chunks, config, caches, selector, first_exact)
 
     def stream(self, question: str, k: int = 4, mode: str = DEFAULT_MODE, ratio: float = 0.15, *,
                chunks: Sequence[str | RetrievedChunk] | None = None, max_new_tokens: int = 64,
                temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] = (),
                seed: int | None = None, fuse_config: FuseConfig | None = None,
-               score_ids: Sequence[int] | None = None,
                caches: Sequence[KV | None] | None = None, first_exact: bool = True,
                selector: Selector | None = None) -> Iterator[str]:
         """Yield the answer's text as it is generated; `last_answer` holds the full `Answer` after.
 
         Args mirror `answer`.
         """
-        fcfg = fuse_config or FuseConfig(mode=mode, ratio=ratio)
-        gcfg = GenerateConfig(max_new_tokens, temperature, top_p, tuple(stop), seed)
-        t0 = time.perf_counter()
-        used, inp, fused, timings, plan = self._prepare(question, k, chunks, fcfg, caches, selector, first_exact)
-        answer = Answer("", fcfg.mode, fcfg.ratio if plan is None else plan.ratio, math.nan, used, timings,
-                        n_prompt_tokens=fused.n_tokens, recompute_fraction=fused.recompute_fraction,
-                        load_plan=plan)
-        self.last_answer = answer
-        yield from stream_into(answer, self.lm, fused.cache, fused.logits, fused.n_tokens, gcfg, t0)
-        if score_ids:
-            hf_compat.crop_cache(fused.cache, fused.n_tokens)  # back to the fused prompt alone
-            answer.score_nll = _mean_nll(self._teacher_logprobs(fused, score_ids), score_ids)
+        generate = GenerateConfig(max_new_tokens, temperature, top_p, tuple(stop), seed)
+        fused = self.prepare(question, k, mode, ratio, chunks=chunks, fuse_config=fuse_config, caches=caches,
+                             first_exact=first_exact, selector=selector)
+        pieces = fused.stream(generate)
+        first = next(pieces, None)  # the Answer exists once decoding starts
+        self.last_answer = fused.answer
+        if first is not None:
+            yield first
+            yield from pieces
 
     def answer(self, question: str, k: int = 4, mode: str = DEFAULT_MODE, ratio: float = 0.15, *,
                chunks: Sequence[str | RetrievedChunk] | None = None, max_new_tokens: int = 64,
                temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] = (),
                seed: int | None = None, fuse_config: FuseConfig | None = None,
-               score_ids: Sequence[int] | None = None,
                caches: Sequence[KV | None] | None = None, first_exact: bool = True,
                selector: Selector | None = None) -> Answer:
         """Retrieve ``k`` chunks (or use ``chunks``), fuse their caches and generate an answer.
@@ -455,21 +325,20 @@ class KVRag:
         Args:
             question: the question (non-empty).
             k: chunks to retrieve; more than the index holds uses all of them.
-            mode: ``full``, ``prefix``, ``reuse``, ``cacheblend``, ``probe`` (the default) or ``attnlink``.
+            mode: a fusion mode (`kvrag.fusion.available_modes`); ``probe`` by default, ``full``
+                recomputes everything.
             ratio: ``cacheblend``'s or ``probe``'s recompute ratio in (0, 1].
             chunks: chunk keys to use instead of retrieving (the direct path).
             max_new_tokens, temperature, top_p, stop, seed: decoding (greedy by default).
             fuse_config: full control over fusion (overrides ``mode`` and ``ratio``).
-            score_ids: token ids whose teacher-forced NLL under this same fusion is measured after
-                decoding (``Answer.score_nll``; equals `nll` without fusing a second time).
             caches: one entry per chunk of ``chunks``: pre-RoPE ``(keys, values)``, each ``[L, H, n, D]``,
                 fused instead of the stored cache (e.g. caches round-tripped through a codec, or produced
                 elsewhere), or None to recompute that chunk; ``full`` recomputes every chunk anyway.
             first_exact: whether ``caches``' first entry was computed right after the index's prompt
                 prefix, where the prompt places it: then it is exact and no selector recomputes it. Pass
                 False for caches computed any other way (e.g. each chunk on its own from position 0).
-            selector: a `kvrag.fusion.fuse.Selector` that chooses the recomputed positions instead of the one
-                ``mode`` names (e.g. `kvrag.fusion.fuse.FixedSelector`); ``mode`` still decides which caches load.
+            selector: a `kvrag.fusion.Selector` that chooses the recomputed positions instead of the one
+                ``mode`` names (e.g. `kvrag.fusion.FixedSelector`); ``mode`` still decides which caches load.
 
         Returns:
             `Answer` with the text, TTFT and its breakdown, and the chunks used.
@@ -478,19 +347,18 @@ class KVRag:
             ValueError: ``caches`` without ``chunks``, or not one entry per chunk; ``first_exact=False``
                 without ``caches``.
         """
-        for _ in self.stream(question, k, mode, ratio, chunks=chunks, max_new_tokens=max_new_tokens,
-                             temperature=temperature, top_p=top_p, stop=stop, seed=seed,
-                             fuse_config=fuse_config, score_ids=score_ids, caches=caches,
-                             first_exact=first_exact, selector=selector):
-            pass
-        assert self.last_answer is not None
+        generate = GenerateConfig(max_new_tokens, temperature, top_p, tuple(stop), seed)
+        fused = self.prepare(question, k, mode, ratio, chunks=chunks, fuse_config=fuse_config, caches=caches,
+                             first_exact=first_exact, selector=selector)
+        self.last_answer = fused.generate(generate)
         return self.last_answer
 
     def nll(self, question: str, target_ids: Sequence[int], chunks: Sequence[str | RetrievedChunk],
             mode: str = "full", ratio: float = 0.15, fuse_config: FuseConfig | None = None) -> float:
         """Mean teacher-forced negative log-likelihood of ``target_ids`` after the fused prompt."""
-        logprobs = self.teacher_logprobs(question, target_ids, chunks, mode, ratio, fuse_config)
-        return _mean_nll(logprobs, target_ids)
+        if not target_ids:
+            raise ValueError("target_ids is empty")
+        return self.prepare(question, len(chunks), mode, ratio, chunks=chunks, fuse_config=fuse_config).nll(target_ids)
 
     def teacher_logprobs(self, question: str, target_ids: Sequence[int], chunks: Sequence[str | RetrievedChunk],
                          mode: str = "full", ratio: float = 0.15, fuse_config: FuseConfig | None = None
@@ -503,22 +371,8 @@ class KVRag:
         """
         if not target_ids:
             raise ValueError("target_ids is empty")
-        fcfg = fuse_config or FuseConfig(mode=mode, ratio=ratio)
-        _, _, fused, _, _ = self._prepare(question, len(chunks), chunks, fcfg)
-        return self._teacher_logprobs(fused, target_ids)
-
-    def _teacher_logprobs(self, fused: FusionResult, target_ids: Sequence[int]) -> torch.Tensor:
-        """Log-softmax rows for ``target_ids`` fed after the fused prompt (the cache must hold just the prompt)."""
-        device = fused.logits.device
-        target = torch.tensor(list(target_ids), device=device)
-        logits = [fused.logits[None]]
-        if len(target) > 1:
-            pos = torch.arange(fused.n_tokens, fused.n_tokens + len(target) - 1, device=device)
-            with torch.no_grad():
-                out = self.lm.model(input_ids=target[None, :-1], position_ids=pos[None],
-                                    past_key_values=fused.cache, use_cache=True)
-            logits.append(out.logits[0].float())
-        return torch.log_softmax(torch.cat(logits), dim=-1)
+        fused = self.prepare(question, len(chunks), mode, ratio, chunks=chunks, fuse_config=fuse_config)
+        return fused.teacher_logprobs(target_ids)
 
     def close(self) -> None:
         self.index.close()
@@ -529,39 +383,3 @@ class KVRag:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def stream_into(answer: Answer, lm: LoadedModel, cache: Any, logits: torch.Tensor, n_tokens: int,
-                gcfg: GenerateConfig, t0: float) -> Iterator[str]:
-    """Decode from a fused cache into ``answer`` (token ids, TTFT since ``t0``, text), yielding text."""
-    streamer = TextStreamer(lm.tokenizer, gcfg.stop)
-    stop_ids = eos_ids(lm.model, lm.tokenizer)
-    for token in decode_tokens(lm.model, cache, logits, n_tokens, gcfg, stop_ids, answer.token_logprobs):
-        if not answer.token_ids:
-            answer.ttft_s = time.perf_counter() - t0
-        answer.token_ids.append(token)
-        delta = streamer.push(token)
-        if delta:
-            yield delta
-        if streamer.stopped:
-            break
-    if math.isnan(answer.ttft_s):
-        answer.ttft_s = time.perf_counter() - t0
-    tail = streamer.flush()
-    if tail:
-        yield tail
-    answer.text = streamer.emitted.strip()
-    answer.timings["total_s"] = time.perf_counter() - t0
-
-
-def _mean_nll(logprobs: torch.Tensor, target_ids: Sequence[int]) -> float:
-    """Mean negative log-probability of ``target_ids`` under `KVRag.teacher_logprobs` rows."""
-    target = torch.tensor(list(target_ids), device=logprobs.device)
-    return float(-logprobs.gather(1, target[:, None]).mean())
-
-
-def _check_question(question: str) -> None:
-    if not isinstance(question, str):
-        raise TypeError(f"question must be a str, got {type(question).__name__}")
-    if not question.strip():
-        raise InputError("question is empty")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvrag.bench.common import parse_modes
-from kvrag.bench.quality import passage_keys
+from kvrag.bench.qa_data import passage_keys
 from kvrag.cli import main
 from kvrag.prompt import chunk_token_ids
 
@@ -232,7 +232,7 @@ def test_bench_quality_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
 
 def test_bench_codec_answer_effect_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
     from kvrag import KVRag, SplitConfig
-    from kvrag.bench.quality import load_questions, passage_documents
+    from kvrag.bench.qa_data import load_questions, passage_documents
 
     data = _qa_file(tmp_path / "q.jsonl")
     split = SplitConfig(mode="document", max_tokens=2048, min_tokens=0)
@@ -312,7 +312,7 @@ def test_bench_deviation_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
 
 def test_oracle_picks_the_tokens_whose_stored_cache_deviates_most(tmp_path: Path, tiny_model_dir: Path) -> None:
     from kvrag.bench.deviation import oracle_positions
-    from kvrag.bench.quality import build_index, load_questions
+    from kvrag.bench.qa_data import build_index, load_questions
 
     items = load_questions(_qa_file(tmp_path / "q.jsonl"), 1)
     args = argparse.Namespace(model=str(tiny_model_dir), device="cpu", max_chunk_tokens=2048)
@@ -347,7 +347,7 @@ def test_departures_script_on_a_tiny_run(tmp_path: Path, tiny_model_dir: Path) -
                "full,reuse,attnlink@1", "--max-new-tokens", "6", "--warmup", "0", "--device", "cpu",
                "--index", str(index), "--out", str(out)])
     assert rc == 0
-    script = Path(__file__).resolve().parents[1] / "scripts" / "departures.py"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "experiments" / "departures.py"
     result, again = tmp_path / "departures.json", tmp_path / "again.json"
     again.write_text((out / "quality.json").read_text())  # a second run with the same full answers
     subprocess.run([sys.executable, str(script), "--quality", str(out / "quality.json"), str(again), "--index",
@@ -368,7 +368,7 @@ def test_departures_script_on_a_tiny_run(tmp_path: Path, tiny_model_dir: Path) -
     assert first["reuse"]["departures"] == sum(s is not None for (_, mode), s in expected.items() if mode == "reuse")
     assert result.with_suffix(".md").read_text().count("\n|") >= 6
     # the paired comparison of the same run, alone and pooled with its copy (each question counted once)
-    paired = Path(__file__).resolve().parents[1] / "scripts" / "paired.py"
+    paired = Path(__file__).resolve().parents[1] / "benchmarks" / "experiments" / "paired.py"
     for extra in ([], ["--pool"]):
         shown = subprocess.run([sys.executable, str(paired), str(out / "quality.json"), str(again), *extra],
                                check=True, capture_output=True, text=True).stdout
@@ -381,7 +381,7 @@ def test_departures_script_on_a_tiny_run(tmp_path: Path, tiny_model_dir: Path) -
 def _script(name: str) -> Any:
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "experiments" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -389,43 +389,8 @@ def _script(name: str) -> Any:
     return module
 
 
-def test_context_sensitivity_counts_the_changed_rows_above_the_first_layer() -> None:
-    sensitivity = _script("selection_oracles").sensitivity
-    plain = (torch.ones(3, 2, 4, 5), torch.full((3, 2, 4, 5), 2.0))  # squared norms per token: K 10, V 40
-    context = (plain[0].clone(), plain[1].clone())
-    context[0][0, :, 1] = 9.0  # layer 0: below the first layer counted
-    context[0][2, 0, 2, 0] = 3.0  # layer 2, token 2: squared K change 4, relative 0.4
-    context[1][1, 1, 3] = 0.0  # layer 1, token 3: squared V change 20, relative 0.5
-    assert sensitivity(context, plain, 1).tolist() == pytest.approx([0.0, 0.0, 0.4, 0.5])
-    assert sensitivity(plain, plain, 0).abs().sum().item() == 0.0
-
-
-def test_selection_oracles_script_on_a_tiny_run(tmp_path: Path, tiny_model_dir: Path) -> None:
-    import subprocess
-    import sys
-
-    data, out, index = _qa_file(tmp_path / "q.jsonl"), tmp_path / "out", tmp_path / "idx"
-    rc = main(["bench", "quality", "--data", str(data), "--model", str(tiny_model_dir), "--n", "2", "--modes",
-               "full,probe@0.15", "--max-new-tokens", "4", "--warmup", "0", "--device", "cpu",
-               "--neighbour-context", "1", "--index", str(index), "--out", str(out)])
-    assert rc == 0
-    script = Path(__file__).resolve().parents[1] / "scripts" / "selection_oracles.py"
-    result = tmp_path / "oracles.json"
-    subprocess.run([sys.executable, str(script), "--data", str(data), "--index", str(index), "--quality",
-                    str(out / "quality.json"), "--n", "2", "--threads", "1", "--out", str(result)],
-                   check=True, capture_output=True)
-    payload = json.loads(result.read_text())
-    run = {r["id"]: r for r in json.loads((out / "quality.json").read_text())["rows"] if r["mode"] == "probe@0.15"}
-    assert [r["id"] for r in payload["rows"]] == ["q0", "q1"]
-    for row in payload["rows"]:
-        assert row["probe@0.15"] == run[row["id"]]["agreement"]
-        assert 0.0 <= row["att*dev"] <= 1.0 and 0.0 <= row["att*sens"] <= 1.0
-        assert math.isfinite(row["att*dev_delta_nll"]) and math.isfinite(row["att*sens_delta_nll"])
-    assert set(payload["summary"]) == {"probe@0.15", "att*dev", "att*sens"}
-
-
 def test_pool_documents_reads_qa_and_corpus_files_each_text_once(tmp_path: Path) -> None:
-    from kvrag.bench.quality import passage_text, pool_documents
+    from kvrag.bench.qa_data import passage_text, pool_documents
 
     qa = _qa_file(tmp_path / "q.jsonl")
     corpus = tmp_path / "corpus.json"

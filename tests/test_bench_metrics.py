@@ -89,7 +89,7 @@ def test_bootstrap_interval_of_the_mean() -> None:
 
 
 def test_paired_comparison_with_reuse_and_its_verdict() -> None:
-    from kvrag.bench.quality import paired
+    from kvrag.bench.quality_report import paired
 
     def row(qid: int, mode: str, agreement: float, delta_nll: float) -> dict:
         return {"id": str(qid), "mode": mode, "agreement": agreement, "delta_nll": delta_nll}
@@ -136,39 +136,3 @@ def test_mode_specs_with_a_cacheblend_score():
         parse_mode("probe@0.1/1.5")
 
 
-def test_experiment_scripts_read_a_quality_run_by_question_and_mode(tmp_path) -> None:
-    import json
-
-    from kvrag.bench.quality import experiment_parser, load_run
-
-    rows = [{"id": "q1", "mode": "full", "answer": "a"}, {"id": "q1", "mode": "probe@0.15", "answer": "b"}]
-    path = tmp_path / "quality.json"
-    path.write_text(json.dumps({"rows": rows}))
-    assert load_run(path) == {("q1", "full"): rows[0], ("q1", "probe@0.15"): rows[1]}
-    args = experiment_parser("First line.\nMore.", 8, "out.json", "a run").parse_args(
-        ["--data", "d.jsonl", "--index", "idx", "--quality", str(path)])
-    assert (args.n, args.threads, args.out, args.quality) == (8, 2, "out.json", str(path))
-    with pytest.raises(SystemExit):  # --quality is required when the script compares with a run
-        experiment_parser("Doc.", 8, "out.json", "a run").parse_args(["--data", "d", "--index", "i"])
-    assert not hasattr(experiment_parser("Doc.", 3, "o").parse_args(["--data", "d", "--index", "i"]), "quality")
-
-
-def test_experiment_rows_compare_an_answer_with_full_and_summarise_by_mode() -> None:
-    from types import SimpleNamespace
-
-    from kvrag.bench.quality import mean_summary, row_against_full
-
-    full = {"answer": "the river Thames", "token_ids": [5, 6, 7], "nll_full_answer": 0.5}
-    item = {"id": "q1"}
-    same = SimpleNamespace(text="the river Thames", token_ids=(5, 6, 7), score_nll=0.5, recompute_fraction=0.2,
-                           ttft_s=0.1)
-    other = SimpleNamespace(text="river Severn", token_ids=(8, 6), score_nll=0.9, recompute_fraction=0.4, ttft_s=0.3)
-    a, b = row_against_full(item, "probe@0.15", same, full), row_against_full(item, "reuse", other, full)
-    assert (a["id"], a["mode"], a["agreement"], a["first_token_agreement"], a["delta_nll"]) == (
-        "q1", "probe@0.15", 1.0, 1.0, 0.0)
-    assert b["agreement"] == pytest.approx(0.5)  # "river" of 2 tokens each way
-    assert b["first_token_agreement"] == 0.0 and b["delta_nll"] == pytest.approx(0.4)
-    c = {**b, "delta_nll": -0.2, "agreement": 0.0, "recompute_fraction": 0.2}
-    summary = mean_summary([a, b, c], ["probe@0.15", "reuse"])
-    assert summary["probe@0.15"] == {"agreement": 1.0, "mean_abs_delta_nll": 0.0, "recompute_fraction": 0.2}
-    assert summary["reuse"] == pytest.approx({"agreement": 0.25, "mean_abs_delta_nll": 0.3, "recompute_fraction": 0.3})

@@ -345,7 +345,7 @@ def test_cachegen_rejects_bad_input(fitted: CacheGenCodec) -> None:
 @pytest.mark.parametrize("seq", [0, 5, 37])
 def test_cachegen_layer_symbols_match_a_plain_reference(fitted: CacheGenCodec, seq: int) -> None:
     """The numba symbol builder against the format written out in numpy, escapes included."""
-    from kvrag.codec.cachegen import _layer_symbols
+    from kvrag.codec.cachegen_format import layer_symbols
 
     plan = fitted._require_fit("test").tables(fitted.level).plans[1]
     rng = np.random.default_rng(seq)
@@ -361,7 +361,7 @@ def test_cachegen_layer_symbols_match_a_plain_reference(fitted: CacheGenCodec, s
                     digits[n_tuples * k :]]
         run_len += [n_tuples, seg.size - n_tuples * k]
         escaped.append(seg[np.abs(seg) > e])
-    got = _layer_symbols(*codes, plan.kind, plan.col0, plan.width, plan.radius, plan.k)
+    got = layer_symbols(*codes, plan.kind, plan.col0, plan.width, plan.radius, plan.k)
     assert got[0].tolist() == np.concatenate(symbols).tolist() and got[1].tolist() == run_len
     assert got[2].tolist() == np.concatenate(escaped).tolist() and (seq == 0 or got[2].size > 0)
 
@@ -485,8 +485,8 @@ def test_cachegen_on_real_smollm2_kv(smollm2) -> None:
     """Real pre-RoPE caches of SmolLM2: size target (<= 2.67 bits/element) and small error."""
     from conftest import DATA
 
-    from kvrag.storage.container import encode_chunk
     from kvrag.indexing.kvgen import chunk_caches, prefix_cache
+    from kvrag.storage.container import encode_chunk
 
     rows = [json.loads(line) for line in (DATA / "qa" / "musique_cacheblend_dev75.jsonl").open()]
     texts = [c["text"] for r in rows[:4] for c in r["ctxs"]][:30]

@@ -20,9 +20,10 @@ from test_codec import D, H, L, synthetic_kv
 
 from kvrag.codec import make_codec
 from kvrag.codec.base import Codec
-from kvrag.storage.container import MAGIC, ChunkReader, encode_chunk
 from kvrag.errors import CorruptChunkError
-from kvrag.storage.store import KVStore, MemoryStore, level_key, make_store
+from kvrag.storage.container import MAGIC, ChunkReader, encode_chunk
+from kvrag.storage.kvstore import KVStore, level_key
+from kvrag.storage.stores import MemoryStore, make_store
 
 KEY = "0123456789abcdef0123456789abcdef01234567"
 FP = "model-fingerprint"

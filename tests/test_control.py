@@ -13,8 +13,9 @@ import torch
 from kvrag import FuseConfig, KVRag, SplitConfig
 from kvrag.bench.common import parse_mode
 from kvrag.codec.base import make_codec
-from kvrag.loading.control import LoadController, LoadPlan, fusion_shape, half_cost_keys, prompt_shape
-from kvrag.storage.store import KVStore, MemoryStore, ThrottledStore
+from kvrag.query.plan import LoadController, LoadPlan, fusion_shape, half_cost_keys, prompt_shape
+from kvrag.storage.kvstore import KVStore
+from kvrag.storage.stores import MemoryStore, ThrottledStore
 
 SHAPE = fusion_shape([100, 100, 100, 100], suffix_tokens=20, n_layers=10)
 

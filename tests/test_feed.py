@@ -6,13 +6,14 @@ import pytest
 import torch
 from test_fuse import _setup
 
-from kvrag.loading import extents
 from kvrag.codec.base import make_codec
 from kvrag.config import FuseConfig
 from kvrag.errors import CorruptChunkError
+from kvrag.fusion import FusionInput, fuse
+from kvrag.loading import extents
 from kvrag.loading.feed import StoreFeed, TensorFeed
-from kvrag.fusion.fuse import FusionInput, fuse
-from kvrag.storage.store import KVStore, make_store
+from kvrag.storage.kvstore import KVStore
+from kvrag.storage.stores import make_store
 
 LENS = (9, 14, 6)
 
@@ -74,7 +75,7 @@ def test_store_feed_decodes_planes_of_every_chunk_at_once_like_each_chunk(monkey
     """Encoded rows staged side by side (or packed per chunk and unpacked, the CUDA path) and decoded
     together, a chunk without cache zeroed and a corrupt one recomputed: what decoding each chunk's
     layer alone gives."""
-    import kvrag.loading.feed as feed_mod
+    import kvrag.loading.store_feed as feed_mod
 
     monkeypatch.setattr(feed_mod, "PACKED_STAGING_DEVICES", {"cuda", "cpu"} if packed else set())
     lm, _, _, kv, _ = setup
@@ -103,7 +104,7 @@ def test_store_feed_decodes_planes_of_every_chunk_at_once_like_each_chunk(monkey
 def test_packed_staging_puts_runs_of_equally_long_chunks_side_by_side(monkeypatch, tmp_path, codec, lens, batched):
     """Equally long chunks next to each other (one strided copy) or apart (an indexed copy), read in
     batches without the GIL (`kvrag.loading.extents`) or chunk by chunk where those cannot run."""
-    import kvrag.loading.feed as feed_mod
+    import kvrag.loading.store_feed as feed_mod
 
     monkeypatch.setattr(feed_mod, "PACKED_STAGING_DEVICES", {"cuda", "cpu"})
     if not batched:

@@ -8,10 +8,11 @@ import pytest
 import torch
 from conftest import ARCHS, tiny_model
 
-from kvrag.model import hf_compat
 from kvrag.config import FuseConfig
-from kvrag.fusion.fuse import FixedSelector, FusionInput, ProbeSelector, fuse
+from kvrag.fusion import FixedSelector, FusionInput, fuse
+from kvrag.fusion.selectors import ProbeSelector
 from kvrag.indexing.kvgen import chunk_caches, prefix_cache
+from kvrag.model import hf_compat
 from kvrag.model.loading import apply_rope, rope_at, unapply_rope, wrap_model
 
 CHUNK_LENS = (23, 17, 31, 12)
@@ -132,6 +133,43 @@ def test_a_fixed_selection_recomputes_exactly_those_positions(setup):
         fuse(lm, inp, FuseConfig(mode="reuse"), FixedSelector(torch.tensor([ids.numel()])))
 
 
+@pytest.mark.parametrize("kind", ["list", "tuple", "numpy", "tensor", "int32 tensor"])
+def test_a_fixed_selection_takes_any_sequence_of_positions(kind):
+    import numpy as np
+
+    from kvrag.fusion.inputs import segments
+
+    lm, prefix, chunks, kv, suffix = _setup("llama")
+    inp = FusionInput(prefix, chunks, kv, suffix)
+    picked = [prefix.length + 30, prefix.length + 2, prefix.length + 41]  # any order
+    given = {"list": picked, "tuple": tuple(picked), "numpy": np.array(picked),
+             "tensor": torch.tensor(picked), "int32 tensor": torch.tensor(picked, dtype=torch.int32)}[kind]
+    selector = FixedSelector(given)
+    mask = selector.initial(segments(inp))
+    assert mask.dtype == torch.bool
+    assert torch.equal(mask.nonzero().squeeze(1)[:3], torch.tensor(sorted(picked)))
+    result = fuse(lm, inp, FuseConfig(mode="reuse"), selector)
+    reference = fuse(lm, inp, FuseConfig(mode="reuse"), FixedSelector(torch.tensor(picked)))
+    assert torch.equal(result.logits, reference.logits) and torch.equal(result.selected, reference.selected)
+    assert FixedSelector([]).initial(segments(inp)).sum() == suffix.numel()  # only the forced tokens
+
+
+def test_every_registered_mode_builds_its_selector_and_names_are_unique():
+    from kvrag.fusion import Selector, available_modes, make_selector, register_selector
+    from kvrag.fusion.selectors import ReuseSelector
+
+    for mode in available_modes():
+        assert isinstance(make_selector(FuseConfig(mode=mode)), Selector)
+    with pytest.raises(ValueError, match="already registered"):
+        register_selector("reuse")(type("Other", (ReuseSelector,), {}))
+    register_selector("reuse")(ReuseSelector)  # the same class again changes nothing
+    with pytest.raises(ValueError, match="identifier"):
+        register_selector("cache@blend")
+    with pytest.raises(TypeError, match="Selector subclasses"):
+        register_selector("not_a_selector")(int)
+    assert "not_a_selector" not in available_modes()
+
+
 def test_missing_chunk_cache_is_recomputed_exactly(setup):
     lm, prefix, chunks, kv, suffix = setup
     ids = torch.cat([prefix.ids, chunks[0], chunks[1], suffix])
@@ -149,7 +187,7 @@ def _deviation(lm, inp, config, ref_cache) -> float:
 
 
 def test_kv_deviation_is_each_tokens_change_relative_to_the_fresh_rows_scale():
-    from kvrag.fusion.fuse import kv_deviation
+    from kvrag.fusion.scores import kv_deviation
 
     fresh_k = torch.ones(1, 2, 3, 4)  # each token's squared K norm: 8
     fresh_v = torch.full((1, 2, 3, 4), 2.0)  # each token's squared V norm: 32
@@ -193,7 +231,8 @@ def test_generation_from_fused_cache_matches_hf_generate(setup):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_suffix_attention_matches_the_models_attention_weights(arch):
-    from kvrag.fusion.fuse import question_attention, segments, suffix_attention
+    from kvrag.fusion.inputs import segments
+    from kvrag.fusion.scores import question_attention, suffix_attention
 
     lm, prefix, chunks, kv, suffix = _setup(arch)
     lm.model.config._attn_implementation = "eager"
@@ -228,14 +267,14 @@ def test_suffix_attention_matches_the_models_attention_weights(arch):
                                     FuseConfig(mode="attnlink", link_tokens=5), FuseConfig(mode="prefix")])
 def test_selected_tokens_run_in_causal_blocks_exactly(monkeypatch, arch, config):
     """Blocks of selected tokens that attend only up to their last position change nothing."""
-    import kvrag.fusion.fuse as fuse_mod
+    from kvrag.fusion import attention as attn
 
     lm, prefix, chunks, kv, suffix = _setup(arch, seed=5)
-    monkeypatch.setattr(fuse_mod, "ATTENTION_BLOCKS", 1)
+    monkeypatch.setattr(attn, "ATTENTION_BLOCKS", 1)
     one = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
-    monkeypatch.setattr(fuse_mod, "ATTENTION_BLOCKS", 4)
-    monkeypatch.setattr(fuse_mod, "MIN_BLOCK_TOKENS", 4)
-    assert len(fuse_mod._blocks(lm, one.selected, one.n_tokens, torch.float32, None, False)) == 4
+    monkeypatch.setattr(attn, "ATTENTION_BLOCKS", 4)
+    monkeypatch.setattr(attn, "MIN_BLOCK_TOKENS", 4)
+    assert len(attn.layer_blocks(lm, one.selected, one.n_tokens, torch.float32, None, False)) == 4
     blocked = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
     assert (blocked.logits - one.logits).abs().max().item() <= 1e-4
     assert torch.equal(blocked.selected, one.selected)
@@ -249,19 +288,19 @@ def test_a_selection_of_the_last_positions_runs_under_a_lower_right_causal_bias_
     """The bias SDPA applies by itself gives what the explicit masks give (the CUDA path, run here on the CPU)."""
     from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-    import kvrag.fusion.fuse as fuse_mod
+    from kvrag.fusion import attention as attn
 
     lm, prefix, chunks, kv, suffix = _setup(arch, seed=6)
     masked = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
-    monkeypatch.setattr(fuse_mod, "LOWER_RIGHT_DEVICES", {"cuda", "cpu"})
+    monkeypatch.setattr(attn, "LOWER_RIGHT_DEVICES", {"cuda", "cpu"})
     tail = torch.arange(prefix.length + len(chunks[0]), masked.n_tokens)
-    (blk,) = fuse_mod._blocks(lm, tail, masked.n_tokens, torch.float32, None, True)
+    (blk,) = attn.layer_blocks(lm, tail, masked.n_tokens, torch.float32, None, True)
     assert isinstance(blk[2], CausalBias) and blk[1] == masked.n_tokens
-    assert isinstance(fuse_mod._blocks(lm, tail[1:], masked.n_tokens, torch.float32, None, True)[0][2], CausalBias)
-    assert not isinstance(fuse_mod._blocks(lm, tail[:-1], masked.n_tokens, torch.float32, None, True)[0][2],
+    assert isinstance(attn.layer_blocks(lm, tail[1:], masked.n_tokens, torch.float32, None, True)[0][2], CausalBias)
+    assert not isinstance(attn.layer_blocks(lm, tail[:-1], masked.n_tokens, torch.float32, None, True)[0][2],
                           CausalBias)  # not ending at the last position
     made = []
-    monkeypatch.setattr(fuse_mod, "causal_lower_right", lambda *size: made.append(size) or causal_lower_right(*size))
+    monkeypatch.setattr(attn, "causal_lower_right", lambda *size: made.append(size) or causal_lower_right(*size))
     biased = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
     assert made  # fusion took the biased path
     assert (biased.logits - masked.logits).abs().max().item() <= 1e-4
@@ -274,7 +313,7 @@ def test_blocks_with_every_token_selected_equal_full_prefill_under_a_sliding_win
     import transformers as tf
     from conftest import _COMMON
 
-    import kvrag.fusion.fuse as fuse_mod
+    from kvrag.fusion import attention as attn
 
     torch.manual_seed(0)
     cfg = tf.MistralConfig(vocab_size=300, sliding_window=16, **_COMMON)
@@ -284,7 +323,7 @@ def test_blocks_with_every_token_selected_equal_full_prefill_under_a_sliding_win
     prefix = prefix_cache(lm, torch.randint(3, 300, (6,), generator=gen).tolist())
     chunks = [torch.randint(3, 300, (n,), generator=gen) for n in (20, 25)]
     suffix = torch.randint(3, 300, (7,), generator=gen)
-    monkeypatch.setattr(fuse_mod, "MIN_BLOCK_TOKENS", 4)
+    monkeypatch.setattr(attn, "MIN_BLOCK_TOKENS", 4)
     result = fuse(lm, FusionInput(prefix, chunks, [None, None], suffix), FuseConfig(mode="full"))
     ids = torch.cat([prefix.ids, *chunks, suffix])
     assert (result.logits - _reference_logits(lm, ids)).abs().max().item() <= 1e-4
@@ -368,20 +407,20 @@ def test_a_scattered_selection_runs_in_one_call_per_layer_exactly(monkeypatch, a
     unfused FlexAttention the CPU runs) gives what the masked blocks give."""
     import dataclasses
 
-    import kvrag.fusion.fuse as fuse_mod
+    from kvrag.fusion import attention as attn
     from kvrag.fusion.scatter_attention import ScatterBias
 
     lm, prefix, chunks, kv, suffix = _setup(arch, seed=7)
     blocks = fuse(lm, FusionInput(prefix, chunks, kv, suffix), dataclasses.replace(config, attention="blocks"))
     biases = []
-    real = fuse_mod._blocks
+    real = attn.layer_blocks
 
     def spy(*args):
         out = real(*args)
         biases.extend(b[2] for b in out if isinstance(b[2], ScatterBias))
         return out
 
-    monkeypatch.setattr(fuse_mod, "_blocks", spy)
+    monkeypatch.setattr(attn, "layer_blocks", spy)
     scattered = fuse(lm, FusionInput(prefix, chunks, kv, suffix), dataclasses.replace(config, attention="flex"))
     assert biases
     assert (scattered.logits - blocks.logits).abs().max().item() <= 1e-4
@@ -391,17 +430,17 @@ def test_a_scattered_selection_runs_in_one_call_per_layer_exactly(monkeypatch, a
 
 
 def test_attention_kernel_choice_and_when_a_selection_runs_under_flex_attention():
-    import kvrag.fusion.fuse as fuse_mod
+    from kvrag.fusion import attention as attn
 
-    assert fuse_mod.attention_kernel("auto", torch.device("cpu")) is None  # masked blocks on the CPU
-    assert fuse_mod.attention_kernel("blocks", torch.device("cpu")) is None
-    assert fuse_mod.attention_kernel("flex", torch.device("cpu")) == 0
+    assert attn.attention_kernel("auto", torch.device("cpu")) is None  # masked blocks on the CPU
+    assert attn.attention_kernel("blocks", torch.device("cpu")) is None
+    assert attn.attention_kernel("flex", torch.device("cpu")) == 0
     lm = wrap_model(tiny_model("llama"), None, "llama")
     sel = torch.tensor([3, 9, 20, 40])
-    (only,) = fuse_mod._blocks(lm, sel, 45, torch.float32, None, True, 41)
+    (only,) = attn.layer_blocks(lm, sel, 45, torch.float32, None, True, 41)
     assert type(only[2]).__name__ == "ScatterBias" and only[1] == 41
-    short = fuse_mod._blocks(lm, sel, 45, torch.float32, None, True, 42)  # attends to fewer keys than that
-    windowed = fuse_mod._blocks(lm, sel, 45, torch.float32, 16, True, 0)  # the window hides keys: masks
+    short = attn.layer_blocks(lm, sel, 45, torch.float32, None, True, 42)  # attends to fewer keys than that
+    windowed = attn.layer_blocks(lm, sel, 45, torch.float32, 16, True, 0)  # the window hides keys: masks
     assert all(type(b[2]).__name__ != "ScatterBias" for b in short + windowed)
 
 
@@ -430,26 +469,30 @@ def test_layer_keys_values_are_the_rows_the_decoder_layer_writes(arch):
 def _narrowed_after_each_check(lm, inp: FusionInput, config: FuseConfig):
     """CacheBlend's loop as first written: a check layer runs on every selected token, and only the
     layers after it run on the kept ones. Logits and per-layer K/V."""
-    from kvrag.fusion.fuse import _blocks, _open_feed, _place_layer, _prefixed_layers, _token_scores, make_selector, segments
+    from kvrag.fusion.attention import layer_blocks
+    from kvrag.fusion.inputs import segments
+    from kvrag.fusion.placement import open_feed, place_layer, prefixed_layers
+    from kvrag.fusion.scores import token_scores
+    from kvrag.fusion.selectors import make_selector
 
     seg, selector = segments(inp), make_selector(config)
     ids = torch.cat([inp.prefix.ids, *inp.chunk_ids, inp.suffix_ids])
-    cache = hf_compat.ScatterCache(_prefixed_layers(lm, inp, seg))
-    feed = _open_feed(lm, inp, seg, torch.float32)
+    cache = hf_compat.ScatterCache(prefixed_layers(lm, inp, seg))
+    feed = open_feed(lm, inp, seg, torch.float32)
     cos, sin = rope_at(lm.model, torch.arange(seg.prefix_len, seg.suffix_start), cache.layer(0).full()[0])
     sel = selector.initial(seg).nonzero().squeeze(1)
     hidden = hf_compat.embed_tokens(lm.model, ids[sel])[None]
     with torch.no_grad():
         for idx in range(lm.spec.n_layers):
             layer = cache.layer(idx)
-            _place_layer(layer, feed.layer(idx), seg, cos, sin)
+            place_layer(layer, feed.layer(idx), seg, cos, sin)
             stored = tuple(t[:, :, sel].clone() for t in layer.full()[:2])
             layer.rows = sel
-            ((_, _, mask, rope),) = _blocks(lm, sel, seg.total, torch.float32, None, False, 0)
+            ((_, _, mask, rope),) = layer_blocks(lm, sel, seg.total, torch.float32, None, False, 0)
             out = hf_compat.run_decoder_layer(lm.model, idx, hidden, mask, sel, rope, cache)
             if selector.checks(idx):
                 fresh = tuple(t[:, :, sel] for t in layer.full()[:2])
-                scores = _token_scores(lm, config.score, idx, hidden, sel, layer, seg, stored, fresh, rope)
+                scores = token_scores(lm, config.score, idx, hidden, sel, layer, seg, stored, fresh, rope)
                 keep = selector.narrow(idx, sel, scores, seg)
                 sel, out = sel[keep], out[:, keep]
             hidden = out

@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrag.storage import atomic
 from kvrag.errors import IndexNotFoundError, KVRagError
+from kvrag.storage import atomic
 from kvrag.storage.chunk_index import ChunkIndex, ChunkRecord
 
 DIM = 16

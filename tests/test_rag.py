@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrag import FuseConfig, KVRag, SplitConfig
+from kvrag import FuseConfig, GenerateConfig, KVRag, SplitConfig
 from kvrag.errors import CorruptChunkError, IndexMismatchError, IndexNotFoundError, InputError
 
 DOCS = [
@@ -88,10 +88,13 @@ def test_scoring_during_an_answer_equals_nll_and_greedy_logprobs_score_the_answe
         assert rows.argmax(-1).tolist() == full.token_ids
         picked = rows.gather(1, torch.tensor(full.token_ids)[:, None]).squeeze(1)
         assert picked.tolist() == pytest.approx(full.token_logprobs, abs=1e-4)
-    scored = rag.answer("Where is sediment?", chunks=keys, mode=mode, max_new_tokens=6, score_ids=full.token_ids)
-    assert scored.score_nll == pytest.approx(rag.nll("Where is sediment?", full.token_ids, keys, mode=mode),
-                                             abs=1e-4)
-    assert math.isnan(rag.answer("Where is sediment?", chunks=keys, mode=mode, max_new_tokens=2).score_nll)
+    fused = rag.prepare("Where is sediment?", chunks=keys, mode=mode)
+    answered = fused.generate(GenerateConfig(max_new_tokens=6))
+    scored = fused.nll(full.token_ids)  # on the cache it answered from: generation is rewound first
+    assert scored == pytest.approx(rag.nll("Where is sediment?", full.token_ids, keys, mode=mode), abs=1e-4)
+    assert fused.nll(full.token_ids) == pytest.approx(scored, abs=1e-6)  # and again: scoring rewinds too
+    again = fused.generate(GenerateConfig(max_new_tokens=6))
+    assert again.token_ids == answered.token_ids and again.ttft_s >= answered.ttft_s
 
 
 def test_answer_from_given_caches_equals_the_stored_ones_and_counts_are_checked(built):
@@ -101,13 +104,13 @@ def test_answer_from_given_caches_equals_the_stored_ones_and_counts_are_checked(
     caches = [rag.kvstore.load(k) for k in keys]
     for mode in ("reuse", "cacheblend"):
         stored = rag.answer(q, chunks=keys, mode=mode, max_new_tokens=5)
-        given = rag.answer(q, chunks=keys, mode=mode, max_new_tokens=5, caches=caches,
-                           score_ids=stored.token_ids)
+        given_prompt = rag.prepare(q, chunks=keys, mode=mode, caches=caches)
+        given = given_prompt.generate(GenerateConfig(max_new_tokens=5))
         assert given.token_ids == stored.token_ids
         assert given.token_logprobs == pytest.approx(stored.token_logprobs, abs=1e-6)
         zeroed = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in caches]
-        other = rag.answer(q, chunks=keys, mode=mode, max_new_tokens=1, caches=zeroed, score_ids=stored.token_ids)
-        assert other.score_nll != pytest.approx(given.score_nll, abs=1e-4)  # the given caches are the ones fused
+        other = rag.prepare(q, chunks=keys, mode=mode, caches=zeroed).nll(stored.token_ids)
+        assert other != pytest.approx(given_prompt.nll(stored.token_ids), abs=1e-4)  # the given caches are fused
     reuse = rag.answer(q, chunks=keys, mode="reuse", max_new_tokens=1, caches=caches)
     one_recomputed = rag.answer(q, chunks=keys, mode="reuse", max_new_tokens=1, caches=[None, *caches[1:]])
     assert one_recomputed.recompute_fraction > reuse.recompute_fraction
@@ -128,15 +131,15 @@ def test_given_caches_not_computed_after_the_prefix_leave_the_first_chunk_to_the
     full = rag.answer(q, chunks=keys, mode="full", max_new_tokens=5)
     everything = FuseConfig(mode="cacheblend", ratio=1.0)
     # every chunk token recomputed: the first chunk's given cache is not used, the prefill is exact
-    fresh = rag.answer(q, chunks=keys, fuse_config=everything, max_new_tokens=5, caches=wrong_first,
-                       first_exact=False, score_ids=full.token_ids)
+    fresh_prompt = rag.prepare(q, chunks=keys, fuse_config=everything, caches=wrong_first, first_exact=False)
+    fresh = fresh_prompt.generate(GenerateConfig(max_new_tokens=5))
     assert fresh.token_ids == full.token_ids
-    assert fresh.score_nll == pytest.approx(rag.nll(q, full.token_ids, keys), abs=1e-4)
+    fresh_nll = fresh_prompt.nll(full.token_ids)
+    assert fresh_nll == pytest.approx(rag.nll(q, full.token_ids, keys), abs=1e-4)
     # taken as exact (the default), the first chunk keeps its given rows whatever the ratio
-    kept = rag.answer(q, chunks=keys, fuse_config=everything, max_new_tokens=1, caches=wrong_first,
-                      score_ids=full.token_ids)
-    assert kept.score_nll != pytest.approx(fresh.score_nll, abs=1e-3)
-    assert kept.recompute_fraction < fresh.recompute_fraction
+    kept_prompt = rag.prepare(q, chunks=keys, fuse_config=everything, caches=wrong_first)
+    assert kept_prompt.nll(full.token_ids) != pytest.approx(fresh_nll, abs=1e-3)
+    assert kept_prompt.fused.recompute_fraction < fresh.recompute_fraction
     boundary = [rag.answer(q, chunks=keys, mode="attnlink", max_new_tokens=1, caches=caches, first_exact=exact)
                 for exact in (True, False)]
     assert boundary[1].recompute_fraction > boundary[0].recompute_fraction  # the first chunk's boundary too

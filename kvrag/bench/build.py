@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _documents(items: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    from kvrag.bench.quality import passage_documents
+    from kvrag.bench.qa_data import passage_documents
 
     seen: set[str] = set()
     docs = []
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvrag.bench import common
-    from kvrag.bench.quality import load_questions
+    from kvrag.bench.qa_data import load_questions
     from kvrag.model import load_model
 
     if not 1 <= args.fit < args.n:

@@ -202,22 +202,23 @@ def _effect_row(qid: str, codec: str, level: int | None, mode: str, ans: Any, re
 def _question_effect(rag: Any, item: dict[str, Any], codecs: Sequence[Any], specs: Sequence[Any],
                      max_new_tokens: int, step: Any) -> list[dict[str, Any]]:
     """Rows of one question: the uncompressed caches per mode, then every codec level per mode."""
-    from kvrag.bench.quality import passage_keys
-    from kvrag.config import FuseConfig
+    from kvrag.bench.qa_data import passage_keys
+    from kvrag.config import FuseConfig, GenerateConfig
 
     keys = passage_keys(rag, item)
     raw = {k: rag.kvstore.load(k) for k in dict.fromkeys(keys)}  # a repeated passage is one chunk
     elements = sum(2 * kv[0].numel() for kv in raw.values())
 
-    def ask(cfg: Any, caches: Any = None, score_ids: Any = None, n: int = max_new_tokens) -> Any:
-        return rag.answer(item["question"], chunks=keys, fuse_config=cfg, max_new_tokens=n, caches=caches,
-                          score_ids=score_ids or None)
+    def ask(cfg: Any, caches: Any = None, score_ids: Any = None, n: int = max_new_tokens) -> tuple[Any, float]:
+        """An answer, and the NLL of ``score_ids`` on the cache it answered from (nan without them)."""
+        fused = rag.prepare(item["question"], chunks=keys, fuse_config=cfg, caches=caches)
+        ans = fused.generate(GenerateConfig(max_new_tokens=n))
+        return ans, fused.nll(score_ids) if score_ids else math.nan
 
-    full = ask(FuseConfig(mode="full"))
-    base = {s.label: ask(s.config, [raw[k] for k in keys]) for s in specs}
+    full, _ = ask(FuseConfig(mode="full"))
+    base = {s.label: ask(s.config, [raw[k] for k in keys])[0] for s in specs}
     # the reference NLL is teacher-forced like the codecs' own, so a lossless codec gives ΔNLL = 0 exactly
-    base_nll = {s.label: ask(s.config, [raw[k] for k in keys], base[s.label].token_ids, 1).score_nll
-                for s in specs}
+    base_nll = {s.label: ask(s.config, [raw[k] for k in keys], base[s.label].token_ids, 1)[1] for s in specs}
     bits = 8.0 * next(iter(raw.values()))[0].element_size()
     rows = [_effect_row(item["id"], "uncompressed", None, s.label, base[s.label], base[s.label], full,
                         base_nll[s.label], base_nll[s.label], bits) for s in specs]
@@ -227,8 +228,8 @@ def _question_effect(rag: Any, item: dict[str, Any], codecs: Sequence[Any], spec
         bits = sum(n for _, n in decoded.values()) * 8 / elements
         for s in specs:
             ref = base[s.label]
-            ans = ask(s.config, [decoded[k][0] for k in keys], ref.token_ids)
-            rows.append(_effect_row(item["id"], codec.name, codec.level, s.label, ans, ref, full, ans.score_nll,
+            ans, nll = ask(s.config, [decoded[k][0] for k in keys], ref.token_ids)
+            rows.append(_effect_row(item["id"], codec.name, codec.level, s.label, ans, ref, full, nll,
                                     base_nll[s.label], bits))
         step()
     return rows
@@ -339,7 +340,7 @@ def index_samples(rag: Any, fit_chunks: int, n_chunks: int, avoid: set[str]) -> 
 
 def run(args: argparse.Namespace) -> int:
     from kvrag.bench import common
-    from kvrag.bench.quality import load_questions, passage_keys
+    from kvrag.bench.qa_data import load_questions, passage_keys
     from kvrag.rag import KVRag
 
     if args.n_chunks < 1 or args.fit_chunks < 1 or args.qa_n < 1:

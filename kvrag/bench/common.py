@@ -24,7 +24,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kvrag.config import FUSE_MODES, FuseConfig
+from kvrag.config import FuseConfig
+from kvrag.fusion.selectors.base import available_modes, selector_class
 
 DEFAULT_SPEED_MODES = "full,prefix,reuse,cacheblend@0.15,probe@0.15,attnlink@16"
 
@@ -64,27 +65,32 @@ def parse_mode(text: str) -> ModeSpec:
                                    config=dataclasses.replace(base.config, adaptive=True))
     spec, _, option = body.partition("/")
     name, _, arg = spec.partition("@")
+    label = text.strip()
     if name == "oracle" and not option:
-        return ModeSpec(text.strip(), FuseConfig(mode="reuse", ratio=float(arg or 0.15)), oracle=True)
-    if option:
-        if name == "cacheblend":
-            return ModeSpec(text.strip(), FuseConfig(mode=name, ratio=float(arg or 0.15), score=option))
-        if name == "probe":
-            return ModeSpec(text.strip(), FuseConfig(mode=name, ratio=float(arg or 0.15), probe_from=float(option)))
-        raise ValueError(f"only cacheblend (/score) and probe (/probe_from) take a /option, got {text!r}")
-    if name == "full" and arg:
+        return ModeSpec(label, FuseConfig(mode="reuse", ratio=float(arg or 0.15)), oracle=True)
+    if name == "full" and arg and not option:
         if arg not in PRECISIONS:
             raise ValueError(f"full@DTYPE takes one of {PRECISIONS}, got {text!r}")
-        return ModeSpec(text.strip(), FuseConfig(mode="full"), dtype=arg)
-    if name not in FUSE_MODES:
-        raise ValueError(f"unknown mode {text!r}; expected one of {FUSE_MODES} (optionally NAME@VALUE)")
-    if not arg:
-        return ModeSpec(text.strip(), FuseConfig(mode=name))
-    if name in ("cacheblend", "probe"):
-        return ModeSpec(text.strip(), FuseConfig(mode=name, ratio=float(arg)))
-    if name == "attnlink":
-        return ModeSpec(text.strip(), FuseConfig(mode=name, link_tokens=int(arg)))
-    raise ValueError(f"mode {name!r} takes no @value, got {text!r}")
+        return ModeSpec(label, FuseConfig(mode="full"), dtype=arg)
+    if name not in available_modes():
+        raise ValueError(f"unknown mode {text!r}; expected one of {available_modes()} (optionally NAME@VALUE)")
+    selector = selector_class(name)
+    settings: dict[str, Any] = {}
+    if arg:
+        if selector.value_field is None:
+            raise ValueError(f"mode {name!r} takes no @value, got {text!r}")
+        settings[selector.value_field] = _field_value(selector.value_field, arg)
+    if option:
+        if selector.option_field is None:
+            raise ValueError(f"mode {name!r} takes no /option, got {text!r}")
+        settings[selector.option_field] = _field_value(selector.option_field, option)
+    return ModeSpec(label, FuseConfig(mode=name, **settings))
+
+
+def _field_value(field: str, text: str) -> Any:
+    """``text`` as the type of `FuseConfig` field ``field`` (a spec's @value or /option)."""
+    default = getattr(FuseConfig(), field)
+    return type(default)(text) if isinstance(default, (int, float)) else text
 
 
 def parse_modes(text: str, quality: bool = False) -> list[ModeSpec]:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvrag.bench import common
-from kvrag.bench.quality import build_index, load_questions, passage_keys, passage_text
+from kvrag.bench.qa_data import build_index, load_questions, passage_keys, passage_text
 
 if TYPE_CHECKING:
     from kvrag.indexing.kvgen import KV, PrefixCache

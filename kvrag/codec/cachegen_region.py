@@ -6,7 +6,7 @@ blobs of some layers of every chunk of a region are decoded together:
 1. *Codes.* Every blob's rANS stream is decoded into one ``float32`` matrix of ``T`` columns, in
    which each chunk owns its columns: first the ``2 * H * m`` cross-head rows (K then V) of every
    layer, then the ``2 * H * D`` head rows (K heads then V heads) of every layer, each layer's rows
-   in `_LayerPlan.base_s` order. On CUDA this is one launch of the Triton decoder
+   in `LayerPlan.base_s` order. On CUDA this is one launch of the Triton decoder
    (`kvrag.kernels.rans_decode`: one program per blob, its 32 lanes side by side); elsewhere the
    host decoder (`kvrag.codec.rans`) runs blob by blob and its codes are copied in.
 2. *Transforms.* One batched matmul per kind undoes the cross-head KLT for the whole region, and one
@@ -29,14 +29,16 @@ import numpy as np
 import torch
 
 from kvrag.codec import rans
-from kvrag.codec.cachegen import _BLOB
-from kvrag.codec.cachegen import BLOB_FORMAT as _FORMAT
-from kvrag.codec.cachegen import MAX_SEQ as _MAX_SEQ
+from kvrag.codec.cachegen_format import BLOB_FORMAT as _FORMAT
+from kvrag.codec.cachegen_format import BLOB_HEADER as _BLOB
+from kvrag.codec.cachegen_format import MAX_SEQ as _MAX_SEQ
+from kvrag.codec.cachegen_format import check_header
 
 assert _BLOB.size % 4 == 0  # the lane states of a blob stored at a multiple of 4 bytes are aligned
 
 if TYPE_CHECKING:
-    from kvrag.codec.cachegen import CacheGenCodec, _LayerPlan, _LevelTables
+    from kvrag.codec.cachegen import CacheGenCodec
+    from kvrag.codec.cachegen_tables import LayerPlan, LevelTables
 
 _META, _RUN = 10, 5  # `kvrag.kernels.rans_decode`'s META and RUN
 
@@ -53,13 +55,13 @@ class StreamBatch:
     total: int  # T, tokens of the region
 
 
-def layer_runs(plan: _LayerPlan, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+def layer_runs(plan: LayerPlan, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """A layer's runs for chunks of ``seqs`` tokens, all at once: ``(int32 [n, _RUN]`` (chunk after
     chunk), runs per chunk, symbols per chunk, max_starts)``.
 
     Each segment is a run of tuple symbols then a run of leftover single codes; empty runs are left
     out. A run's first symbol counts from its chunk's first; its row is its segment's first code row
-    (`_LayerPlan.base_s`); its first code counts from the segment's start.
+    (`LayerPlan.base_s`); its first code counts from the segment's start.
     """
     seqs = np.asarray(seqs, np.int64).reshape(-1, 1)
     n = seqs * plan.width  # [chunks, segments]
@@ -85,7 +87,7 @@ def build_batch(codec: CacheGenCodec, blobs: Sequence[Sequence[bytes]], layers: 
 
     ``blobs[i][j]``: layer ``layers[i]`` of chunk ``j`` (``lengths[j]`` tokens). The blobs are copied
     into one buffer; `batch_from` takes them already there. Raises ValueError for a blob that does
-    not match (`CacheGenCodec._check_header`), naming it.
+    not match (`cachegen_format.check_header`), naming it.
     """
     _check_region(blobs, layers, lengths)
     flat = [blob for row in blobs for blob in row]  # layer-major, as the region's blobs are numbered
@@ -153,13 +155,13 @@ def batch_from(codec: CacheGenCodec, data: torch.Tensor, at: np.ndarray, sizes: 
 
 
 _HEADER = np.dtype([("format", "u1"), ("level", "u1"), ("lanes", "<u2"), ("tag", "<u4"), ("seq", "<u4"),
-                    ("n_esc", "<u4"), ("n_words", "<u4")])  # `_BLOB`'s fields
+                    ("n_esc", "<u4"), ("n_words", "<u4")])  # `BLOB_HEADER`'s fields
 
 
 def _check_headers(codec: CacheGenCodec, data: np.ndarray, at: np.ndarray, sizes: np.ndarray,
                    layers: Sequence[int], seqs: np.ndarray) -> np.ndarray:
     """``int64 [n_blobs, 2]`` escapes and words of every blob, whose headers are checked all at once as
-    `CacheGenCodec._check_header` checks one; the first blob that fails raises its error, named.
+    `cachegen_format.check_header` checks one; the first blob that fails raises its error, named.
     """
     shared = codec._require_fit("decode_region")
     plans = shared.tables(codec.level).plans
@@ -179,7 +181,8 @@ def _check_headers(codec: CacheGenCodec, data: np.ndarray, at: np.ndarray, sizes
         k = int(np.flatnonzero(~ok)[0])
         with _naming(k):
             codec._check_shape((shared.state.n_heads, int(seq_of[k]), shared.state.head_dim), int(layer_of[k]))
-            codec._check_header(data[at[k] : at[k] + sizes[k]].tobytes(), shared, int(seq_of[k]), int(layer_of[k]))
+            blob = data[at[k] : at[k] + sizes[k]].tobytes()
+            check_header(blob, codec.level, shared, int(seq_of[k]), int(layer_of[k]))
         raise RegionDecodeError(k, "its header does not match")  # (the checks above name the reason)
     return np.stack([n_esc, n_words], axis=1)
 
@@ -240,7 +243,7 @@ def host_codes(codec: CacheGenCodec, blobs: Sequence[Sequence[bytes]], layers: S
 class _DeviceTables:
     """One level's tables on one device, uploaded once."""
 
-    def __init__(self, tables: _LevelTables, device: torch.device) -> None:
+    def __init__(self, tables: LevelTables, device: torch.device) -> None:
         models = tables.models
 
         def put(a: np.ndarray, dtype: type) -> torch.Tensor:

@@ -28,13 +28,14 @@ import torch
 
 from kvrag.config import DEFAULT_MODE, FuseConfig, GenerateConfig
 from kvrag.errors import InputError
-from kvrag.fusion.fuse import FusionInput, fuse
+from kvrag.fusion import FusionInput, fuse
 from kvrag.indexing.kvgen import KV, prefix_cache
 from kvrag.prompt import chunk_token_ids
+from kvrag.query.answer import Answer, RetrievedChunk, decode_into
 from kvrag.query.spans import Span, find_chunk_spans
 
 if TYPE_CHECKING:
-    from kvrag.rag import Answer, KVRag, RetrievedChunk
+    from kvrag.rag import KVRag
 
 
 @dataclass
@@ -116,8 +117,6 @@ def plan_flat_prompt(tokenizer: Any, prompt: str, spans: Sequence[Span]) -> Flat
 
 
 def _candidates(rag: KVRag, candidates: Sequence[str | RetrievedChunk] | None) -> list[RetrievedChunk]:
-    from kvrag.rag import RetrievedChunk
-
     if candidates is None:
         return [RetrievedChunk.from_record(r) for r in rag.index.records()]
     return rag.resolve_chunks(candidates)
@@ -146,8 +145,6 @@ def stream_flat_prompt(
 
     Args mirror `answer_flat_prompt`.
     """
-    from kvrag.rag import Answer, stream_into
-
     if not isinstance(prompt, str) or not prompt.strip():
         raise InputError(f"prompt must be a non-empty str, got {prompt!r:.40}")
     fcfg = fuse_config or FuseConfig(mode=mode, ratio=ratio)
@@ -179,7 +176,7 @@ def stream_flat_prompt(
     answer = Answer("", fmode, fcfg.ratio, math.nan, used, timings, n_prompt_tokens=n_tokens,
                     recompute_fraction=fraction)
     rag.last_answer = answer
-    yield from stream_into(answer, lm, cache, logits, n_tokens, gcfg, t0)
+    yield from decode_into(answer, lm, cache, logits, n_tokens, gcfg, t0)
 
 
 def answer_flat_prompt(

@@ -72,7 +72,7 @@ def find_chunk_spans(prompt: str, candidates: Iterable[ChunkLike]) -> list[Span]
         Spans sorted by ``start``; ``[]`` when no candidate occurs.
 
     Example:
-        >>> from kvrag.rag import RetrievedChunk
+        >>> from kvrag.query.answer import RetrievedChunk
         >>> c = RetrievedChunk("k1", "Paris is in France. ", 1.0, "d", "", 0)
         >>> [(s.start, s.cacheable) for s in find_chunk_spans("Context: Paris is in France.\n\nQ?", [c])]
         [(9, True)]

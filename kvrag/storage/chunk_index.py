@@ -35,9 +35,9 @@ from typing import Any
 import faiss
 import numpy as np
 
-from kvrag.storage import atomic
-from kvrag.indexing.embed import unit_rows
 from kvrag.errors import IndexNotFoundError, KVRagError
+from kvrag.indexing.embed import unit_rows
+from kvrag.storage import atomic
 
 logger = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from typing import Any, BinaryIO, cast
 
 import torch
 
-from kvrag.storage.checksum import crc32
 from kvrag.codec.base import Codec
 from kvrag.errors import CorruptChunkError
+from kvrag.storage.checksum import crc32
 
 MAGIC = b"KVRC"
 FORMAT_VERSION = 1

@@ -1,8 +1,10 @@
 """Build time of one set of passages three ways: plain caches, neighbour context placed from the
 neighbours' stored caches, and neighbour context prefilled with each chunk.
 
-    python scripts/build_cost.py --data ../shared/data/qa/musique_cacheblend_dev75.jsonl --n 4 \
-        --out benchmarks/build-neighbours/build_cost.json
+    python benchmarks/experiments/build_cost.py --data musique_cacheblend_dev75.jsonl --n 4 \
+        --out bench-out/build_cost.json
+
+``--data`` is a QA JSONL file, one question a line: ``{id, question, answers, ctxs: [{title, text}]}``.
 
 Each build goes into a fresh temporary index over the passages of the first ``--n`` questions (one
 passage = one chunk, as `kvrag bench quality` builds it), one after another, 3 nearest passages.
@@ -18,17 +20,18 @@ import tempfile
 from pathlib import Path
 
 from kvrag.bench import common
-from kvrag.bench.quality import build_index, load_questions
+from kvrag.bench.qa_data import build_index, load_questions, passage_documents
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", required=True)
+    parser.add_argument("--data", required=True, help="QA JSONL: {id, question, answers, ctxs: [{title, text}]}")
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="bench-out/build_cost.json")
-    parser.add_argument("--neighbours", default="3", help="comma-separated neighbour counts of the neighbour-context builds")
+    parser.add_argument("--neighbours", default="3",
+                        help="comma-separated neighbour counts of the neighbour-context builds")
     parser.add_argument("--no-prefill", action="store_true", help="skip the build with the neighbours prefilled")
     args = parser.parse_args()
     counts = [int(k) for k in args.neighbours.split(",")]
@@ -38,12 +41,13 @@ def main() -> None:
     common.set_threads(args.threads)
     build_args = argparse.Namespace(model=args.model, device=None, max_chunk_tokens=2048)
     items = load_questions(Path(args.data), args.n)
+    passages = len(passage_documents(items))
     results = {}
     for name, context, how in plans:
         tmp = Path(tempfile.mkdtemp(prefix="kvrag-build-"))
         try:
             rag, seconds = build_index(build_args, items, tmp / "index", context, how)
-            results[name] = {"chunks": len(rag.index), "build_s": seconds}
+            results[name] = {"passages": passages, "build_s": seconds}
             rag.close()
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

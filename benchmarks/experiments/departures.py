@@ -1,18 +1,19 @@
 """Where each mode's greedy answer departs from ``full``'s in `kvrag bench quality` runs, and how
 near ``full`` itself was to choosing the other token there.
 
-    python scripts/departures.py --quality benchmarks/quality-musique-precision/quality.json \
-        --index /tmp/nc-stored-idx --out benchmarks/quality-musique-precision/departures.json
+    python benchmarks/experiments/departures.py --quality bench-out/quality/quality.json \
+        --index /tmp/nc-stored-idx --out bench-out/departures.json
 
 ``full``'s answer to every question with a departure is fed back through a full prefill
 (`KVRag.teacher_logprobs`). At the first token where a mode's answer differs, the margin is
 ``full``'s log-probability of its own token minus that of the mode's token. A margin near zero is a
 near tie: ``full`` itself almost chose the mode's token, and any small change to the computation
 (bfloat16 instead of float32, for one) can flip it. The index must hold the runs' passages, built
-with the runs' model (``full`` reads no cache, so any such index does); the data file and the
-questions are read from each run's JSON. Each mode's mean |ΔNLL| (the run's ΔNLL per question,
-taken absolute so that questions scored better and worse than by ``full`` do not cancel) comes
-with it.
+with the runs' model (``full`` reads no cache, so any such index does). The questions are read
+from the QA JSONL file that each run's JSON names, or from ``--data PATH`` (one question a line:
+``{id, question, answers, ctxs: [{title, text}]}``) where the file lies elsewhere. Each mode's mean
+|ΔNLL| (the run's ΔNLL per question, taken absolute so that questions scored better and worse than
+by ``full`` do not cancel) comes with it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrag.bench import common, metrics
-from kvrag.bench.quality import load_questions, passage_keys
+from kvrag.bench.qa_data import load_questions, passage_keys
 
 THRESHOLDS = (0.1, 0.5)  # nats
 
@@ -55,10 +56,12 @@ def main() -> None:
     parser.add_argument("--quality", required=True, nargs="+",
                         help="quality.json of one or more `kvrag bench quality` runs of the same model")
     parser.add_argument("--index", required=True, help="an index holding those runs' passages")
+    parser.add_argument("--data", default=None, metavar="PATH",
+                        help="the QA JSONL file the runs answered (default: the path each run recorded)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="bench-out/departures.json")
     args = parser.parse_args()
-    from kvrag.rag import KVRag
+    from kvrag import KVRag
 
     common.set_threads(args.threads)
     rows: list[dict[str, Any]] = []
@@ -69,7 +72,7 @@ def main() -> None:
             by_id: dict[str, dict[str, dict[str, Any]]] = {}
             for row in run["rows"]:
                 by_id.setdefault(row["id"], {})[row["mode"]] = row
-            items = {item["id"]: item for item in load_questions(Path(run["data"]), run["n_planned"])}
+            items = {item["id"]: item for item in load_questions(Path(args.data or run["data"]), run["n_planned"])}
             for qid, modes in by_id.items():
                 full = modes["full"]["token_ids"]
                 steps = {mode: metrics.departure(row["token_ids"], full)

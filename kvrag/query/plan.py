@@ -34,16 +34,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from kvrag.model import hf_compat
 from kvrag.config import FuseConfig
+from kvrag.fusion.selectors.base import selector_class
+from kvrag.model import hf_compat
 
 if TYPE_CHECKING:
     from kvrag.model import LoadedModel
 
-RATIO_MODES = ("cacheblend", "probe")
-# modes whose main pass starts once every layer has loaded (`probe`'s question-only pass overlaps the
-# loading, its selected tokens do not): loading adds to their recompute instead of hiding it
-SEQUENTIAL_MODES = ("probe",)
+
+
+def _scales_with_ratio(mode: str) -> bool:
+    """Whether ``mode``'s recompute grows with its ratio (`Selector.scales_with_ratio`)."""
+    return selector_class(mode).scales_with_ratio
+
+
+def _sequential(mode: str) -> bool:
+    """Whether ``mode``'s main pass starts only once every layer has loaded, so that loading adds to
+    its recompute instead of hiding it (`Selector.loads_before_main_pass`).
+    """
+    return selector_class(mode).loads_before_main_pass
 
 
 @dataclass(frozen=True)
@@ -149,7 +158,7 @@ class LoadController:
         per_stale = shape.token_layers(1.0, from_text) - dense
         work = max(0.0, token_layers - dense) / per_stale if per_stale > 0 else 0.0
         if per_stale > 0:
-            self._work[mode] = work / ratio if mode in RATIO_MODES else work
+            self._work[mode] = work / ratio if _scales_with_ratio(mode) else work
         if token_layers > 0 and recompute_s > 0:
             # the counted token-layers weighted by where they stand, the stale ones taken as spread evenly
             units = shape.units(work, from_text) * token_layers / shape.token_layers(work, from_text)
@@ -213,18 +222,18 @@ class LoadController:
         a, c = model[0] * factor, model[1] * factor
 
         def times(r: float, text: tuple[int, ...]) -> tuple[float, float]:
-            per = work * r if mode in RATIO_MODES else work
+            per = work * r if _scales_with_ratio(mode) else work
             return shape.loaded_tokens(text) / rate, a + c * shape.units(per, text)
 
         def ttft(text: tuple[int, ...]) -> float:
             load_s, recompute_s = times(ratio, text)
-            return load_s + recompute_s if mode in SEQUENTIAL_MODES else max(load_s, recompute_s)
+            return load_s + recompute_s if _sequential(mode) else max(load_s, recompute_s)
 
         # chunks leave the store last first: the recomputed tail is one contiguous run of positions
         candidates = [tuple(range(j, len(shape.chunk_tokens))) for j in range(len(shape.chunk_tokens), -1, -1)]
         best = min(candidates, key=ttft)
         load_s, recompute_s = times(ratio, best)
-        if (best or mode not in RATIO_MODES or mode in SEQUENTIAL_MODES or load_s <= recompute_s
+        if (best or not _scales_with_ratio(mode) or _sequential(mode) or load_s <= recompute_s
                 or ratio >= self.ceiling):
             return LoadPlan(ratio, best, load_s, recompute_s)
         # loading hides more recompute than the ratio asks for: raise it while it still fits

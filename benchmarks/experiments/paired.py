@@ -2,7 +2,7 @@
 ``quality.json`` files: the table the bench writes itself (`kvrag.bench.quality.paired`), for runs
 made before it did, or for several runs on the same questions pooled.
 
-    python scripts/paired.py benchmarks/quality-musique-precision/quality.json \
+    python benchmarks/experiments/paired.py benchmarks/quality-musique-precision/quality.json \
         benchmarks/quality-hotpotqa-precision/quality.json
 
 Each file is compared on its own; ``--pool`` pools the rows of every file first (runs over
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrag.bench import common, metrics
-from kvrag.bench.quality import PAIRED_BASELINES, interval_text, paired, paired_markdown
+from kvrag.bench.quality_report import PAIRED_BASELINES, interval_text, paired, paired_markdown
 
 
 def first_answers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

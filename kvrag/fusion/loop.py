@@ -1,0 +1,161 @@
+"""`fuse`: the selective-recompute layer loop.
+
+The sequence is ``[prefix][chunk 1]…[chunk k][suffix]`` of N tokens. Its full K/V is assembled from
+the prefix cache and the chunks' stored pre-RoPE caches rotated to their new positions
+(`kvrag.fusion.placement`); the model's own decoder layers then run on the *selected* tokens only,
+writing their fresh K/V rows into the full cache (`hf_compat.ScatterCache`). A selector
+(`kvrag.fusion.selectors`) chooses the tokens before layer 0 and may narrow them before any layer or
+choose them after a probe pass. Selecting every token reproduces a full prefill exactly.
+
+Layout: per layer ``[1, kv_heads, N, head_dim]``; hidden states of the selection ``[1, n_sel, hidden]``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvrag.config import FuseConfig
+from kvrag.fusion import attention as attn
+from kvrag.fusion import placement
+from kvrag.fusion.inputs import FusionInput, FusionResult, Segments, segments
+from kvrag.fusion.scores import question_attention, token_scores
+from kvrag.fusion.selectors import Selector, make_selector
+from kvrag.loading.feed import ChunkFeed
+from kvrag.model import LoadedModel, hf_compat, rope_at
+
+
+def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig, selector: Selector | None = None) -> FusionResult:
+    """Run the selective-recompute layer loop and return the fused cache and last-token logits.
+
+    Stored chunk layers are placed into the cache just before their layer runs, so a `ChunkFeed`
+    input loads later layers while earlier ones are recomputed. A probing selector (``probe``) runs
+    the loop twice: the question alone while the stored layers arrive, then its chosen tokens over
+    the placed cache.
+
+    Args:
+        lm: the model the caches were computed with.
+        inp: the prefix cache, the chunks (token ids and stored caches or a feed) and the suffix.
+        config: the fusion settings; ``config.mode`` names the selector.
+        selector: replaces the one ``config.mode`` names (e.g. a `FixedSelector`).
+
+    Returns:
+        The fused cache over all N tokens, the last token's logits and what was recomputed.
+    """
+    t0 = time.perf_counter()
+    seg = segments(inp)
+    selector = make_selector(config) if selector is None else selector
+    device = lm.device
+    ids = torch.cat([inp.prefix.ids.to(device)] + [c.to(device) for c in inp.chunk_ids]
+                    + [inp.suffix_ids.to(device)])  # [N]
+    layers = placement.prefixed_layers(lm, inp, seg)
+    cache = hf_compat.ScatterCache(layers)
+    feed = placement.open_feed(lm, inp, seg, layers[0][0].dtype)
+    loop = _LayerLoop(lm, ids, seg, cache, selector, config.score, attn.attention_kernel(config.attention, device))
+    sel = selector.initial(seg).nonzero().squeeze(1).to(device)  # [n_sel] sorted positions
+    try:
+        with torch.no_grad():
+            placing = None
+            if feed is not None:
+                positions = torch.arange(seg.prefix_len, seg.suffix_start, device=device)
+                placing = (feed, *rope_at(lm.model, positions, layers[0][0]))
+            probe_counts: list[int] = []
+            probe_from = selector.probe_from(seg, lm.spec.n_layers)
+            if probe_from is not None:
+                attention = torch.zeros(seg.total, dtype=torch.float32, device=device)  # [N]
+                _, _, probe_counts = loop.run(sel, placing, attention, probe_from)
+                sel, placing = selector.choose(attention.cpu(), seg).nonzero().squeeze(1).to(device), None
+            hidden, sel, n_selected = loop.run(sel, placing)
+            if probe_counts:
+                n_selected = [a + b for a, b in zip(probe_counts, n_selected)]
+            logits = hf_compat.final_logits(lm.model, hidden[:, -1:])[0, -1]
+    finally:
+        if feed is not None:
+            feed.close()
+    return FusionResult(cache.to_dynamic(), logits, seg.total, n_selected,
+                        time.perf_counter() - t0, sel, feed.wait_s if feed is not None else 0.0)
+
+
+def run_layer(lm: LoadedModel, layer_idx: int, hidden: torch.Tensor, sel: torch.Tensor, blocks: list[attn.Block],
+              cache: hf_compat.ScatterCache) -> torch.Tensor:
+    """One decoder layer over the selected tokens, block by block; the layer's output hidden states."""
+    scatter = cache.layer(layer_idx)
+    outs = []
+    for part, limit, mask, rope in blocks:
+        scatter.rows, scatter.limit = sel[part], limit
+        outs.append(hf_compat.run_decoder_layer(lm.model, layer_idx, hidden[:, part], mask, sel[part], rope, cache))
+    scatter.rows, scatter.limit = sel, None
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+class _LayerLoop:
+    """One pass of the selected tokens through every decoder layer, writing their rows into the cache."""
+
+    def __init__(self, lm: LoadedModel, ids: torch.Tensor, seg: Segments, cache: hf_compat.ScatterCache,
+                 selector: Selector, score: str, flex_from: int | None = None) -> None:
+        self.lm, self.ids, self.seg, self.cache = lm, ids, seg, cache
+        self.selector, self.score, self.flex_from = selector, score, flex_from
+        self.window, self.causal_ok = lm.spec.sliding_window, attn.causal_kernel(lm)
+
+    def blocks(self, sel: torch.Tensor, dtype: torch.dtype) -> list[attn.Block]:
+        """`attn.layer_blocks` for ``sel`` under this loop's model, window and kernel."""
+        return attn.layer_blocks(self.lm, sel, self.seg.total, dtype, self.window, self.causal_ok, self.flex_from)
+
+    def run(
+        self, sel: torch.Tensor, placing: tuple[ChunkFeed, torch.Tensor, torch.Tensor] | None,
+        attention: torch.Tensor | None = None, attention_from: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Run ``sel`` (sorted positions) through all layers; the last hidden states, the final
+        selection and the per-layer counts.
+
+        ``placing`` (feed, cos, sin) writes each stored layer into the cache before it runs.
+        ``attention`` ``[N]`` accumulates the suffix's attention over all positions at the layers
+        from ``attention_from`` up.
+        """
+        lm, seg, selector = self.lm, self.seg, self.selector
+        hidden = hf_compat.embed_tokens(lm.model, self.ids[sel])[None]  # [1, n_sel, hidden]
+        blocks = self.blocks(sel, hidden.dtype)
+        n_suffix = seg.total - seg.suffix_start
+        if attention is not None:  # the question's rotary embeddings, for its queries at every layer
+            q_rope = hf_compat.position_embeddings(lm.model, hidden, sel[-n_suffix:])
+        n_selected = []
+        for layer_idx in range(lm.spec.n_layers):
+            scatter = self.cache.layer(layer_idx)
+            if placing is not None:
+                feed, cos, sin = placing
+                placement.place_layer(scatter, feed.layer(layer_idx), seg, cos, sin)
+            if selector.checks(layer_idx):
+                keep = self.narrow(layer_idx, sel, hidden, scatter, attn.rope_of(blocks))
+                if keep is not None:
+                    sel, hidden = sel[keep], hidden[:, keep]
+                    blocks = self.blocks(sel, hidden.dtype)
+            n_selected.append(int(sel.numel()))
+            hidden_in = hidden
+            hidden = run_layer(lm, layer_idx, hidden, sel, blocks, self.cache)
+            if attention is not None and layer_idx >= attention_from:
+                attention += question_attention(lm, layer_idx, hidden_in[:, -n_suffix:], sel[-n_suffix:],
+                                                q_rope, None, scatter)
+        return hidden, sel, n_selected
+
+    def narrow(self, layer_idx: int, sel: torch.Tensor, hidden_in: torch.Tensor,
+               scatter: hf_compat.ScatterLayer, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
+        """A check before layer ``layer_idx``'s body: which of the selected tokens (``hidden_in``:
+        their input to the layer, ``rope``: their rotary embeddings) the layer runs on, as indices
+        into ``sel`` on its device (None: all).
+
+        Every selected token's fresh K/V rows are written first, from the layer's projections alone,
+        and ranked against the stored rows; the tokens the selector drops keep those fresh rows, so
+        running the layer's attention and MLP on the kept tokens alone gives what running it on all
+        of them and then dropping the rest would, at the cost of the K/V projections for the rest.
+        """
+        keys, values, _ = scatter.full()
+        stored = keys[:, :, sel], values[:, :, sel]
+        fresh = hf_compat.layer_keys_values(self.lm.model, layer_idx, hidden_in, rope)
+        keys[:, :, sel] = fresh[0].to(keys.dtype)
+        values[:, :, sel] = fresh[1].to(values.dtype)
+        score = token_scores(self.lm, self.score, layer_idx, hidden_in, sel, scatter, self.seg, stored, fresh, rope)
+        keep = self.selector.narrow(layer_idx, sel.cpu(), score.cpu(), self.seg)
+        if keep is None or keep.numel() == sel.numel():
+            return None
+        return keep.to(sel.device)

@@ -1,0 +1,92 @@
+"""How a check layer or a probe ranks tokens: K/V deviation and the question's attention.
+
+Shapes: K/V rows ``[1, kv_heads, n, head_dim]``; layer inputs ``[1, n, hidden]``; rotary embeddings
+``(cos, sin)`` ``[1, n, R]``; scores ``[n]`` float32, higher is kept. `token_scores` picks the score
+`FuseConfig.score` names.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvrag.fusion.inputs import Segments
+from kvrag.indexing.kvgen import KV
+from kvrag.model import LoadedModel, hf_compat
+
+
+def token_scores(
+    lm: LoadedModel, score: str, layer_idx: int, hidden_in: torch.Tensor, sel: torch.Tensor,
+    layer: hf_compat.ScatterLayer, seg: Segments, stored: KV, fresh: KV, rope: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """The ranking score of each selected token at a check layer (higher is kept).
+
+    ``stored`` and ``fresh`` are the selected tokens' stored and fresh K/V rows ``[1, H, n_sel, D]``
+    at the layer, ``rope`` their rotary embeddings.
+    """
+    if score == "kv":
+        return kv_deviation(stored, fresh)
+    attention = suffix_attention(lm, layer_idx, hidden_in, sel, layer, seg, rope)
+    if score == "attention":
+        return attention
+    return kv_deviation(stored, fresh) * attention
+
+
+def kv_deviation(stored: KV, fresh: KV) -> torch.Tensor:
+    """Per token: squared K and V change of the ``fresh`` rows vs the ``stored`` ones (each
+    ``(keys, values)`` ``[1, H, n, D]``), each relative to the fresh rows' mean squared norm.
+    """
+    new_k, new_v = fresh[0].float(), fresh[1].float()
+    dk = (new_k - stored[0].float()).pow(2).sum(dim=(0, 1, 3))
+    dv = (new_v - stored[1].float()).pow(2).sum(dim=(0, 1, 3))
+    scale_k = new_k.pow(2).sum(dim=(0, 1, 3)).mean().clamp_min(1e-12)
+    scale_v = new_v.pow(2).sum(dim=(0, 1, 3)).mean().clamp_min(1e-12)
+    return dk / scale_k + dv / scale_v
+
+
+def suffix_attention(
+    lm: LoadedModel, layer_idx: int, hidden_in: torch.Tensor, sel: torch.Tensor,
+    layer: hf_compat.ScatterLayer, seg: Segments, rope: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """Attention mass the question suffix puts on each selected token at ``layer_idx``: ``[n_sel]``.
+
+    ``hidden_in`` is the layer's input for the selected tokens ``[1, n_sel, hidden]`` and ``rope``
+    their rotary embeddings; the suffix is the tail of the selection.
+    """
+    n_suffix = seg.total - seg.suffix_start
+    q_rope = (rope[0][:, -n_suffix:], rope[1][:, -n_suffix:])
+    return question_attention(lm, layer_idx, hidden_in[:, -n_suffix:], sel[-n_suffix:], q_rope, sel, layer)
+
+
+def question_attention(
+    lm: LoadedModel, layer_idx: int, hidden_q: torch.Tensor, q_pos: torch.Tensor,
+    q_rope: tuple[torch.Tensor, torch.Tensor], key_pos: torch.Tensor | None, layer: hf_compat.ScatterLayer,
+    weigh_values: bool = False,
+) -> torch.Tensor:
+    """Attention mass queries at ``q_pos`` (layer input ``hidden_q`` ``[1, n_q, hidden]``, rotary
+    embeddings ``q_rope``) put on the cached keys at ``key_pos`` (None: every position), summed over
+    queries and heads: ``[n_keys]``. With ``weigh_values`` each head's weight on a key is multiplied by
+    the norm of that key's value row in the head: the size of what the key adds to the head's output.
+
+    Each query's softmax runs over the keys it may see among ``key_pos`` (causal, and within the
+    model's sliding window if it has one). The products run in the model's dtype (accumulated in
+    float32 by the matrix kernels), the softmax in float32.
+    """
+    q = hf_compat.layer_queries(lm.model, layer_idx, hidden_q, q_rope)  # [1, H_q, n_q, D]
+    keys, values, _ = layer.full()
+    if key_pos is None:
+        key_pos = torch.arange(keys.shape[2], device=keys.device)
+    else:
+        keys = keys[:, :, key_pos]  # [1, H_kv, n_keys, D]
+    n_q, groups = q_pos.numel(), q.shape[1] // keys.shape[1]
+    q = q.reshape(1, keys.shape[1], groups * n_q, -1).to(keys.dtype)  # heads of one KV group side by side
+    scores = (q @ keys.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])
+    hidden = key_pos[None, :] > q_pos[:, None]  # [n_q, n_keys]
+    window = lm.spec.sliding_window
+    if window is not None:
+        hidden |= key_pos[None, :] <= q_pos[:, None] - window
+    weights = scores.view(1, keys.shape[1], groups, n_q, -1).masked_fill(hidden, float("-inf")).softmax(-1)
+    if weigh_values:
+        weights = weights * values[:, :, key_pos].float().norm(dim=-1)[:, :, None, None]
+    return weights.sum(dim=(0, 1, 2, 3))

@@ -1,0 +1,75 @@
+"""``probe``: a question-only pass over the stored caches, then recompute the chunk tokens it read most.
+
+Reads ``ratio`` and ``probe_from`` from `FuseConfig`. The layer loop (`kvrag.fusion.loop`) runs the
+probe pass and hands `ProbeSelector.choose` the suffix's summed attention.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from kvrag.fusion.selectors.base import Selector, register_selector
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvrag.config import FuseConfig
+    from kvrag.fusion.inputs import Segments
+
+
+@register_selector("probe")
+class ProbeSelector(Selector):
+    """Question probe: recompute the chunk tokens the question reads most.
+
+    A first pass runs only the forced tokens (the question suffix, chunks without cache) over the
+    stored caches, as ``reuse`` does, and sums the attention the suffix puts on every position over
+    the layers from ``int(probe_from * n_layers)`` up. The ``ratio`` of chunk tokens it attends to
+    most, taken from the stale chunks (`Segments.stale`: those after the first), are then
+    recomputed through every layer together with the forced tokens. The stored caches deviate
+    little in the lowest layers, where HKVD checks, and most in the upper ones, spread over many
+    tokens; the question's own reading of those layers tells which of the stale rows the answer
+    depends on.
+
+    Args:
+        config: the fusion settings (``ratio``, ``probe_from``).
+    """
+
+    value_field, option_field = "ratio", "probe_from"
+    scales_with_ratio = True
+    loads_before_main_pass = True
+
+    def __init__(self, config: FuseConfig) -> None:
+        self.ratio = float(config.ratio)
+        self.from_fraction = float(config.probe_from)
+        self.attention: torch.Tensor | None = None  # the last probe's reading (`choose`)
+        self.picked: torch.Tensor | None = None
+
+    @classmethod
+    def from_config(cls, config: FuseConfig) -> ProbeSelector:
+        return cls(config)
+
+    def initial(self, seg: Segments) -> torch.Tensor:
+        return seg.forced.clone()  # bool [N]
+
+    def probe_from(self, seg: Segments, n_layers: int) -> int | None:
+        return int(self.from_fraction * n_layers) if self.candidates(seg).numel() else None
+
+    @staticmethod
+    def candidates(seg: Segments) -> torch.Tensor:
+        """Positions the probe may choose: stored tokens of the stale chunks."""
+        start = seg.stale_start
+        return (~seg.forced[start : seg.suffix_start]).nonzero().squeeze(1) + start
+
+    def choose(self, attention: torch.Tensor, seg: Segments) -> torch.Tensor:
+        """Bool mask ``[N]`` of the main pass: forced tokens and the most attended candidates.
+
+        The probe's reading stays on the selector for inspection: ``attention`` (the summed suffix
+        attention ``[N]``) and ``picked`` (the candidate positions chosen, most attended first).
+        """
+        mask = seg.forced.clone()
+        candidates = self.candidates(seg)
+        keep_n = min(math.ceil(self.ratio * seg.chunk_tokens - 1e-9), int(candidates.numel()))
+        self.attention, self.picked = attention, candidates[attention[candidates].topk(keep_n).indices]
+        mask[self.picked] = True
+        return mask

@@ -1,0 +1,67 @@
+"""An index's `manifest.json`: what it was built with, so that opening it can check and reuse it.
+
+The manifest records the format version, the library versions, the model (source, fingerprint and
+`ModelSpec`), the embedder, the codec's parameters, the split settings, the prompt layout, and the
+neighbour-context settings. `new_manifest` writes nothing: `ChunkIndex.create` stores it atomically.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from kvrag.codec.base import Codec
+from kvrag.config import SplitConfig
+from kvrag.errors import IndexMismatchError
+from kvrag.model import LoadedModel
+from kvrag.prompt import PromptLayout
+
+FORMAT_VERSION = 1
+
+
+def library_versions() -> dict[str, str]:
+    """Installed versions of kvrag and the libraries whose behaviour the stored caches depend on."""
+    out = {}
+    for name in ("kvrag", "torch", "transformers", "faiss-cpu", "sentence-transformers"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            continue
+    return out
+
+
+def new_manifest(lm: LoadedModel, embedder_name: str, codec: Codec, split: SplitConfig, layout: PromptLayout,
+                 batch_tokens: int, neighbour_context: int, neighbour_kv: str) -> dict[str, Any]:
+    """The manifest of a new index."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "library_versions": library_versions(),
+        "model": {"source": lm.source, "fingerprint": lm.fingerprint, "spec": asdict(lm.spec)},
+        "embedder": embedder_name,
+        "codec": codec.params(),
+        "split": asdict(split),
+        "prompt": layout.to_json(),
+        "batch_tokens": batch_tokens,
+        "neighbour_context": neighbour_context,
+        "neighbour_kv": neighbour_kv,
+    }
+
+
+def check_format(manifest: dict[str, Any], path: Path) -> None:
+    """Refuse an index written in another format version."""
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise IndexMismatchError(
+            f"index format {manifest.get('format_version')!r} at {path}; this kvrag reads {FORMAT_VERSION}")
+
+
+def check_model(manifest: dict[str, Any], lm: LoadedModel, path: Path) -> None:
+    """Refuse a model whose fingerprint is not the one the index was built with, naming both."""
+    stored = manifest["model"]
+    if lm.fingerprint != stored["fingerprint"]:
+        raise IndexMismatchError(
+            f"index {path} was built with model {stored['source']!r} (fingerprint "
+            f"{stored['fingerprint']}), but the model given is {lm.source!r} (fingerprint {lm.fingerprint})")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvrag.config import CodecConfig, FuseConfig, GenerateConfig, SplitConfig, StoreConfig
+from kvrag.config import CodecConfig, FuseConfig, GateConfig, GenerateConfig, SplitConfig, StoreConfig
 from kvrag.errors import (
     CorruptChunkError,
     IndexMismatchError,
@@ -44,7 +44,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "Answer", "CodecConfig", "CorruptChunkError", "FuseConfig", "FusedPrompt", "GenerateConfig", "IndexMismatchError",
+    "Answer", "CodecConfig", "CorruptChunkError", "FuseConfig", "FusedPrompt", "GateConfig", "GenerateConfig", "IndexMismatchError",
     "IndexNotFoundError", "InputError", "KVRag", "KVRagError", "RetrievedChunk", "SplitConfig",
     "StoreConfig", "UnsupportedModelError", "__version__",
 ]

@@ -139,6 +139,44 @@ class FuseConfig:
 
 
 @dataclass(frozen=True)
+class GateConfig:
+    """When an answer trusts its fused cache, and what it does when it does not (`kvrag.query.gate`).
+
+    The gate runs for the default mode (no mode, ratio or fusion settings passed) unless turned off.
+    It checks the fused pass's first token before decoding; a failed check escalates through
+    ``ladder`` (the same mode at larger recompute ratios) and at the end to a full prefill.
+
+    Attributes:
+        full_below_tokens: prompts whose stale chunk tokens (all but the first chunk, whose cache is
+            exact) number fewer than this are prefilled in full outright: fusion saves little there.
+        min_margin: the fused first token's log-probability lead over the runner-up, below which the
+            cache is not trusted (0 turns the margin check off).
+        probe_must_agree: distrust a fused pass whose first token differs from the one its probe pass
+            (the question alone over the stored caches) predicted, unless the fused margin is at least
+            ``sure_margin``. Modes without a probe pass skip this check.
+        sure_margin: a margin at which the fused first token is trusted even against the probe.
+        ladder: recompute ratios tried in order after a failed check, before a full prefill.
+        strict: answer from a fused cache only when its check passes at the first ratio; any failure
+            goes straight to a full prefill (the ladder is skipped).
+    """
+
+    full_below_tokens: int = 512
+    min_margin: float = 0.0
+    probe_must_agree: bool = True
+    sure_margin: float = float("inf")
+    ladder: tuple[float, ...] = ()
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        if self.full_below_tokens < 0:
+            raise ValueError(f"full_below_tokens must be >= 0, got {self.full_below_tokens}")
+        if self.min_margin < 0 or self.sure_margin < 0:
+            raise ValueError(f"margins must be >= 0, got {self.min_margin} and {self.sure_margin}")
+        if any(not 0 < r <= 1 for r in self.ladder) or list(self.ladder) != sorted(set(self.ladder)):
+            raise ValueError(f"ladder must be increasing ratios in (0, 1], got {self.ladder}")
+
+
+@dataclass(frozen=True)
 class GenerateConfig:
     """Decoding settings. Greedy unless ``temperature > 0``."""
 

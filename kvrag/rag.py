@@ -18,25 +18,20 @@ from typing import Any
 import torch
 
 from kvrag.codec.base import Codec, make_codec
-from kvrag.config import DEFAULT_MODE, FuseConfig, GenerateConfig, SplitConfig
+from kvrag.config import DEFAULT_MODE, FuseConfig, GateConfig, GenerateConfig, SplitConfig
 from kvrag.errors import CorruptChunkError, IndexMismatchError, InputError
 from kvrag.fusion import Selector
-from kvrag.indexing.build import (
-    Builder,
-    BuildStats,
-    cache_after_neighbours,
-    check_neighbour_kv,
-    nearest_chunks,
-    split_documents,
-)
+from kvrag.indexing.build import Builder, BuildStats, check_neighbour_kv, split_documents
 from kvrag.indexing.documents import Document, Loaded, load_documents
 from kvrag.indexing.embed import Embedder
-from kvrag.indexing.kvgen import KV, PrefixCache, chunk_caches, lead_key, prefix_cache
+from kvrag.indexing.kvgen import KV, PrefixCache, prefix_cache
 from kvrag.indexing.manifest import check_format, check_model, new_manifest
+from kvrag.indexing.recompute import recompute_chunk
 from kvrag.model import LoadedModel, load_model
-from kvrag.prompt import DEFAULT_INSTRUCTION, PromptLayout, build_layout, chunk_token_ids, prompt_text
+from kvrag.prompt import DEFAULT_INSTRUCTION, PromptLayout, build_layout, prompt_text
 from kvrag.query import pipeline
 from kvrag.query.answer import Answer, RetrievedChunk
+from kvrag.query.gate import gated_prepare
 from kvrag.query.pipeline import FusedPrompt, QueryContext
 from kvrag.query.plan import LoadController
 from kvrag.storage.chunk_index import ChunkIndex
@@ -267,21 +262,13 @@ class KVRag:
 
     def _recompute_chunk(self, chunk: RetrievedChunk, lead: bool = False) -> KV:
         """Recompute and re-store a chunk's cache (``lead``: its plain cache under `lead_key`)."""
-        ids = chunk_token_ids(self.lm.tokenizer, chunk.text)
-        key = lead_key(chunk.key) if lead and self.neighbour_context else chunk.key
-        if self.neighbour_context and not lead:  # after its nearest chunks in the index as it is now
-            neighbours = nearest_chunks(self.lm, self.index, self.prefix.length, self.neighbour_context,
-                                        chunk.key, len(ids), self.embedder.encode([chunk.text])[0])
-            kv = cache_after_neighbours(self.lm, self.prefix, self.kvstore, neighbours, ids, self.neighbour_kv)
-        else:
-            _, kv = next(chunk_caches(self.lm, self.prefix, [ids], self.batch_tokens))
-        self.kvstore.put(key, kv[0].cpu(), kv[1].cpu())
-        return kv
+        return recompute_chunk(self.lm, self.index, self.kvstore, self.embedder, self.prefix, chunk.key, chunk.text,
+                               self.neighbour_context, self.neighbour_kv, self.batch_tokens, lead)
 
-    def prepare(self, question: str, k: int = 4, mode: str = DEFAULT_MODE, ratio: float = 0.15, *,
+    def prepare(self, question: str, k: int = 4, mode: str | None = None, ratio: float | None = None, *,
                 chunks: Sequence[str | RetrievedChunk] | None = None, fuse_config: FuseConfig | None = None,
                 caches: Sequence[KV | None] | None = None, first_exact: bool = True,
-                selector: Selector | None = None) -> FusedPrompt:
+                selector: Selector | None = None, gate: GateConfig | bool | None = None) -> FusedPrompt:
         """Retrieve, load and fuse, stopping before generation: the fused prompt can then generate
         (`FusedPrompt.generate`, `FusedPrompt.stream`) and score given tokens on the same cache
         (`FusedPrompt.nll`, `FusedPrompt.teacher_logprobs`). Arguments as in `answer`.
@@ -291,22 +278,27 @@ class KVRag:
             >>> answer = fused.generate()  # doctest: +SKIP
             >>> fused.nll(reference_token_ids)  # doctest: +SKIP
         """
-        config = fuse_config or FuseConfig(mode=mode, ratio=ratio)
-        return pipeline.prepare(self.context, question, k, chunks, config, caches, selector, first_exact)
+        default = mode is None and ratio is None and fuse_config is None and selector is None and caches is None
+        ratio = FuseConfig.ratio if ratio is None else ratio
+        config = fuse_config or FuseConfig(mode=mode or DEFAULT_MODE, ratio=ratio)
+        gate_config = _gate_config(default if gate is None else gate)
+        if gate_config is None or config.mode == "full":
+            return pipeline.prepare(self.context, question, k, chunks, config, caches, selector, first_exact)
+        return gated_prepare(self.context, question, k, chunks, config, gate_config, caches, selector, first_exact)
 
-    def stream(self, question: str, k: int = 4, mode: str = DEFAULT_MODE, ratio: float = 0.15, *,
+    def stream(self, question: str, k: int = 4, mode: str | None = None, ratio: float | None = None, *,
                chunks: Sequence[str | RetrievedChunk] | None = None, max_new_tokens: int = 64,
                temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] = (),
                seed: int | None = None, fuse_config: FuseConfig | None = None,
                caches: Sequence[KV | None] | None = None, first_exact: bool = True,
-               selector: Selector | None = None) -> Iterator[str]:
+               selector: Selector | None = None, gate: GateConfig | bool | None = None) -> Iterator[str]:
         """Yield the answer's text as it is generated; `last_answer` holds the full `Answer` after.
 
         Args mirror `answer`.
         """
         generate = GenerateConfig(max_new_tokens, temperature, top_p, tuple(stop), seed)
         fused = self.prepare(question, k, mode, ratio, chunks=chunks, fuse_config=fuse_config, caches=caches,
-                             first_exact=first_exact, selector=selector)
+                             first_exact=first_exact, selector=selector, gate=gate)
         pieces = fused.stream(generate)
         first = next(pieces, None)  # the Answer exists once decoding starts
         self.last_answer = fused.answer
@@ -314,20 +306,20 @@ class KVRag:
             yield first
             yield from pieces
 
-    def answer(self, question: str, k: int = 4, mode: str = DEFAULT_MODE, ratio: float = 0.15, *,
+    def answer(self, question: str, k: int = 4, mode: str | None = None, ratio: float | None = None, *,
                chunks: Sequence[str | RetrievedChunk] | None = None, max_new_tokens: int = 64,
                temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] = (),
                seed: int | None = None, fuse_config: FuseConfig | None = None,
                caches: Sequence[KV | None] | None = None, first_exact: bool = True,
-               selector: Selector | None = None) -> Answer:
+               selector: Selector | None = None, gate: GateConfig | bool | None = None) -> Answer:
         """Retrieve ``k`` chunks (or use ``chunks``), fuse their caches and generate an answer.
 
         Args:
             question: the question (non-empty).
             k: chunks to retrieve; more than the index holds uses all of them.
-            mode: a fusion mode (`kvrag.fusion.available_modes`); ``probe`` by default, ``full``
-                recomputes everything.
-            ratio: ``cacheblend``'s or ``probe``'s recompute ratio in (0, 1].
+            mode: a fusion mode (`kvrag.fusion.available_modes`); by default ``probe`` under the
+                correctness gate. ``full`` recomputes everything.
+            ratio: ``cacheblend``'s or ``probe``'s recompute ratio in (0, 1] (default 0.15).
             chunks: chunk keys to use instead of retrieving (the direct path).
             max_new_tokens, temperature, top_p, stop, seed: decoding (greedy by default).
             fuse_config: full control over fusion (overrides ``mode`` and ``ratio``).
@@ -339,6 +331,11 @@ class KVRag:
                 False for caches computed any other way (e.g. each chunk on its own from position 0).
             selector: a `kvrag.fusion.Selector` that chooses the recomputed positions instead of the one
                 ``mode`` names (e.g. `kvrag.fusion.FixedSelector`); ``mode`` still decides which caches load.
+            gate: the correctness gate (`GateConfig`; `kvrag.query.gate`): checks the fused first token
+                and escalates to more recompute or a full prefill when the cache cannot be trusted, and
+                prefills short prompts in full outright. None (the default) runs it when no mode, ratio,
+                fusion settings, selector or caches are given; True runs the default `GateConfig`,
+                False turns it off. `Answer.gate` says what it did.
 
         Returns:
             `Answer` with the text, TTFT and its breakdown, and the chunks used.
@@ -349,7 +346,7 @@ class KVRag:
         """
         generate = GenerateConfig(max_new_tokens, temperature, top_p, tuple(stop), seed)
         fused = self.prepare(question, k, mode, ratio, chunks=chunks, fuse_config=fuse_config, caches=caches,
-                             first_exact=first_exact, selector=selector)
+                             first_exact=first_exact, selector=selector, gate=gate)
         self.last_answer = fused.generate(generate)
         return self.last_answer
 
@@ -358,7 +355,8 @@ class KVRag:
         """Mean teacher-forced negative log-likelihood of ``target_ids`` after the fused prompt."""
         if not target_ids:
             raise ValueError("target_ids is empty")
-        return self.prepare(question, len(chunks), mode, ratio, chunks=chunks, fuse_config=fuse_config).nll(target_ids)
+        fused = self.prepare(question, len(chunks), mode, ratio, chunks=chunks, fuse_config=fuse_config, gate=False)
+        return fused.nll(target_ids)
 
     def teacher_logprobs(self, question: str, target_ids: Sequence[int], chunks: Sequence[str | RetrievedChunk],
                          mode: str = "full", ratio: float = 0.15, fuse_config: FuseConfig | None = None
@@ -371,7 +369,7 @@ class KVRag:
         """
         if not target_ids:
             raise ValueError("target_ids is empty")
-        fused = self.prepare(question, len(chunks), mode, ratio, chunks=chunks, fuse_config=fuse_config)
+        fused = self.prepare(question, len(chunks), mode, ratio, chunks=chunks, fuse_config=fuse_config, gate=False)
         return fused.teacher_logprobs(target_ids)
 
     def close(self) -> None:
@@ -383,3 +381,10 @@ class KVRag:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _gate_config(gate: GateConfig | bool) -> GateConfig | None:
+    """The gate's settings from `KVRag.answer`'s ``gate`` argument (True: the defaults; False: off)."""
+    if isinstance(gate, GateConfig):
+        return gate
+    return GateConfig() if gate else None

@@ -127,7 +127,7 @@ def test_mode_specs_with_a_cacheblend_score():
     assert (spec.config.ratio, spec.config.score) == (0.1, "kv")
     with pytest.raises(ValueError, match="score"):
         parse_mode("cacheblend@0.1/nonsense")
-    with pytest.raises(ValueError, match="only cacheblend"):
+    with pytest.raises(ValueError, match="takes no /option"):
         parse_mode("attnlink@4/kv")
     probe = parse_mode("probe@0.2").config
     assert (probe.mode, probe.ratio, probe.probe_from) == ("probe", 0.2, 0.33)
@@ -136,3 +136,15 @@ def test_mode_specs_with_a_cacheblend_score():
         parse_mode("probe@0.1/1.5")
 
 
+
+
+def test_mode_specs_read_their_fields_from_the_selector_registry():
+    from kvrag.bench.common import parse_mode
+
+    assert parse_mode("attnlink@4").config.link_tokens == 4
+    with pytest.raises(ValueError, match="takes no @value"):
+        parse_mode("reuse@3")
+    gated = parse_mode("probe@0.15+gate")
+    assert gated.gate and gated.config.ratio == 0.15 and gated.label == "probe@0.15+gate"
+    with pytest.raises(ValueError, match=r"\+gate"):
+        parse_mode("full+gate")

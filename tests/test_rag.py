@@ -294,8 +294,10 @@ def test_every_entry_point_defaults_to_the_same_mode():
     from kvrag.rag import KVRag
 
     assert DEFAULT_MODE == "probe" and FuseConfig().mode == DEFAULT_MODE
-    for fn in (KVRag.answer, KVRag.stream, answer_flat_prompt, stream_flat_prompt):
+    for fn in (answer_flat_prompt, stream_flat_prompt):
         assert inspect.signature(fn).parameters["mode"].default == DEFAULT_MODE, fn.__qualname__
+    for fn in (KVRag.answer, KVRag.stream, KVRag.prepare):  # None: the default mode, under the gate
+        assert inspect.signature(fn).parameters["mode"].default is None, fn.__qualname__
     assert build_parser().parse_args(["ask", "./idx", "q?"]).mode == DEFAULT_MODE
     for name in ("langchain", "llama_index"):
         module = importlib.import_module(f"kvrag.integrations.{name}")

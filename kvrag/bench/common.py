@@ -38,6 +38,7 @@ class ModeSpec:
     config: FuseConfig
     oracle: bool = False  # recompute the stale tokens a full prefill shows deviate most (quality bench only)
     dtype: str | None = None  # full prefill with the model loaded in this dtype instead (quality bench only)
+    gate: bool = False  # answer under the correctness gate's default settings (``NAME+gate``, quality bench only)
 
     @property
     def reference(self) -> bool:
@@ -53,11 +54,17 @@ def parse_mode(text: str) -> ModeSpec:
     ``attention`` or ``kv_attention``); ``probe@0.2`` -> ratio 0.2 (``probe@0.2/0.75`` also sets
     ``probe_from``); ``attnlink@16`` -> 16 link tokens; ``full@bfloat16`` -> full prefill with the
     model in bfloat16 (how far precision alone moves the answer); bare names use defaults.
+    ``+adaptive`` lets the loading controller plan; ``+gate`` answers under the correctness gate.
     """
     body, plus, extra = text.strip().partition("+")
+    if plus and extra == "gate":
+        base = parse_mode(body)
+        if base.config.mode == "full" or base.oracle or base.dtype:
+            raise ValueError(f"+gate checks a fused cache; {body!r} fuses none")
+        return dataclasses.replace(base, label=text.strip(), gate=True)
     if plus:
         if extra != "adaptive":
-            raise ValueError(f"a mode takes only '+adaptive' after it, got {text!r}")
+            raise ValueError(f"a mode takes only '+adaptive' or '+gate' after it, got {text!r}")
         base = parse_mode(body)
         if base.config.mode == "full" or base.oracle:
             raise ValueError(f"+adaptive plans loading from the store; {body!r} loads nothing")

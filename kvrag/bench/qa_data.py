@@ -32,12 +32,15 @@ def load_questions(path: Path, n: int) -> list[dict[str, Any]]:
         raise ValueError(f"no questions in {path}")
     return items
 
+
 def passage_text(ctx: dict[str, str]) -> str:
     title = (ctx.get("title") or "").strip()
     return f"{title}\n{ctx['text']}" if title else ctx["text"]
 
+
 def passage_documents(items: list[dict[str, Any]]) -> list[tuple[str, str]]:
     return [(f"{item['id']}/{j}", passage_text(ctx)) for item in items for j, ctx in enumerate(item["ctxs"])]
+
 
 def passage_index(args: argparse.Namespace) -> None:
     """Build ``args.index`` (an `experiment_parser` command line) if it is missing: the passages of the
@@ -52,6 +55,7 @@ def passage_index(args: argparse.Namespace) -> None:
     docs = passage_documents(load_questions(Path(args.data), args.n))
     KVRag.build(docs, args.index, model="smollm2", split=SplitConfig(mode="document", max_tokens=2048, min_tokens=0),
                 caches=False, show_progress=False).close()
+
 
 def pool_documents(paths: Sequence[Path], exclude: set[str]) -> list[tuple[str, str]]:
     """``(id, text)`` of the passages in ``paths`` (QA JSONL files, or JSON files holding a list of
@@ -76,6 +80,7 @@ def pool_documents(paths: Sequence[Path], exclude: set[str]) -> list[tuple[str, 
                 docs.append((f"pool/{path.stem}/{j}", text))
     return docs
 
+
 def passage_keys(rag: Any, item: dict[str, Any]) -> list[str]:
     """Chunk keys of an item's passages in dataset order (content hash, so duplicates share keys)."""
     from kvrag.indexing.kvgen import chunk_key
@@ -89,6 +94,7 @@ def passage_keys(rag: Any, item: dict[str, Any]) -> list[str]:
             raise ValueError(f"passage of {item['id']!r} is not one chunk in the index; raise --max-chunk-tokens")
         keys.append(key)
     return keys
+
 
 def build_index(args: argparse.Namespace, items: list[dict[str, Any]], index_dir: Path,
                 neighbour_context: int | None = None, neighbour_kv: str | None = None,

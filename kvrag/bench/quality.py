@@ -85,6 +85,8 @@ def answer_row(
     score_ids: list[int] | None = None,
 ) -> dict[str, Any]:
     """One mode's answer; with ``score_ids`` (``full``'s answer) also their NLL under the same fusion."""
+    from kvrag.query.gate import read_signals
+
     cfg = spec.config
     selector = None
     if spec.oracle:  # chosen from a full prefill, outside the answer's timing
@@ -92,8 +94,11 @@ def answer_row(
         from kvrag.fusion import FixedSelector
 
         selector = FixedSelector(oracle_positions(rag, item, cfg.ratio))
-    fused = rag.prepare(item["question"], chunks=keys, fuse_config=cfg, selector=selector)
+    fused = rag.prepare(item["question"], chunks=keys, fuse_config=cfg, selector=selector, gate=spec.gate)
     ans = fused.generate(GenerateConfig(max_new_tokens=max_new_tokens))
+    gate = ans.gate.to_json() if ans.gate is not None else None
+    # the gate's signals of this fused pass, kept for every mode so that gate settings can be compared afterwards
+    signals = gate["attempts"][0]["signals"] if gate else read_signals(fused.fused).to_json()
     if score_ids is None:  # full's own answer: greedy decoding already saw each token's probability
         nll = -sum(ans.token_logprobs) / len(ans.token_logprobs) if ans.token_logprobs else math.nan
     else:  # full's answer scored on the very cache this mode answered from
@@ -110,6 +115,8 @@ def answer_row(
         "recompute_fraction": ans.recompute_fraction,
         "prompt_tokens": ans.n_prompt_tokens,
         "nll_full_answer": nll,
+        "signals": signals,
+        **({"gate": gate} if gate else {}),
         **metrics.gold_scores(ans.text, item["answers"]),
     }
 

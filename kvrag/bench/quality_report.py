@@ -47,13 +47,26 @@ def summarise(rows: list[dict[str, Any]], specs: list[common.ModeSpec]) -> list[
                 "ttft_speedup": full_ttft / ttft["mean"],
                 "agreement_ci": list(metrics.bootstrap_interval([r["agreement"] for r in rs])),
                 "abs_delta_nll_ci": list(metrics.bootstrap_interval(abs_delta_nll)),
+                **_gate_rates(rs),
             }
         )
     return out
 
-PAIRED_BASELINES = ("reuse", "full@bfloat16")
 
+def _gate_rates(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """For rows answered under the correctness gate: how often it escalated, and how often it ended in
+    a full prefill (short prompts and failed checks alike).
+    """
+    gated = [r["gate"] for r in rows if "gate" in r]
+    if not gated:
+        return {}
+    return {"gate_escalation_rate": sum(g["decision"] == "escalated" for g in gated) / len(gated),
+            "gate_full_rate": sum(g["attempts"][-1]["mode"] == "full" for g in gated) / len(gated)}
+
+
+PAIRED_BASELINES = ("reuse", "full@bfloat16")
 MIN_PAIRED_QUESTIONS = 10  # fewer, and a bootstrap interval says little: no verdict
+
 
 def paired(rows: list[dict[str, Any]], labels: list[str],
            baselines: Sequence[str] = PAIRED_BASELINES) -> list[dict[str, Any]]:
@@ -87,6 +100,7 @@ def paired(rows: list[dict[str, Any]], labels: list[str],
             })
     return out
 
+
 def paired_markdown(pairs: list[dict[str, Any]]) -> str:
     headers = ["mode", "against", "questions", "agreement diff", "95 % interval", "\\|ΔNLL\\| diff", "95 % interval",
                "agreement separated"]
@@ -98,9 +112,11 @@ def paired_markdown(pairs: list[dict[str, Any]]) -> str:
     ]
     return common.markdown_table(headers, rows)
 
+
 def interval_text(ci: Sequence[float], fmt: str = ".3f") -> str:
     """``[lo, hi]`` of an interval, each bound in ``fmt``."""
     return f"[{ci[0]:{fmt}}, {ci[1]:{fmt}}]"
+
 
 def summary_markdown(summary: list[dict[str, Any]]) -> str:
     headers = [
@@ -139,6 +155,7 @@ def summary_markdown(summary: list[dict[str, Any]]) -> str:
         for s in summary
     ]
     return common.markdown_table(headers, rows)
+
 
 def pareto_plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
     plt = common.pyplot()

@@ -18,6 +18,7 @@ SUFFIX_TOKENS = 32  # stands in for the question and the generation prompt
 
 TIERS = ("disk", "ram", "gpu")
 
+
 class Workload:
     """One context length: random chunks whose caches are stored on disk, plus prefix and suffix."""
 

@@ -61,10 +61,12 @@ def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig, selector: Select
                 positions = torch.arange(seg.prefix_len, seg.suffix_start, device=device)
                 placing = (feed, *rope_at(lm.model, positions, layers[0][0]))
             probe_counts: list[int] = []
+            probe_logits = None
             probe_from = selector.probe_from(seg, lm.spec.n_layers)
             if probe_from is not None:
                 attention = torch.zeros(seg.total, dtype=torch.float32, device=device)  # [N]
-                _, _, probe_counts = loop.run(sel, placing, attention, probe_from)
+                probe_hidden, _, probe_counts = loop.run(sel, placing, attention, probe_from)
+                probe_logits = hf_compat.final_logits(lm.model, probe_hidden[:, -1:])[0, -1]
                 sel, placing = selector.choose(attention.cpu(), seg).nonzero().squeeze(1).to(device), None
             hidden, sel, n_selected = loop.run(sel, placing)
             if probe_counts:
@@ -74,7 +76,7 @@ def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig, selector: Select
         if feed is not None:
             feed.close()
     return FusionResult(cache.to_dynamic(), logits, seg.total, n_selected,
-                        time.perf_counter() - t0, sel, feed.wait_s if feed is not None else 0.0)
+                        time.perf_counter() - t0, sel, feed.wait_s if feed is not None else 0.0, probe_logits)
 
 
 def run_layer(lm: LoadedModel, layer_idx: int, hidden: torch.Tensor, sel: torch.Tensor, blocks: list[attn.Block],

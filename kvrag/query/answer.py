@@ -52,6 +52,7 @@ class Answer:
     recompute_fraction: float = 0.0
     token_logprobs: list[float] = field(default_factory=list)  # log-probability of each generated token
     load_plan: LoadPlan | None = None  # the loading controller's plan, for an adaptive fusion
+    gate: Any = None  # the correctness gate's `GateReport`, when it ran (`kvrag.query.gate`)
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -63,6 +64,8 @@ class Answer:
         }
         if self.load_plan is not None:
             out["load_plan"] = self.load_plan.to_json()
+        if self.gate is not None:
+            out["gate"] = self.gate.to_json()
         return out
 
 

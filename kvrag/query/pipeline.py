@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -120,6 +121,7 @@ class FusedPrompt:
     plan: LoadPlan | None
     t0: float
     answer: Answer | None = field(default=None, init=False)
+    gate: Any = field(default=None, init=False)  # the `kvrag.query.gate.GateReport`, when the gate ran
 
     def stream(self, config: GenerateConfig | None = None) -> Iterator[str]:
         """Yield the answer's text as it is generated; `answer` holds the whole `Answer` after."""
@@ -127,7 +129,7 @@ class FusedPrompt:
         fused = self.fused
         self.answer = Answer("", self.mode, self.ratio, math.nan, self.chunks, dict(self.timings),
                              n_prompt_tokens=fused.n_tokens, recompute_fraction=fused.recompute_fraction,
-                             load_plan=self.plan)
+                             load_plan=self.plan, gate=self.gate)
         yield from decode_into(self.answer, self.lm, fused.cache, fused.logits, fused.n_tokens,
                                config or GenerateConfig(), self.t0)
 

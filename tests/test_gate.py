@@ -1,0 +1,90 @@
+"""The correctness gate on a tiny random model: short prompts go full, failed checks escalate, reports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvrag import GateConfig, KVRag, SplitConfig
+from kvrag.config import DEFAULT_MODE
+
+DOCS = [
+    ("alpha", "The alpha reactor was designed by Mira Okafor in 1987. It runs on molten salt. " * 3),
+    ("beta", "Beta station orbits the moon. Its commander is Jonas Reyes. The crew rotates yearly. " * 3),
+    ("gamma", "Gamma rays are photons of very high energy. They come from nuclear decay. " * 3),
+    ("delta", "The delta of a river is where it meets the sea. Sediment builds up there. " * 3),
+]
+Q = "Who commands beta station?"
+ALWAYS_FUSE = dict(full_below_tokens=0, probe_must_agree=False)  # the check always passes
+
+
+@pytest.fixture(scope="module")
+def rag(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> KVRag:
+    return KVRag.build(DOCS, tmp_path_factory.mktemp("gate") / "idx", model=str(tiny_model_dir),
+                       split=SplitConfig(mode="document", max_tokens=256), show_progress=False)
+
+
+def test_the_default_answer_runs_the_gate_and_an_explicit_mode_does_not(rag: KVRag):
+    default = rag.answer(Q, k=3, max_new_tokens=4)
+    assert default.gate is not None and default.gate.attempts
+    assert rag.answer(Q, k=3, mode=DEFAULT_MODE, max_new_tokens=4).gate is None
+    assert rag.answer(Q, k=3, gate=False, max_new_tokens=4).gate is None
+    assert "gate" in default.to_json() and default.to_json()["gate"]["decision"] == default.gate.decision
+
+
+def test_a_short_prompt_is_prefilled_in_full(rag: KVRag):
+    full = rag.answer(Q, k=3, mode="full", max_new_tokens=5)
+    gated = rag.answer(Q, k=3, gate=GateConfig(full_below_tokens=10_000), max_new_tokens=5)
+    assert gated.gate.decision == "full" and gated.mode == "full" and gated.recompute_fraction == 1.0
+    assert gated.token_ids == full.token_ids
+    assert gated.gate.stale_tokens > 0 and [a["mode"] for a in gated.gate.attempts] == ["full"]
+
+
+def test_a_passing_check_keeps_the_fused_answer(rag: KVRag):
+    plain = rag.answer(Q, k=3, gate=False, max_new_tokens=5)
+    gated = rag.answer(Q, k=3, gate=GateConfig(**ALWAYS_FUSE), max_new_tokens=5)
+    assert gated.gate.decision == "fused" and gated.gate.escalations == 0
+    assert gated.mode == DEFAULT_MODE and gated.token_ids == plain.token_ids
+    signals = gated.gate.attempts[0]["signals"]
+    assert signals["margin"] >= 0 and signals["probe_top"] is not None  # probe runs a probe pass
+
+
+def test_a_failed_check_climbs_the_ladder_then_prefills_in_full(rag: KVRag):
+    full = rag.answer(Q, k=3, mode="full", max_new_tokens=5)
+    never = GateConfig(full_below_tokens=0, min_margin=1e9, ladder=(0.5,))
+    gated = rag.answer(Q, k=3, gate=never, max_new_tokens=5)
+    assert [(a["mode"], a["ratio"]) for a in gated.gate.attempts] == [
+        (DEFAULT_MODE, 0.15), (DEFAULT_MODE, 0.5), ("full", 0.15)]
+    assert [a["passed"] for a in gated.gate.attempts] == [False, False, True]
+    assert "margin" in gated.gate.attempts[0]["reason"]
+    assert gated.gate.decision == "escalated" and gated.gate.escalations == 2
+    assert gated.token_ids == full.token_ids and gated.mode == "full"
+    # the time to first token counts every attempt
+    assert gated.ttft_s >= sum(a["seconds"] for a in gated.gate.attempts)
+    assert gated.timings["gate_s"] == pytest.approx(sum(a["seconds"] for a in gated.gate.attempts[:-1]))
+
+
+def test_strict_skips_the_ladder(rag: KVRag):
+    strict = GateConfig(full_below_tokens=0, min_margin=1e9, ladder=(0.5,), strict=True)
+    gated = rag.answer(Q, k=3, gate=strict, max_new_tokens=3)
+    assert [a["mode"] for a in gated.gate.attempts] == [DEFAULT_MODE, "full"]
+
+
+def test_a_disagreeing_probe_fails_the_check():
+    from kvrag.config import GateConfig as G
+    from kvrag.query.gate import Signals, passes
+
+    assert passes(Signals(top=5, margin=2.0, probe_top=5, probe_margin=1.0), G())[0]
+    ok, why = passes(Signals(top=5, margin=2.0, probe_top=7, probe_margin=1.0), G())
+    assert not ok and "probe" in why
+    assert passes(Signals(top=5, margin=2.0, probe_top=7, probe_margin=1.0), G(sure_margin=1.5))[0]
+    assert passes(Signals(top=5, margin=0.1), G())[0]  # no probe pass: nothing to disagree with
+    assert not passes(Signals(top=5, margin=0.1), G(min_margin=0.5))[0]
+
+
+def test_gate_settings_are_checked():
+    with pytest.raises(ValueError, match="ladder"):
+        GateConfig(ladder=(0.5, 0.3))
+    with pytest.raises(ValueError, match="full_below_tokens"):
+        GateConfig(full_below_tokens=-1)

@@ -21,6 +21,7 @@ from kvrag.errors import (
     IndexNotFoundError,
     InputError,
     KVRagError,
+    ModelNotFoundError,
     UnsupportedModelError,
 )
 
@@ -44,7 +45,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "Answer", "CodecConfig", "CorruptChunkError", "FuseConfig", "FusedPrompt", "GateConfig", "GenerateConfig", "IndexMismatchError",
-    "IndexNotFoundError", "InputError", "KVRag", "KVRagError", "RetrievedChunk", "SplitConfig",
+    "Answer", "CodecConfig", "CorruptChunkError", "FuseConfig", "FusedPrompt", "GateConfig", "GenerateConfig",
+    "IndexMismatchError",
+    "IndexNotFoundError", "InputError", "KVRag", "KVRagError", "ModelNotFoundError", "RetrievedChunk", "SplitConfig",
     "StoreConfig", "UnsupportedModelError", "__version__",
 ]

@@ -24,6 +24,13 @@ class CorruptChunkError(KVRagError):
         self.reason = reason
 
 
+class ModelNotFoundError(KVRagError, FileNotFoundError):
+    """No model under the name given: not a local folder or GGUF file, nor a hub id that can be loaded.
+
+    Also a `FileNotFoundError` (an `OSError`), which is what loading a missing model raised before.
+    """
+
+
 class UnsupportedModelError(KVRagError):
     """The model's architecture or RoPE variant cannot be fused position-independently."""
 

@@ -40,10 +40,12 @@ class PromptLayout:
     question_tail: str = ""
 
     def digest(self) -> str:
+        """A hash of the layout's token ids and text, kept in the manifest to detect a changed tokenizer."""
         payload = json.dumps([self.prefix_ids, self.suffix_template], sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
     def to_json(self) -> dict[str, Any]:
+        """The layout as the manifest stores it."""
         return {"instruction": self.instruction, "question_tail": self.question_tail, "digest": self.digest()}
 
 
@@ -89,6 +91,7 @@ def chunk_token_ids(tokenizer: Any, text: str) -> list[int]:
 
 
 def suffix_text(layout: PromptLayout, question: str) -> str:
+    """The prompt text after the passages: the question, the optional tail and the generation prompt."""
     return layout.suffix_template.format(question=question.strip())
 
 

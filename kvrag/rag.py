@@ -198,6 +198,7 @@ class KVRag:
 
     @property
     def manifest(self) -> dict[str, Any]:
+        """The index's manifest: what it was built with."""
         return self.index.manifest
 
     @property
@@ -373,6 +374,7 @@ class KVRag:
         return fused.teacher_logprobs(target_ids)
 
     def close(self) -> None:
+        """Close the index and the chunk store."""
         self.index.close()
         self.kvstore.store.close()
 

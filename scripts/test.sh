@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up and run the test suite (CPU). Extra arguments go to pytest, e.g. -m "not slow".
+# Set up and run the checks and the test suite (CPU). Extra arguments go to pytest, e.g. -m "not slow".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
@@ -7,4 +7,6 @@ bash scripts/install.sh
 # torch bring their own pinned triton; this is the CPU test setup.)
 python -m pip install -q "triton==3.9.0"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+python -m ruff check kvrag integrations kernels tests benchmarks/experiments
+python -m mypy kvrag
 python -m pytest -q --timeout=900 "$@"

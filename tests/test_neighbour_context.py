@@ -13,13 +13,19 @@ from test_fuse import _reference_logits
 from test_rag import DOCS, SPLIT
 
 from kvrag import FuseConfig, KVRag
-
-from kvrag.model import hf_compat
-from kvrag.indexing.build import cache_after_neighbours, nearest_chunks
 from kvrag.errors import IndexMismatchError
 from kvrag.fusion import FusionInput, fuse
 from kvrag.fusion.inputs import segments
-from kvrag.indexing.kvgen import chunk_cache_after, chunk_caches, chunk_caches_after, lead_key, placed_prefix, prefix_cache
+from kvrag.indexing.build import cache_after_neighbours, nearest_chunks
+from kvrag.indexing.kvgen import (
+    chunk_cache_after,
+    chunk_caches,
+    chunk_caches_after,
+    lead_key,
+    placed_prefix,
+    prefix_cache,
+)
+from kvrag.model import hf_compat
 from kvrag.model.loading import rope_at, unapply_rope, wrap_model
 from kvrag.prompt import chunk_token_ids
 

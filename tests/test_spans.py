@@ -9,10 +9,10 @@ import torch
 
 from kvrag import KVRag, SplitConfig
 from kvrag.config import FuseConfig
-from kvrag.query.flat import answer_flat_prompt, chat_prompt, plan_flat_prompt
 from kvrag.fusion import FusionInput, fuse
 from kvrag.indexing.kvgen import prefix_cache
 from kvrag.query.answer import RetrievedChunk
+from kvrag.query.flat import answer_flat_prompt, chat_prompt, plan_flat_prompt
 from kvrag.query.spans import find_chunk_spans
 
 

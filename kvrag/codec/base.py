@@ -51,6 +51,7 @@ class Codec(ABC):
 
     @classmethod
     def default_level(cls) -> int:
+        """The level a codec of this kind uses when none is given."""
         return 0
 
     @classmethod

@@ -23,10 +23,9 @@ import torch
 
 from kvrag.codec.base import Codec
 from kvrag.config import SplitConfig
+from kvrag.errors import CorruptChunkError
 from kvrag.indexing.documents import Loaded
 from kvrag.indexing.embed import Embedder
-from kvrag.errors import CorruptChunkError
-from kvrag.storage.chunk_index import ChunkIndex, ChunkRecord
 from kvrag.indexing.kvgen import (
     KV,
     PrefixCache,
@@ -37,10 +36,11 @@ from kvrag.indexing.kvgen import (
     lead_key,
     placed_prefix,
 )
+from kvrag.indexing.split import KVSplitter
 from kvrag.model import LoadedModel
 from kvrag.prompt import PromptLayout, chunk_token_ids
-from kvrag.indexing.split import KVSplitter
-from kvrag.storage.store import KVStore
+from kvrag.storage.chunk_index import ChunkIndex, ChunkRecord
+from kvrag.storage.kvstore import KVStore
 
 log = logging.getLogger(__name__)
 GROUP_CHUNKS = 256
@@ -70,6 +70,8 @@ class BuildStats:
 
 @dataclass
 class Candidate:
+    """A chunk to index: its record and its token ids."""
+
     record: ChunkRecord
     ids: list[int]
 
@@ -209,7 +211,9 @@ class Builder:
         new = [c for c in candidates if c.record.key not in self.index]
         todo = [c for c in candidates if c.record.key not in self.index or not self._cached(c)] if caches else new
         stats.chunks, stats.new_chunks = len(candidates), len(new)
-        bar = tqdm(total=len(todo), unit="chunk", desc="kvrag build", disable=not show_progress)
+        # one bar over the chunk tokens to embed and prefill, so that its rate and ETA follow the work
+        bar = tqdm(total=sum(len(c.ids) for c in todo), unit="tok", dynamic_ncols=True,
+                   desc="computing caches" if caches else "embedding", disable=not show_progress)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrag-writer") as writer:
             for start in range(0, len(todo), GROUP_CHUNKS):
                 group = list(todo[start : start + GROUP_CHUNKS])
@@ -221,11 +225,8 @@ class Builder:
                         self._store_leads([(c.record.key, c.ids) for c in group], stats, writer)
                     self._store_caches(group, vectors, stats, writer, bar)
                 else:
-                    bar.update(len(group))
+                    bar.update(sum(len(c.ids) for c in group))
                 self.index.add([c.record for c in group], vectors)  # (keys already indexed are skipped)
-                if not show_progress:
-                    continue
-                bar.set_postfix(tok_s=f"{stats.prefill_tokens_per_s:.0f}")
         bar.close()
 
     def _cached(self, candidate: Candidate) -> bool:
@@ -260,7 +261,7 @@ class Builder:
                       writer: ThreadPoolExecutor, bar: Any) -> None:
         positions = [i for i, c in enumerate(group) if not self.kvstore.contains(c.record.key)]
         todo = [group[i] for i in positions]
-        bar.update(len(group) - len(todo))
+        bar.update(sum(len(c.ids) for c in group) - sum(len(c.ids) for c in todo))
         if not todo:
             return
         t0 = time.perf_counter()
@@ -276,11 +277,11 @@ class Builder:
                 _fit_codec(self.kvstore.codec, [h[1] for h in held], self.codec_state_dir)
                 (self.codec_state_dir / "fitted").touch()
                 pending += [self._submit(writer, todo[j].record.key, h) for j, h in held]
-                bar.update(len(held))
+                bar.update(sum(len(todo[j].ids) for j, _ in held))
                 held = []
                 continue
             pending.append(self._submit(writer, todo[i].record.key, kv))
-            bar.update(1)
+            bar.update(len(todo[i].ids))
         stats.stored_bytes += sum(f.result() for f in pending)
         stats.kv_s += time.perf_counter() - t0
 

@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-from kvrag.model import hf_compat
-from kvrag.model import LoadedModel, apply_rope, rope_at, unapply_rope
+from kvrag.model import LoadedModel, apply_rope, hf_compat, rope_at, unapply_rope
 
 KV = tuple[torch.Tensor, torch.Tensor]
 

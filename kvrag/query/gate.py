@@ -48,6 +48,7 @@ class Signals:
         return None if self.probe_top is None else self.probe_top == self.top
 
     def to_json(self) -> dict[str, Any]:
+        """The signals as `Answer.to_json` reports them."""
         return {"top": self.top, "margin": self.margin, "probe_top": self.probe_top,
                 "probe_margin": self.probe_margin, "probe_agrees": self.probe_agrees}
 
@@ -87,9 +88,11 @@ class GateReport:
 
     @property
     def escalations(self) -> int:
+        """Attempts after the first."""
         return max(0, len(self.attempts) - 1)
 
     def to_json(self) -> dict[str, Any]:
+        """The report as `Answer.to_json` gives it."""
         return {"decision": self.decision, "stale_tokens": self.stale_tokens, "escalations": self.escalations,
                 "attempts": self.attempts}
 

@@ -50,6 +50,7 @@ class QueryContext:
 
 
 def check_question(question: str) -> None:
+    """Refuse a question that is not a non-empty string."""
     if not isinstance(question, str):
         raise TypeError(f"question must be a str, got {type(question).__name__}")
     if not question.strip():

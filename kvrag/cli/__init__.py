@@ -1,0 +1,73 @@
+"""The ``kvrag`` command: ``index``, ``ask``, ``info`` and ``bench …``.
+
+Contract: `main(argv)` runs one command and returns the exit status (it raises nothing, so it can run
+inside another program): 0 on success; 2 after one line ``kvrag: error: …`` on stderr for a usage
+error or a failure kvrag reports (a `KVRagError`, a missing file, a bad value); 1, also after one
+line, for anything unexpected; 130 on Ctrl-C. ``--debug`` prints the traceback first. Results go to
+stdout; the progress bar, warnings and errors to stderr. By default the libraries' warnings, logs
+and progress bars are silenced (``-v``/``-vv`` bring them back: `kvrag.cli.verbosity`).
+
+One module per command (`kvrag.cli.index`, `kvrag.cli.ask`, `kvrag.cli.info`, `kvrag.cli.bench`),
+each with ``add_parser(sub, parents)`` and ``run(args)``; `kvrag.cli.common` holds what they share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+
+from kvrag.cli import ask, bench, index, info
+from kvrag.cli.common import Parser, add_global_flags
+from kvrag.cli.verbosity import configured
+from kvrag.errors import KVRagError
+
+__all__ = ["build_parser", "main"]
+
+# failures kvrag reports in its own words (exit status 2); anything else is unexpected (status 1)
+REPORTED = (KVRagError, ValueError, OSError, KeyError, ImportError)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="kvrag", description="Retrieval-augmented generation over stored, compressed per-chunk "
+                                              "KV caches: index documents once, then ask.")
+    add_global_flags(parser, top=True)
+    flags = Parser(add_help=False)
+    add_global_flags(flags, top=False)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in (index, ask, info, bench):
+        command.add_parser(sub, [flags])
+    return parser
+
+
+def _one_line(exc: BaseException) -> str:
+    text = exc.args[0] if isinstance(exc, KeyError) and exc.args and isinstance(exc.args[0], str) else str(exc)
+    return " ".join(line.strip() for line in text.splitlines() if line.strip()) or type(exc).__name__
+
+
+def _report(exc: Exception, debug: bool) -> int:
+    if debug:
+        traceback.print_exc()
+    if isinstance(exc, REPORTED):
+        print(f"kvrag: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    hint = "" if debug else " (run again with --debug for the traceback)"
+    print(f"kvrag: error: unexpected {type(exc).__name__}: {_one_line(exc)}{hint}", file=sys.stderr)
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``kvrag`` with ``argv`` (default: the process's arguments); return the exit status."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error already reported in one line
+        return exc.code if isinstance(exc.code, int) else 2
+    with configured(args.verbose):
+        try:
+            return int(args.func(args))
+        except KeyboardInterrupt:
+            print("kvrag: interrupted", file=sys.stderr)
+            return 130
+        except Exception as exc:  # every failure ends as one line (the traceback with --debug)
+            return _report(exc, args.debug)
+

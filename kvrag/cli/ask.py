@@ -1,0 +1,107 @@
+"""``kvrag ask INDEX QUESTION``: answer a question from an index.
+
+Contract: an empty question or a missing index folder fails in one line before any model loads.
+The model is the one the index was built with; ``--model`` loads another name for it and is refused
+(`IndexMismatchError`) unless it is the same model. ``--warmup N`` first answers N throwaway
+questions, unprinted. Prints the answer on stdout (``--stream``: as it is generated), then on stderr
+one line with the mode, the TTFT and its breakdown, the model-load time (not part of the TTFT) and
+the chunks used; ``--json`` prints all of it on stdout instead, model load as ``load_model_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvrag.cli.common import fraction, non_negative_int, positive_int
+from kvrag.config import DEFAULT_MODE
+from kvrag.errors import IndexNotFoundError, InputError
+from kvrag.fusion import available_modes
+
+HELP = "answer a question from an index"
+WARMUP_QUESTION = "What are these passages about?"
+
+
+def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("ask", parents=parents, help=HELP, description=HELP + ".")
+    p.add_argument("index", metavar="INDEX", help="index folder, built by 'kvrag index'")
+    p.add_argument("question", metavar="QUESTION", help="the question (quote it)")
+    p.add_argument("--model", default=None,
+                   help="load the index's model under this name (hub id, folder or .gguf file) instead of the one "
+                        "recorded in the index; refused unless it is the same model")
+    p.add_argument("--mode", default=DEFAULT_MODE, choices=available_modes(),
+                   help=f"how the retrieved chunks' caches are fused (default: {DEFAULT_MODE}); 'full' "
+                        "recomputes everything, the reference")
+    p.add_argument("--ratio", type=fraction, default=0.15,
+                   help="fraction of the chunks' tokens recomputed by cacheblend and probe, in (0, 1] (default 0.15)")
+    p.add_argument("--k", type=positive_int, default=4, metavar="N", help="chunks to retrieve (default 4)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="N",
+                   help="longest answer, in tokens (default 64)")
+    p.add_argument("--device", default=None,
+                   help="torch device for the model and the embedder, e.g. cpu or cuda (default: cuda if available)")
+    p.add_argument("--stream", action="store_true", help="print the answer as it is generated")
+    p.add_argument("--json", action="store_true",
+                   help="print the answer, mode, ratio, TTFT and its breakdown, the model-load time (load_model_s) "
+                        "and the chunks used as JSON")
+    p.add_argument("--warmup", type=non_negative_int, default=0, metavar="N",
+                   help="first answer N throwaway questions (not printed) so that the TTFT reported excludes "
+                        "warm-up: the first answer in a process also pays for one-time initialisation and "
+                        "first-call compilation (default 0: the TTFT includes it)")
+    p.set_defaults(func=run)
+
+
+def _check(args: argparse.Namespace) -> None:
+    """What can be refused before loading anything."""
+    if not args.question.strip():
+        raise InputError("the question is empty")
+    if not Path(args.index).is_dir():
+        raise IndexNotFoundError(f"no kvrag index at {args.index}: the folder does not exist")
+
+
+def _summary(answer: Any, load_s: float, warmup: int) -> str:
+    t = answer.timings
+    parts = ", ".join(f"{name} {t[name + '_s'] * 1000:.0f}" for name in ("retrieve", "load", "fuse")
+                      if name + "_s" in t)
+    warm = f"after {warmup} warm-up answer{'s' if warmup > 1 else ''}" if warmup else "first answer, includes warm-up"
+    chunks = ", ".join(c.key[:10] for c in answer.chunks)
+    return (f"[{answer.mode}: TTFT {answer.ttft_s * 1000:.0f} ms ({parts} ms; {warm}); "
+            f"model load {load_s:.1f} s, not in the TTFT; chunks {chunks}]")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvrag.rag import KVRag
+
+    _check(args)
+    t0 = time.perf_counter()
+    rag = KVRag.open(args.index, model=args.model, device=args.device)
+    load_s = time.perf_counter() - t0
+    try:
+        kwargs: dict[str, Any] = dict(k=args.k, mode=args.mode, ratio=args.ratio, max_new_tokens=args.max_new_tokens)
+        t1 = time.perf_counter()
+        for _ in range(args.warmup):
+            rag.answer(WARMUP_QUESTION, **{**kwargs, "max_new_tokens": 1})
+        warmup_s = time.perf_counter() - t1
+        if args.stream and not args.json:
+            for piece in rag.stream(args.question, **kwargs):
+                print(piece, end="", flush=True)
+            print()
+            answer = rag.last_answer
+        else:
+            answer = rag.answer(args.question, **kwargs)
+        assert answer is not None
+    finally:
+        rag.close()
+    if args.json:
+        out = {**answer.to_json(), "load_model_s": load_s}
+        if args.warmup:
+            out.update(warmup=args.warmup, warmup_s=warmup_s)
+        print(json.dumps(out, indent=2))
+        return 0
+    if not args.stream:
+        print(answer.text)
+    print(_summary(answer, load_s, args.warmup), file=sys.stderr)
+    return 0

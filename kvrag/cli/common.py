@@ -1,0 +1,85 @@
+"""What every ``kvrag`` subcommand shares: the parser class, the global flags, argument types.
+
+Contract: `Parser` reports a usage error as one line ``kvrag: error: …`` on stderr and exits 2
+(no usage dump). `add_global_flags` puts ``-v/--verbose`` (count), ``-q/--quiet``, ``--progress``
+and ``--debug`` on the top-level parser (with defaults) and on each subcommand (without, so that a
+flag given before the subcommand survives); they work in either place. Argument types name the
+argument's problem and the value given. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line: ``kvrag: error: <what> (see <prog> --help)``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"kvrag: error: {message} (see '{self.prog} --help')\n")
+
+
+def add_global_flags(parser: argparse.ArgumentParser, top: bool) -> None:
+    """The flags every command takes; ``top`` is the top-level parser (the only one with defaults)."""
+
+    def default(value: object) -> object:
+        return value if top else argparse.SUPPRESS
+
+    parser.add_argument("-v", "--verbose", action="count", default=default(0),
+                        help="-v shows kvrag's INFO logs and the libraries' warnings; -vv DEBUG logs as well")
+    parser.add_argument("-q", "--quiet", action="store_true", default=default(False),
+                        help="no progress bar")
+    parser.add_argument("--progress", action="store_true", default=default(False),
+                        help="show the progress bar even when stderr is not a terminal")
+    parser.add_argument("--debug", action="store_true", default=default(False),
+                        help="on an error, print the full traceback instead of one line")
+
+
+def show_progress(args: argparse.Namespace) -> bool:
+    """A progress bar by default only on a terminal; ``--progress`` forces one, ``-q`` none."""
+    return not args.quiet and (args.progress or sys.stderr.isatty())
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
+def human_bytes(n: float) -> str:
+    """``1234567`` -> ``"1.2 MB"`` (powers of 1000, as disk sizes are sold)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")

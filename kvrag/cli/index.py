@@ -1,0 +1,178 @@
+"""``kvrag index PATH… --index DIR``: build an index over files and folders, or extend one.
+
+Contract, in order: read the documents (PDF, HTML and DOCX too; unreadable ones are set aside),
+fail in one line when none is usable; load the model once (a new index: ``--model``, default
+``smollm2``; an existing one: the model it was built with, or ``--model`` if that is the same model);
+print the number of documents and tokens and the expected size of the chunk caches (tokens x the
+model's K/V elements per token x the codec's measured bits per element), with a warning on stderr
+when that exceeds the free disk space; build (one progress bar with an ETA, on stderr, on a
+terminal or with ``--progress``); print the chunks and the bytes actually written; last, one line
+naming the skipped files and why. Options not given on an existing index take its own settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvrag.cli.common import human_bytes, non_negative_int, positive_int, show_progress
+from kvrag.cli.sizes import expected_cache_bytes, folder_bytes
+from kvrag.errors import IndexMismatchError, InputError
+
+HELP = "build an index over files or folders, or add new documents to one"
+
+
+def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("index", parents=parents, help=HELP, description=HELP + ".")
+    p.add_argument("paths", nargs="+", metavar="PATH",
+                   help="files or folders to index (folders recursively): .txt .md .rst, .json/.jsonl records "
+                        "{title, text}, .html, .pdf, .docx")
+    p.add_argument("--index", required=True, metavar="DIR",
+                   help="index folder: created if missing; an existing index gets the chunks it lacks")
+    p.add_argument("--model", default=None,
+                   help="the LLM whose caches are stored: a Hugging Face hub id, a local folder, a .gguf file or "
+                        "'smollm2' (default: smollm2 for a new index; an existing index's own model)")
+    p.add_argument("--embedder", default=None,
+                   help="sentence-transformers model for retrieval (default: all-MiniLM-L6-v2, bundled offline)")
+    p.add_argument("--codec", default=None,
+                   help="how chunk caches are stored: raw (lossless), int8 or cachegen (smallest, lossy) "
+                        "(default: raw; an existing index keeps its own)")
+    p.add_argument("--codec-level", type=non_negative_int, default=None, metavar="N",
+                   help="codec quality level, higher is larger and closer (cachegen: 0-3, default 1)")
+    p.add_argument("--split", default="semantic", choices=["semantic", "fixed", "document"],
+                   help="how documents are cut into chunks: at topic shifts under the token budget (semantic), "
+                        "every --max-tokens tokens (fixed), or one chunk per document (document) "
+                        "(default: semantic)")
+    p.add_argument("--max-tokens", type=positive_int, default=256, metavar="N",
+                   help="most tokens in a chunk (default 256)")
+    p.add_argument("--min-tokens", type=non_negative_int, default=64, metavar="N",
+                   help="fewest tokens in a semantic chunk unless its document ends (default 64)")
+    p.add_argument("--index-kind", default="flat", choices=["flat", "hnsw"],
+                   help="FAISS index: exact search (flat) or approximate and faster on large indexes (hnsw) "
+                        "(default: flat)")
+    p.add_argument("--batch-tokens", type=positive_int, default=4096, metavar="N",
+                   help="tokens prefilled per model call while computing caches (default 4096)")
+    p.add_argument("--neighbour-context", type=non_negative_int, default=None, metavar="N",
+                   help="compute each chunk's cache after its N nearest chunks (default 0; an index keeps its own)")
+    p.add_argument("--neighbour-kv", default=None, choices=["stored", "prefill"],
+                   help="with --neighbour-context: place the neighbours' stored caches before a chunk (default for a "
+                        "new index; about the cost of a plain build again) or prefill their tokens with it (exact, "
+                        "up to N+1 times the cost)")
+    p.add_argument("--lazy", action="store_true",
+                   help="index the chunks for retrieval only: each chunk's cache is computed the first time a "
+                        "question uses it (a later run without --lazy computes the missing ones)")
+    p.add_argument("--instruction", default=None,
+                   help="system instruction before the passages (a new index only; default: kvrag.prompt's)")
+    p.add_argument("--question-tail", default="",
+                   help="a line put right after each question, e.g. how to answer (a new index only; default none)")
+    p.add_argument("--dtype", default=None,
+                   help="the model's dtype: float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on "
+                        "CPU; an existing index: the dtype it was built with)")
+    p.add_argument("--device", default=None,
+                   help="torch device for the model and the embedder, e.g. cpu or cuda (default: cuda if available)")
+    p.set_defaults(func=run)
+
+
+def _free_bytes(path: Path) -> tuple[int, Path]:
+    """Free bytes on the file system that will hold ``path`` (its nearest existing ancestor's)."""
+    probe = path.absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return shutil.disk_usage(probe).free, probe
+
+
+def _estimate(args: argparse.Namespace, lm: Any, n_docs: int, tokens: int, codec: str, level: int,
+              neighbour_context: int, existing: bool) -> None:
+    """Print the expected size of the caches; warn on stderr when the disk has less room."""
+    from dataclasses import asdict
+
+    spec = asdict(lm.spec)
+    copies = 2 if neighbour_context else 1  # with neighbour context each chunk's plain cache is stored too
+    expected = expected_cache_bytes(tokens, spec, codec, level, copies)
+    if expected is None:
+        size = f"expected size unknown for codec {codec!r} level {level}"
+    else:
+        what = codec + (f" level {level}" if codec == "cachegen" else "") + f", {spec['dtype']} model"
+        size = f"about {human_bytes(expected)} of caches ({what}: {human_bytes(expected / max(tokens, 1))} a token)"
+    if args.lazy:
+        size = f"caches computed on first use, {size} once all are"
+    elif existing:
+        size += "; chunks already in the index are not computed again"
+    docs = f"{n_docs} document{'' if n_docs == 1 else 's'}"
+    print(f"{args.index}: {docs}, {tokens:,} tokens: {size}", flush=True)
+    if expected is not None and not args.lazy:
+        free, where = _free_bytes(Path(args.index))
+        if expected > free:
+            print(f"kvrag: warning: the caches need about {human_bytes(expected)} but {where} has only "
+                  f"{human_bytes(free)} free", file=sys.stderr, flush=True)
+
+
+def _settings(args: argparse.Namespace, manifest: dict[str, Any] | None) -> tuple[str, str, int | None]:
+    """Model name, codec and codec level: the options given, else the index's own, else the defaults."""
+    if manifest is None:
+        return args.model or "smollm2", args.codec or "raw", args.codec_level
+    codec = manifest["codec"]
+    if args.codec is not None and args.codec != codec["name"]:  # refused before any model loads
+        raise IndexMismatchError(f"index {args.index} uses codec {codec['name']!r}, not {args.codec!r}")
+    context = manifest.get("neighbour_context", 0)
+    if args.neighbour_context is not None and args.neighbour_context != context:
+        raise IndexMismatchError(
+            f"index {args.index} computes caches with neighbour_context={context}, not {args.neighbour_context}")
+    return args.model or manifest["model"]["source"], args.codec or str(codec["name"]), codec.get("level")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvrag.indexing.documents import load_documents
+    from kvrag.storage.chunk_index import ChunkIndex
+
+    index_path = Path(args.index)
+    manifest, chunks_before = None, 0
+    if ChunkIndex.exists(index_path):
+        with ChunkIndex.open(index_path) as existing:
+            manifest = existing.manifest
+            chunks_before = len(existing)
+    model_name, codec_name, level = _settings(args, manifest)
+    loaded = load_documents([Path(p) for p in args.paths])
+    if not loaded.docs:
+        raise InputError(f"no documents to index in {', '.join(args.paths)}"
+                         + (f" ({loaded.skipped_summary()})" if loaded.skipped else ""))
+
+    # the heavy imports (torch, transformers) only once the cheap checks passed
+    from kvrag.codec.base import make_codec
+    from kvrag.config import SplitConfig
+    from kvrag.model import load_model
+    from kvrag.prompt import DEFAULT_INSTRUCTION
+    from kvrag.rag import KVRag
+
+    codec = make_codec(codec_name, level)  # an unknown codec or level fails here, before the model loads
+    split = SplitConfig(mode=args.split, max_tokens=args.max_tokens, min_tokens=min(args.min_tokens, args.max_tokens))
+    dtype = args.dtype or (manifest["model"]["spec"]["dtype"] if manifest is not None else None)
+    lm = load_model(model_name, dtype=dtype, device=args.device)
+    texts = [text for _, text, _ in loaded.docs]
+    tokens = sum(len(ids) for ids in lm.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"])
+    neighbour_context = (args.neighbour_context if manifest is None or args.neighbour_context is not None
+                         else manifest.get("neighbour_context", 0)) or 0
+    _estimate(args, lm, len(loaded.docs), tokens, codec.name, codec.level, neighbour_context, manifest is not None)
+
+    bytes_before = folder_bytes(index_path)
+    t0 = time.perf_counter()
+    rag = KVRag.build(loaded, index_path, model=lm, embedder=args.embedder, split=split, codec=codec_name,
+                      codec_level=level, index_kind=args.index_kind, dtype=args.dtype, device=args.device,
+                      batch_tokens=args.batch_tokens, neighbour_context=args.neighbour_context,
+                      neighbour_kv=args.neighbour_kv, show_progress=show_progress(args), caches=not args.lazy,
+                      instruction=DEFAULT_INSTRUCTION if args.instruction is None else args.instruction,
+                      question_tail=args.question_tail)
+    elapsed = time.perf_counter() - t0
+    n_chunks = len(rag.index)
+    rag.close()
+    total = folder_bytes(index_path)
+    new = f" ({n_chunks - chunks_before} new)" if manifest is not None else ""
+    print(f"{args.index}: {n_chunks} chunks{new}; wrote {human_bytes(max(0, total - bytes_before))} in "
+          f"{elapsed:.1f} s, {human_bytes(total)} on disk in all", flush=True)
+    if loaded.skipped:
+        print(loaded.skipped_summary(), flush=True)
+    return 0

@@ -1,0 +1,87 @@
+"""``kvrag info INDEX``: what an index holds and what it takes on disk.
+
+Contract: reads the manifest and the chunk table only (no model, no torch). Prints, as text or with
+``--json`` as one object: chunks and their tokens; bytes on disk split into caches, FAISS vectors,
+codec state, chunk text (``chunks.sqlite``) and other files; cache bytes per token; the model's
+source and shape; the embedder; the codec's name and level; the creation date; the neighbour-context
+setting. ``--json`` adds the whole manifest under ``"manifest"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from kvrag.cli.common import human_bytes
+from kvrag.cli.sizes import PARTS, index_sizes, kv_elements_per_token
+from kvrag.errors import IndexNotFoundError
+
+HELP = "show what an index holds and its size on disk"
+_PART_NAMES = {"caches": "caches", "faiss": "FAISS", "codec_state": "codec state", "text": "text", "other": "other"}
+
+
+def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("info", parents=parents, help=HELP, description=HELP + ".")
+    p.add_argument("index", metavar="INDEX", help="index folder, built by 'kvrag index'")
+    p.add_argument("--json", action="store_true", help="print the same as one JSON object, with the whole manifest")
+    p.set_defaults(func=run)
+
+
+def describe(path: Path) -> dict[str, Any]:
+    """The facts `kvrag info` prints, as a JSON-ready dict."""
+    from kvrag.storage.chunk_index import ChunkIndex
+
+    if not path.is_dir():
+        raise IndexNotFoundError(f"no kvrag index at {path}: the folder does not exist")
+    with ChunkIndex.open(path) as index:
+        manifest = index.manifest
+        records = index.records()
+    tokens = sum(r.n_tokens for r in records)
+    sizes = index_sizes(path)
+    model, codec = manifest.get("model", {}), manifest.get("codec", {})
+    return {
+        "path": str(path),
+        "chunks": len(records),
+        "tokens": tokens,
+        "bytes": sizes,
+        "cache_bytes_per_token": sizes["caches"] / tokens if tokens else 0.0,
+        "model": model.get("source"),
+        "model_spec": model.get("spec", {}),
+        "embedder": manifest.get("embedder"),
+        "codec": {"name": codec.get("name"), "level": codec.get("level")},
+        "neighbour_context": manifest.get("neighbour_context", 0),
+        "created": manifest.get("created"),
+        "manifest": manifest,
+    }
+
+
+def _text(info: dict[str, Any]) -> str:
+    spec, sizes = info["model_spec"], info["bytes"]
+    shape = ""
+    if spec:
+        shape = (f" ({spec.get('arch')}, {spec['n_layers']} layers, {spec['n_kv_heads']} KV heads x "
+                 f"{spec['head_dim']}, {spec.get('dtype')}: {kv_elements_per_token(spec):,} K/V values a token)")
+    codec = info["codec"]
+    parts = ", ".join(f"{_PART_NAMES[p]} {human_bytes(sizes[p])}" for p in PARTS)
+    per_token = f"{human_bytes(info['cache_bytes_per_token'])} of cache"
+    if info["neighbour_context"]:
+        per_token += f" (two caches a chunk: neighbour context {info['neighbour_context']})"
+    rows = [
+        ("index", info["path"]),
+        ("created", str(info["created"])),
+        ("model", f"{info['model']}{shape}"),
+        ("embedder", str(info["embedder"])),
+        ("codec", f"{codec['name']} level {codec['level']}"),
+        ("chunks", f"{info['chunks']:,} ({info['tokens']:,} tokens)"),
+        ("on disk", f"{human_bytes(sizes['total'])}: {parts}"),
+        ("per token", per_token),
+    ]
+    return "\n".join(f"{name:<10} {value}" for name, value in rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    info = describe(Path(args.index))
+    print(json.dumps(info, indent=2) if args.json else _text(info))
+    return 0

@@ -2,7 +2,7 @@
 # Set up and run the checks and the test suite (CPU). Extra arguments go to pytest, e.g. -m "not slow".
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
+bash scripts/install.sh "dev,langchain,llamaindex,bench"
 # Triton runs kvrag's GPU kernels; without a GPU the tests run them in its interpreter. (CUDA builds of
 # torch bring their own pinned triton; this is the CPU test setup.)
 python -m pip install -q "triton==3.9.0"

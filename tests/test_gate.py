@@ -88,3 +88,20 @@ def test_gate_settings_are_checked():
         GateConfig(ladder=(0.5, 0.3))
     with pytest.raises(ValueError, match="full_below_tokens"):
         GateConfig(full_below_tokens=-1)
+
+
+def test_kvrag_ask_reports_the_gate_and_can_turn_it_off(rag: KVRag, capsys):
+    import json
+
+    from kvrag.cli import main
+
+    path, q = str(rag.path), "Who commands beta station?"
+    rag.close()
+    capsys.readouterr()
+    assert main(["ask", path, q, "--k", "3", "--max-new-tokens", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["gate"]["decision"] == "full"  # a short prompt
+    for extra in (["--gate", "off"], ["--mode", "reuse"]):
+        assert main(["ask", path, q, "--k", "3", "--max-new-tokens", "2", "--json", *extra]) == 0
+        assert "gate" not in json.loads(capsys.readouterr().out)
+    assert main(["ask", path, q, "--k", "3", "--max-new-tokens", "2"]) == 0
+    assert "gate: short prompt" in capsys.readouterr().err

@@ -33,11 +33,16 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     p.add_argument("--model", default=None,
                    help="load the index's model under this name (hub id, folder or .gguf file) instead of the one "
                         "recorded in the index; refused unless it is the same model")
-    p.add_argument("--mode", default=DEFAULT_MODE, choices=available_modes(),
-                   help=f"how the retrieved chunks' caches are fused (default: {DEFAULT_MODE}); 'full' "
-                        "recomputes everything, the reference")
-    p.add_argument("--ratio", type=fraction, default=0.15,
+    p.add_argument("--mode", default=None, choices=available_modes(),
+                   help=f"how the retrieved chunks' caches are fused (default: {DEFAULT_MODE} under the correctness "
+                        "gate); 'full' recomputes everything, the reference")
+    p.add_argument("--ratio", type=fraction, default=None,
                    help="fraction of the chunks' tokens recomputed by cacheblend and probe, in (0, 1] (default 0.15)")
+    p.add_argument("--gate", choices=("auto", "on", "off", "strict"), default="auto",
+                   help="the correctness gate, which checks the fused answer's first token and falls back to more "
+                        "recompute or a full prefill when the cache cannot be trusted: 'auto' (the default) runs it "
+                        "when neither --mode nor --ratio is given; 'strict' answers from fused caches only when the "
+                        "check passes, else with a full prefill")
     p.add_argument("--k", type=positive_int, default=4, metavar="N", help="chunks to retrieve (default 4)")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="N",
                    help="longest answer, in tokens (default 64)")
@@ -62,13 +67,21 @@ def _check(args: argparse.Namespace) -> None:
         raise IndexNotFoundError(f"no kvrag index at {args.index}: the folder does not exist")
 
 
+def _gate(choice: str) -> Any:
+    """``--gate`` as `KVRag.answer`'s ``gate`` argument."""
+    from kvrag.config import GateConfig
+
+    return {"auto": None, "on": True, "off": False, "strict": GateConfig(strict=True)}[choice]
+
+
 def _summary(answer: Any, load_s: float, warmup: int) -> str:
     t = answer.timings
     parts = ", ".join(f"{name} {t[name + '_s'] * 1000:.0f}" for name in ("retrieve", "load", "fuse")
                       if name + "_s" in t)
     warm = f"after {warmup} warm-up answer{'s' if warmup > 1 else ''}" if warmup else "first answer, includes warm-up"
     chunks = ", ".join(c.key[:10] for c in answer.chunks)
-    return (f"[{answer.mode}: TTFT {answer.ttft_s * 1000:.0f} ms ({parts} ms; {warm}); "
+    gate = f"; gate: {_gate_text(answer.gate)}" if answer.gate is not None else ""
+    return (f"[{answer.mode}{gate}: TTFT {answer.ttft_s * 1000:.0f} ms ({parts} ms; {warm}); "
             f"model load {load_s:.1f} s, not in the TTFT; chunks {chunks}]")
 
 
@@ -80,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     rag = KVRag.open(args.index, model=args.model, device=args.device)
     load_s = time.perf_counter() - t0
     try:
-        kwargs: dict[str, Any] = dict(k=args.k, mode=args.mode, ratio=args.ratio, max_new_tokens=args.max_new_tokens)
+        kwargs: dict[str, Any] = dict(k=args.k, mode=args.mode, ratio=args.ratio, max_new_tokens=args.max_new_tokens,
+                                      gate=_gate(args.gate))
         t1 = time.perf_counter()
         for _ in range(args.warmup):
             rag.answer(WARMUP_QUESTION, **{**kwargs, "max_new_tokens": 1})
@@ -105,3 +119,13 @@ def run(args: argparse.Namespace) -> int:
         print(answer.text)
     print(_summary(answer, load_s, args.warmup), file=sys.stderr)
     return 0
+
+
+def _gate_text(report: Any) -> str:
+    """What the correctness gate did, in a few words."""
+    if report.decision == "full":
+        return f"short prompt ({report.stale_tokens} stale tokens), full prefill"
+    if report.decision == "fused":
+        return "check passed"
+    last = report.attempts[-1]
+    return f"check failed ({report.attempts[0]['reason']}), answered by {last['mode']}"

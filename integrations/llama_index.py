@@ -3,7 +3,8 @@
 `KVCachedLLM` gets a flat prompt from LlamaIndex's synthesizers; it finds the stored chunk texts
 in it (`kvrag.query.spans`), reuses their caches and recomputes the rest (`kvrag.query.flat`) — any query
 engine works, e.g. ``RetrieverQueryEngine.from_args(retriever, llm=llm)``. `KVRagQueryEngine` is
-the direct path: it hands the retrieved chunk ids straight to `KVRag.answer`, with no text search::
+the direct path: it hands the retrieved chunk ids straight to `KVRag.answer` (`KVRag.stream` with
+``streaming=True``), with no text search::
 
     from kvrag import KVRag
     from kvrag.integrations.llama_index import KVCachedLLM, KVRagQueryEngine, KVRetriever
@@ -17,10 +18,11 @@ Installed with ``pip install 'kvrag[llamaindex]'``.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import Any
 
 try:
-    from llama_index.core.base.response.schema import Response
+    from llama_index.core.base.response.schema import Response, StreamingResponse
     from llama_index.core.callbacks import CallbackManager
     from llama_index.core.llms import (
         CompletionResponse,
@@ -97,10 +99,12 @@ class KVCachedLLM(CustomLLM):
 
     @classmethod
     def class_name(cls) -> str:
+        """LlamaIndex's name for this class (used when serialising)."""
         return "kvrag_cached_llm"
 
     @property
     def metadata(self) -> LLMMetadata:
+        """The model's context window and this LLM's output budget, as LlamaIndex's synthesizers read them."""
         return LLMMetadata(context_window=self.rag.lm.spec.max_position, num_output=self.max_new_tokens,
                            is_chat_model=False, model_name=self.rag.lm.source)
 
@@ -119,11 +123,14 @@ class KVCachedLLM(CustomLLM):
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """Answer ``prompt``, reusing the caches of the stored chunks found in it."""
         text = "".join(self._deltas(prompt, **kwargs)).strip()
         return CompletionResponse(text=text, additional_kwargs=self._info())
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        """As `complete`, yielding a response per text piece; the last one carries the report."""
+
         def gen() -> CompletionResponseGen:
             text = ""
             for delta in self._deltas(prompt, **kwargs):
@@ -138,24 +145,62 @@ class KVRagQueryEngine(CustomQueryEngine):
     """Retrieve with a `KVRetriever`, then answer with the chunk ids passed straight to fusion.
 
     The response's ``metadata`` holds ``ttft_s``, ``chunk_ids``, ``mode`` and ``recompute_fraction``.
+    With ``streaming=True`` the query returns a `StreamingResponse` whose ``response_gen`` yields the
+    answer's text as it is decoded (its pieces join to the non-streaming answer); its ``metadata`` is
+    filled in once the first piece has arrived.
 
     Example:
         >>> retriever, llm = KVRetriever(rag=rag), KVCachedLLM(rag=rag)  # doctest: +SKIP
         >>> engine = KVRagQueryEngine(retriever=retriever, llm=llm)  # doctest: +SKIP
         >>> engine.query("Who?").metadata["chunk_ids"]  # doctest: +SKIP
+        >>> streaming = KVRagQueryEngine(retriever=retriever, llm=llm, streaming=True)  # doctest: +SKIP
+        >>> streaming.query("Who?").print_response_stream()  # doctest: +SKIP
     """
 
     retriever: Any = Field(description="A `KVRetriever`.")
-    llm: Any = Field(description="A `KVCachedLLM` (its mode, ratio and max_new_tokens are used).")
+    llm: Any = Field(description="A `KVCachedLLM` (its mode, ratio, max_new_tokens and temperature are used).")
+    streaming: bool = Field(default=False, description="Return a `StreamingResponse` that yields text pieces.")
 
-    def custom_query(self, query_str: str) -> Response:
+    def _options(self, keys: list[str]) -> dict[str, Any]:
+        llm = self.llm
+        return {"chunks": keys, "mode": llm.mode, "ratio": llm.ratio, "max_new_tokens": llm.max_new_tokens,
+                "temperature": llm.temperature}
+
+    @staticmethod
+    def _info(answer: Any) -> dict[str, Any]:
+        return {"ttft_s": answer.ttft_s, "chunk_ids": [c.key for c in answer.chunks], "mode": answer.mode,
+                "recompute_fraction": answer.recompute_fraction, "prompt_tokens": answer.n_prompt_tokens}
+
+    def custom_query(self, query_str: str) -> Response | StreamingResponse:
+        """Retrieve, then answer from the retrieved chunks' caches (streamed with ``streaming=True``)."""
         nodes = self.retriever.retrieve(query_str)
         keys = [n.node.metadata["chunk_id"] for n in nodes]
-        llm = self.llm
-        answer = llm.rag.answer(query_str, chunks=keys, mode=llm.mode, ratio=llm.ratio,
-                                max_new_tokens=llm.max_new_tokens, temperature=llm.temperature)
-        llm.last_answer = answer
-        info = {"ttft_s": answer.ttft_s, "chunk_ids": [c.key for c in answer.chunks], "mode": answer.mode,
-                "recompute_fraction": answer.recompute_fraction, "prompt_tokens": answer.n_prompt_tokens}
-        return Response(response=answer.text, source_nodes=nodes, metadata=info)
+        if self.streaming:
+            info: dict[str, Any] = {}
+            return StreamingResponse(response_gen=self._stream(query_str, keys, info), source_nodes=nodes,
+                                     metadata=info)
+        answer = self.llm.rag.answer(query_str, **self._options(keys))
+        self.llm.last_answer = answer
+        return Response(response=answer.text, source_nodes=nodes, metadata=self._info(answer))
 
+    def _stream(self, query_str: str, keys: list[str], info: dict[str, Any]) -> Generator[str, None, None]:
+        """Yield kvrag's text pieces, trimmed as `Answer.text` is (no leading or trailing whitespace)."""
+        rag, pending, started = self.llm.rag, "", False
+
+        def publish() -> None:
+            self.llm.last_answer = rag.last_answer
+            info.update(self._info(rag.last_answer))
+
+        for piece in rag.stream(query_str, **self._options(keys)):
+            if not info:
+                publish()  # the answer exists (and its TTFT is known) once the first piece is out
+            if not started:
+                piece = piece.lstrip()
+                started = bool(piece)
+            body = piece.rstrip()
+            if body:
+                yield pending + body
+                pending = piece[len(body):]
+            else:
+                pending += piece
+        publish()

@@ -16,8 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():  # kvrag's Triton kernels then run in Triton's interpreter (set before its import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-DATA = SHARED / "data"
+DATA = Path(__file__).resolve().parent / "data"  # small slices of public data sets: see data/README.md
 
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=0, eos_token_id=1)

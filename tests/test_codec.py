@@ -514,7 +514,8 @@ def test_cachegen_on_real_smollm2_kv(smollm2) -> None:
         errors = (math.sqrt(ek / nk), math.sqrt(ev / nv))
         assert errors[0] < expected[level][0] and errors[1] < expected[level][1], (level, errors)
     assert bits[0] < bits[1] < bits[2] < bits[3]
-    assert bits[CacheGenCodec.default_level()] <= 16 / 6
+    assert bits[1] <= 16 / 6  # level 1: at least 6x smaller than bf16
+    assert bits[CacheGenCodec.default_level()] <= 16 / 4.7  # the default, level 2: about 4.8x
 
 
 def test_codec_bench_rows_and_markdown() -> None:

@@ -75,12 +75,16 @@ def test_a_disagreeing_probe_fails_the_check():
     from kvrag.config import GateConfig as G
     from kvrag.query.gate import Signals, passes
 
-    assert passes(Signals(top=5, margin=2.0, probe_top=5, probe_margin=1.0), G())[0]
-    ok, why = passes(Signals(top=5, margin=2.0, probe_top=7, probe_margin=1.0), G())
+    agree, disagree = (Signals(top=5, margin=2.0, probe_top=t, probe_margin=1.0) for t in (5, 7))
+    assert passes(agree, G())[0] and passes(disagree, G())[0]  # the defaults trust every fused pass
+    ok, why = passes(disagree, G(probe_must_agree=True))
     assert not ok and "probe" in why
-    assert passes(Signals(top=5, margin=2.0, probe_top=7, probe_margin=1.0), G(sure_margin=1.5))[0]
-    assert passes(Signals(top=5, margin=0.1), G())[0]  # no probe pass: nothing to disagree with
+    assert passes(disagree, G(probe_must_agree=True, sure_margin=1.5))[0]
+    assert passes(Signals(top=5, margin=0.1), G(probe_must_agree=True))[0]  # no probe pass: nothing to disagree
     assert not passes(Signals(top=5, margin=0.1), G(min_margin=0.5))[0]
+    # strict: a margin of strict_margin and an agreeing probe, whatever sure_margin says
+    assert not passes(agree, G(strict=True))[0] and passes(agree, G(strict=True, strict_margin=1.5))[0]
+    assert not passes(disagree, G(strict=True, strict_margin=1.5, sure_margin=0.5))[0]
 
 
 def test_gate_settings_are_checked():

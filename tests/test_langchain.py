@@ -27,7 +27,7 @@ from langchain_core.documents import Document  # noqa: E402
 from langchain_core.prompts import PromptTemplate  # noqa: E402
 from langchain_core.runnables import RunnablePassthrough  # noqa: E402
 
-QA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "qa" / "hotpotqa_ircot.jsonl"
+QA = Path(__file__).resolve().parent / "data" / "qa" / "hotpotqa_ircot.jsonl"
 QUESTION = "In what year was the album Milk and Honey released?"
 GOLD = "1984"
 TEMPLATE = "Context:\n{context}Answer the question with a short answer of a few words.\nQuestion: {question}"

@@ -39,10 +39,10 @@ def test_recompute_everything_reproduces_full(rag):
 
 
 def test_passage_index_holds_each_passage_as_one_chunk_without_caches(tmp_path):
-    """`kvrag.bench.quality.passage_index`: the index that the experiment scripts build when theirs is missing."""
+    """`kvrag.bench.qa_data.passage_index`: the index that the experiment scripts build when theirs is missing."""
     import argparse
 
-    from kvrag.bench.quality import load_questions, passage_index, passage_keys
+    from kvrag.bench.qa_data import load_questions, passage_index, passage_keys
 
     args = argparse.Namespace(data=str(DATA / "qa" / "hotpotqa_ircot.jsonl"), index=str(tmp_path / "idx"), n=2)
     passage_index(args)

@@ -8,23 +8,22 @@ import itertools
 import json
 import re
 import time
-from pathlib import Path
 
 import nltk
 import numpy as np
 import pytest
 from _tokenizer import make_metaspace_tokenizer, make_tokenizer
+from conftest import DATA
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvrag.indexing import split as split_mod
 from kvrag.config import SplitConfig
 from kvrag.errors import InputError
+from kvrag.indexing import split as split_mod
 from kvrag.indexing.split import Chunk, KVSplitter
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-SHARED_NLTK_DATA = SHARED_DATA / "nltk_data"
-CORPUS = SHARED_DATA / "corpus" / "2wikimultihopqa_corpus.json"
+NLTK_DATA = DATA / "nltk_data"
+CORPUS = DATA / "corpus" / "2wikimultihopqa_corpus.json"
 TOKENIZERS = [make_tokenizer, make_metaspace_tokenizer]
 
 PARAGRAPHS = [
@@ -78,9 +77,7 @@ def no_pretrained_punkt(monkeypatch, tmp_path):
 
 @pytest.fixture
 def pretrained_punkt(monkeypatch):
-    if not (SHARED_NLTK_DATA / "tokenizers" / "punkt_tab" / "english").is_dir():
-        pytest.skip(f"no punkt_tab data under {SHARED_NLTK_DATA}")
-    monkeypatch.setattr(nltk.data, "path", [str(SHARED_NLTK_DATA)])
+    monkeypatch.setattr(nltk.data, "path", [str(NLTK_DATA)])
     assert split_mod.load_pretrained_punkt() is not None
 
 
@@ -106,8 +103,6 @@ def splitter(mode="semantic", max_tokens=64, min_tokens=16, embed=None, tokenize
 @pytest.fixture(scope="module")
 def corpus_text() -> str:
     """~200 KB of real Wikipedia passages (title line, then text), separated by blank lines."""
-    if not CORPUS.is_file():
-        pytest.skip(f"no corpus at {CORPUS}")
     passages = json.loads(CORPUS.read_text(encoding="utf-8"))
     return "\n\n".join(f"{p['title']}\n{p['text']}" for p in passages[:700])[:200_000]
 

@@ -8,6 +8,7 @@ Three steps, each cheap next to a fusion:
    runner-up (its *margin*), and, for a mode that runs a probe pass (``probe``), whether the question
    alone over the stored caches predicted the same first token. Where recomputing 15 % of the tokens
    changed the first token, the stored caches matter to this answer more than the selection covers.
+   By default the check passes every fused pass (see `GateConfig` for why); ``strict`` makes it bite.
 3. **Escalate.** A failed check fuses again at each ratio of `GateConfig.ladder` in turn, and at the end
    prefills in full. With `GateConfig.strict`, a failure goes straight to the full prefill.
 
@@ -71,9 +72,11 @@ def read_signals(fused: FusionResult) -> Signals:
 
 def passes(signals: Signals, gate: GateConfig) -> tuple[bool, str]:
     """Whether a fused pass with these ``signals`` is trusted, and why not when it is not."""
-    if signals.margin < gate.min_margin:
-        return False, f"first-token margin {signals.margin:.3f} < {gate.min_margin}"
-    if gate.probe_must_agree and signals.probe_agrees is False and signals.margin < gate.sure_margin:
+    min_margin = max(gate.min_margin, gate.strict_margin) if gate.strict else gate.min_margin
+    if signals.margin < min_margin:
+        return False, f"first-token margin {signals.margin:.3f} < {min_margin}"
+    must_agree = gate.probe_must_agree or gate.strict
+    if must_agree and signals.probe_agrees is False and (gate.strict or signals.margin < gate.sure_margin):
         return False, "the probe pass predicted another first token"
     return True, ""
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kvrag.config import CodecConfig, FuseConfig, GateConfig, GenerateConfig, SplitConfig, StoreConfig
 from kvrag.errors import (
     CorruptChunkError,
+    IndexCorruptError,
     IndexMismatchError,
     IndexNotFoundError,
     InputError,
@@ -28,12 +29,16 @@ from kvrag.errors import (
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from kvrag.indexing.repair import RepairReport, repair_index
     from kvrag.query.answer import Answer, RetrievedChunk
     from kvrag.query.pipeline import FusedPrompt
     from kvrag.rag import KVRag
+    from kvrag.storage.verify import VerifyReport, verify_index
 
 _LAZY = {"KVRag": "kvrag.rag", "Answer": "kvrag.query.answer", "RetrievedChunk": "kvrag.query.answer",
-         "FusedPrompt": "kvrag.query.pipeline"}
+         "FusedPrompt": "kvrag.query.pipeline", "verify_index": "kvrag.storage.verify",
+         "repair_index": "kvrag.indexing.repair", "VerifyReport": "kvrag.storage.verify",
+         "RepairReport": "kvrag.indexing.repair"}
 
 
 def __getattr__(name: str) -> Any:
@@ -46,7 +51,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Answer", "CodecConfig", "CorruptChunkError", "FuseConfig", "FusedPrompt", "GateConfig", "GenerateConfig",
-    "IndexMismatchError",
+    "IndexCorruptError", "IndexMismatchError",
     "IndexNotFoundError", "InputError", "KVRag", "KVRagError", "ModelNotFoundError", "RetrievedChunk", "SplitConfig",
-    "StoreConfig", "UnsupportedModelError", "__version__",
+    "RepairReport", "StoreConfig", "UnsupportedModelError", "VerifyReport", "__version__", "repair_index",
+    "verify_index",
 ]

@@ -15,6 +15,21 @@ class IndexNotFoundError(KVRagError):
     """The directory holds no kvrag index."""
 
 
+class IndexCorruptError(KVRagError):
+    """A file of an index is damaged, missing or unsafe; the message names the file, the problem and the fix.
+
+    Attributes:
+        file: the damaged file (or folder).
+        problem: what is wrong with it.
+        fix: the command or step that repairs it (by default ``kvrag repair INDEX``).
+    """
+
+    def __init__(self, file: object, problem: str, index: object = None, fix: str | None = None) -> None:
+        self.file, self.problem = str(file), problem
+        self.fix = fix if fix is not None else (f"run 'kvrag repair {index}'" if index is not None else "")
+        super().__init__(f"{self.file}: {problem}" + (f"; {self.fix}" if self.fix else ""))
+
+
 class CorruptChunkError(KVRagError):
     """A stored chunk cache failed its integrity checks; it must be recomputed from text."""
 

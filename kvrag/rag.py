@@ -13,30 +13,35 @@ import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvrag.codec.base import Codec, make_codec
-from kvrag.config import DEFAULT_MODE, FuseConfig, GateConfig, GenerateConfig, SplitConfig
-from kvrag.errors import CorruptChunkError, IndexMismatchError, InputError
+from kvrag.config import DEFAULT_MODE, CodecConfig, FuseConfig, GateConfig, GenerateConfig, SplitConfig
+from kvrag.errors import CorruptChunkError, IndexCorruptError, IndexMismatchError, InputError
 from kvrag.fusion import Selector
 from kvrag.indexing.build import Builder, BuildStats, check_neighbour_kv, split_documents
 from kvrag.indexing.documents import Document, Loaded, load_documents
 from kvrag.indexing.embed import Embedder
 from kvrag.indexing.kvgen import KV, PrefixCache, prefix_cache
-from kvrag.indexing.manifest import check_format, check_model, new_manifest
+from kvrag.indexing.manifest import check_build_args, check_format, check_model, new_manifest
 from kvrag.indexing.recompute import recompute_chunk
 from kvrag.model import LoadedModel, load_model
 from kvrag.prompt import DEFAULT_INSTRUCTION, PromptLayout, build_layout, prompt_text
 from kvrag.query import pipeline
 from kvrag.query.answer import Answer, RetrievedChunk
-from kvrag.query.gate import gated_prepare
+from kvrag.query.gate import gate_settings, gated_prepare
 from kvrag.query.pipeline import FusedPrompt, QueryContext
 from kvrag.query.plan import LoadController
 from kvrag.storage.chunk_index import ChunkIndex
+from kvrag.storage.integrity import is_chunk_key
 from kvrag.storage.kvstore import KVStore
 from kvrag.storage.stores import make_store
+from kvrag.storage.verify import VerifyReport, load_codec_state, verify_index, writer_lock
+
+if TYPE_CHECKING:
+    from kvrag.indexing.repair import RepairReport
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +75,7 @@ class KVRag:
     @classmethod
     def build(
         cls, documents: Document | Iterable[Document], path: str | Path, model: str | LoadedModel = "smollm2",
-        embedder: str | None = None, *, split: SplitConfig | None = None, codec: str = "raw",
+        embedder: str | None = None, *, split: SplitConfig | None = None, codec: str | None = None,
         codec_level: int | None = None, index_kind: str = "flat", dtype: str | None = None,
         device: str | None = None, batch_tokens: int = 4096, instruction: str = DEFAULT_INSTRUCTION,
         question_tail: str = "", neighbour_context: int | None = None,
@@ -88,7 +93,8 @@ class KVRag:
             model: a Hugging Face id or folder, a ``.gguf`` file, ``"smollm2"``, or a `LoadedModel`.
             embedder: sentence-transformers model (default: all-MiniLM-L6-v2, bundled offline).
             split: chunking settings (`SplitConfig`).
-            codec: chunk-cache codec name (``raw`` is lossless).
+            codec: chunk-cache codec name (default ``cachegen``, `CodecConfig`; ``raw`` is lossless).
+            codec_level: the codec's quality level (default: the codec's own; ``cachegen``: 2).
             index_kind: ``flat`` or ``hnsw``.
             instruction: the system instruction, before the passages (the chunk caches depend on it).
             question_tail: a line put right after the question (default none), e.g. how to answer.
@@ -111,16 +117,23 @@ class KVRag:
                 the first time a prompt uses it.
 
         Raises:
-            InputError: no usable documents.
+            InputError: no usable documents, a document path that does not exist, an index path that is a
+                file, or ``batch_tokens < 1``.
+            IndexCorruptError: the existing index at ``path`` is damaged (`verify`, `repair`).
         """
         path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise InputError(f"index path {path} is a file, not a folder; name a new or existing index folder")
+        if isinstance(batch_tokens, bool) or not isinstance(batch_tokens, int) or batch_tokens < 1:
+            raise InputError(f"batch_tokens must be a positive int, got {batch_tokens!r}")
         loaded = load_documents(documents)
         if not loaded.docs:
             raise InputError("no documents to index" + (
                 f" (skipped: {', '.join(s for s, _ in loaded.skipped)})" if loaded.skipped else ""))
         if ChunkIndex.exists(path):
             rag = cls.open(path, model=model if isinstance(model, LoadedModel) else None, device=device)
-            rag._check_build_args(model, embedder, codec, neighbour_context, neighbour_kv, instruction, question_tail)
+            check_build_args(rag.manifest, path, model, embedder, codec, neighbour_context, neighbour_kv, instruction,
+                             question_tail)
         else:
             if neighbour_context is not None and neighbour_context < 0:
                 raise ValueError(f"neighbour_context must be >= 0, got {neighbour_context}")
@@ -132,10 +145,10 @@ class KVRag:
 
     @classmethod
     def _create(cls, path: Path, model: str | LoadedModel, embedder_name: str | None, split: SplitConfig,
-                codec_name: str, codec_level: int | None, index_kind: str, dtype: str | None,
+                codec_name: str | None, codec_level: int | None, index_kind: str, dtype: str | None,
                 device: str | None, batch_tokens: int, instruction: str, question_tail: str,
                 neighbour_context: int, neighbour_kv: str) -> KVRag:
-        codec = make_codec(codec_name, codec_level)
+        codec = make_codec(codec_name or CodecConfig().name, codec_level)
         lm = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
         embedder = Embedder(embedder_name, device=device)
         layout = build_layout(lm.tokenizer, instruction, question_tail)
@@ -164,9 +177,13 @@ class KVRag:
             dtype = dtype or stored["spec"]["dtype"]
             lm = load_model(model or stored["source"], dtype=dtype, device=device)
         check_model(manifest, lm, path)
+        bad = next((key for key in index.keys() if not is_chunk_key(key)), None)
+        if bad is not None:
+            raise IndexCorruptError(path / "chunks.sqlite", f"holds chunk key {bad[:60]!r}, which kvrag never writes",
+                                    fix=f"rebuild the index from its documents (kvrag index DOCS --index {path})")
         codec = make_codec(manifest["codec"]["name"], manifest["codec"].get("level"))
         if codec.needs_fit:
-            codec.load_state(path / "codec")
+            load_codec_state(codec, path)
         prompt = manifest["prompt"]
         layout = build_layout(lm.tokenizer, prompt["instruction"], prompt.get("question_tail", ""))
         if layout.digest() != prompt["digest"]:
@@ -174,27 +191,6 @@ class KVRag:
         return cls(path, index, lm, Embedder(manifest["embedder"], device=device), codec, layout,
                    manifest.get("batch_tokens", 4096), manifest.get("neighbour_context", 0),
                    manifest.get("neighbour_kv", "prefill"))
-
-    def _check_build_args(self, model: Any, embedder: str | None, codec: str, neighbour_context: int | None,
-                          neighbour_kv: str | None, instruction: str, question_tail: str) -> None:
-        manifest = self.index.manifest
-        if isinstance(model, str) and model != manifest["model"]["source"]:
-            log.info("index was built from %r; extending it with the model given (%r)",
-                     manifest["model"]["source"], model)
-        if embedder is not None and Embedder(embedder).name != manifest["embedder"]:
-            raise IndexMismatchError(f"index uses embedder {manifest['embedder']!r}, not {embedder!r}")
-        if codec != manifest["codec"]["name"]:
-            raise IndexMismatchError(f"index uses codec {manifest['codec']['name']!r}, not {codec!r}")
-        if neighbour_context is not None and neighbour_context != self.neighbour_context:
-            raise IndexMismatchError(
-                f"index computes caches with neighbour_context={self.neighbour_context}, not {neighbour_context}")
-        if neighbour_kv is not None and self.neighbour_context and neighbour_kv != self.neighbour_kv:
-            raise IndexMismatchError(
-                f"index puts neighbours before a chunk as {self.neighbour_kv!r}, not {neighbour_kv!r}")
-        if (instruction not in (DEFAULT_INSTRUCTION, self.layout.instruction)
-                or question_tail.strip() not in ("", self.layout.question_tail)):
-            log.warning("index %s keeps the prompt it was built with (instruction %r, question tail %r)",
-                        self.path, self.layout.instruction, self.layout.question_tail)
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -224,13 +220,27 @@ class KVRag:
         candidates = split_documents(loaded, self.lm, self.layout, split, self.embedder.encode)
         builder = Builder(self.lm, self.index, self.kvstore, self.embedder, self.prefix,
                           self.path / "codec", self.batch_tokens, self.neighbour_context, self.neighbour_kv)
-        builder.run(candidates, stats, show_progress, caches)
+        with writer_lock(self.path):  # one writer at a time; a second one waits here
+            builder.run(candidates, stats, show_progress, caches)
         stats.total_s = time.perf_counter() - t0
         log.info("indexed %d new chunks (%d prefilled, %.0f tok/s)", stats.new_chunks,
                  stats.prefilled_chunks, stats.prefill_tokens_per_s)
         return stats
 
-    # -- query ------------------------------------------------------------------------------
+    @staticmethod
+    def verify(path: str | Path, caches: bool = True) -> VerifyReport:
+        """Check every file of the index at ``path``, loading no model: a `VerifyReport` (`kvrag.storage.verify`)."""
+        return verify_index(path, caches=caches)
+
+    @staticmethod
+    def repair(path: str | Path, model: str | LoadedModel | None = None, device: str | None = None,
+               show_progress: bool = False) -> RepairReport:
+        """Rebuild what can be rebuilt of the index at ``path`` from what is intact; a `RepairReport` naming
+        what was rebuilt and what could not be (`kvrag.indexing.repair`).
+        """
+        from kvrag.indexing.repair import repair_index
+
+        return repair_index(path, model=model, device=device, show_progress=show_progress)
 
     @property
     def context(self) -> QueryContext:
@@ -282,7 +292,7 @@ class KVRag:
         default = mode is None and ratio is None and fuse_config is None and selector is None and caches is None
         ratio = FuseConfig.ratio if ratio is None else ratio
         config = fuse_config or FuseConfig(mode=mode or DEFAULT_MODE, ratio=ratio)
-        gate_config = _gate_config(default if gate is None else gate)
+        gate_config = gate_settings(default if gate is None else gate)
         if gate_config is None or config.mode == "full":
             return pipeline.prepare(self.context, question, k, chunks, config, caches, selector, first_exact)
         return gated_prepare(self.context, question, k, chunks, config, gate_config, caches, selector, first_exact)
@@ -383,10 +393,3 @@ class KVRag:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _gate_config(gate: GateConfig | bool) -> GateConfig | None:
-    """The gate's settings from `KVRag.answer`'s ``gate`` argument (True: the defaults; False: off)."""
-    if isinstance(gate, GateConfig):
-        return gate
-    return GateConfig() if gate else None

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrag.errors import IndexNotFoundError, KVRagError
+from kvrag.errors import IndexCorruptError, IndexNotFoundError, KVRagError
 from kvrag.storage import atomic
 from kvrag.storage.chunk_index import ChunkIndex, ChunkRecord
 
@@ -353,12 +353,36 @@ def test_crash_during_first_append(index: ChunkIndex, monkeypatch: pytest.Monkey
     _assert_consistent(index)
 
 
-def test_vectors_missing_rows_is_corruption(index: ChunkIndex) -> None:
+def test_vectors_file_replaced_or_garbage_is_corruption(index: ChunkIndex) -> None:
     index.add(*_batch(range(3)))
     empty = faiss.serialize_index(faiss.IndexFlatIP(DIM)).tobytes()
     (index.path / "vectors.faiss").write_bytes(empty)
-    with pytest.raises(KVRagError, match="corrupt"):
+    with pytest.raises(IndexCorruptError, match="vectors.faiss: does not match its recorded checksum.*kvrag repair"):
         ChunkIndex.open(index.path)
     (index.path / "vectors.faiss").write_bytes(b"garbage")
-    with pytest.raises(KVRagError, match="cannot read"):
+    with pytest.raises(IndexCorruptError, match="vectors.faiss: does not match"):
         ChunkIndex.open(index.path)
+
+
+def test_a_changed_chunk_text_is_caught_on_read(index: ChunkIndex) -> None:
+    import sqlite3
+
+    index.add(*_batch(range(3)))
+    with sqlite3.connect(str(index.path / "chunks.sqlite")) as conn:
+        conn.execute("UPDATE chunks SET text = 'chunk number 9' WHERE row = 1")
+    with ChunkIndex.open(index.path) as fresh:
+        with pytest.raises(IndexCorruptError, match="chunk row 1 does not match its checksum"):
+            fresh.records()
+        with pytest.raises(IndexCorruptError, match="chunk row 1"):
+            fresh.get("k00001")
+        assert fresh.get("k00002").text == "chunk number 2"
+
+
+def test_manifest_damage_is_one_clear_error(index: ChunkIndex) -> None:
+    manifest = index.path / ChunkIndex.MANIFEST
+    good = manifest.read_bytes()
+    for damaged, what in [(b"", "is empty"), (good[: len(good) // 2], "is not valid JSON"),
+                          (good.replace(b'"test"', b'"tesu"'), "does not match its checksum")]:
+        manifest.write_bytes(damaged)
+        with pytest.raises(IndexCorruptError, match=what + ".*kvrag repair"):
+            ChunkIndex.open(index.path)

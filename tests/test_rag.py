@@ -10,6 +10,7 @@ import torch
 
 from kvrag import FuseConfig, GenerateConfig, KVRag, SplitConfig
 from kvrag.errors import CorruptChunkError, IndexMismatchError, IndexNotFoundError, InputError
+from kvrag.storage.integrity import write_manifest
 
 DOCS = [
     ("alpha", "The alpha reactor was designed by Mira Okafor in 1987.\n\nIt runs on molten salt."),
@@ -23,7 +24,9 @@ SPLIT = SplitConfig(mode="semantic", max_tokens=48, min_tokens=8)
 @pytest.fixture(scope="module")
 def built(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     path = tmp_path_factory.mktemp("rag") / "idx"
-    rag = KVRag.build(DOCS, path, model=str(tiny_model_dir), split=SPLIT, show_progress=False)
+    # lossless caches: these tests check exactness (recomputing everything reproduces a full prefill); the
+    # first chunk's stored cache is exact only when stored losslessly
+    rag = KVRag.build(DOCS, path, model=str(tiny_model_dir), split=SPLIT, show_progress=False, codec="raw")
     return rag, path
 
 
@@ -267,7 +270,8 @@ def test_open_missing_index(tmp_path):
 
 def test_chunks_indexed_without_caches_are_computed_on_first_use(tiny_model_dir, tiny_lm, tmp_path):
     path = tmp_path / "idx"
-    rag = KVRag.build(DOCS, path, model=str(tiny_model_dir), split=SPLIT, show_progress=False, caches=False)
+    rag = KVRag.build(DOCS, path, model=str(tiny_model_dir), split=SPLIT, show_progress=False, caches=False,
+                      codec="raw")
     keys = [r.key for r in rag.index.records()]
     assert len(keys) >= len(DOCS) and not any(rag.kvstore.contains(k) for k in keys)
     q = "Who designed the alpha reactor?"
@@ -275,12 +279,31 @@ def test_chunks_indexed_without_caches_are_computed_on_first_use(tiny_model_dir,
     used = [c.key for c in first.chunks]
     assert all(rag.kvstore.is_valid(k) for k in used)  # computed and stored on first use
     assert sum(rag.kvstore.contains(k) for k in keys) == len(used)
-    eager = KVRag.build(DOCS, tmp_path / "eager", model=tiny_lm, split=SPLIT, show_progress=False)
+    eager = KVRag.build(DOCS, tmp_path / "eager", model=tiny_lm, split=SPLIT, show_progress=False, codec="raw")
     assert eager.answer(q, chunks=used, mode="reuse", max_new_tokens=3).token_ids == \
         rag.answer(q, chunks=used, mode="reuse", max_new_tokens=3).token_ids == first.token_ids
     stats = rag.add(DOCS, show_progress=False)  # the caches still missing
     assert stats.new_chunks == 0 and stats.prefilled_chunks == len(keys) - len(used)
     assert all(rag.kvstore.is_valid(k) for k in keys)
+
+
+def test_the_default_codec_is_cachegen_at_level_2(tiny_lm, tmp_path):
+    rag = KVRag.build(DOCS[:2], tmp_path / "idx", model=tiny_lm, split=SPLIT, show_progress=False)
+    codec = json.loads((tmp_path / "idx" / "manifest.json").read_text())["codec"]
+    assert (codec["name"], codec["level"]) == ("cachegen", 2) and rag.kvstore.codec.level == 2
+
+
+def test_a_lazy_index_fits_its_codec_on_a_sample_and_computes_the_rest_on_first_use(tiny_lm, tmp_path):
+    rag = KVRag.build(DOCS, tmp_path / "idx", model=tiny_lm, split=SPLIT, show_progress=False, caches=False)
+    assert rag.kvstore.codec.name == "cachegen" and (tmp_path / "idx" / "codec" / "fitted").is_file()
+    keys = [r.key for r in rag.index.records()]
+    stored = {k for k in keys if rag.kvstore.contains(k)}  # the fitting sample, stored rather than wasted
+    answer = rag.answer("Who designed the alpha reactor?", k=len(keys), mode="reuse", max_new_tokens=2)
+    assert len(answer.chunks) == len(keys) and all(rag.kvstore.is_valid(k) for k in keys)
+    reopened = KVRag.open(tmp_path / "idx", model=tiny_lm)  # the fitted state is read back
+    assert reopened.answer("Who designed the alpha reactor?", k=len(keys), mode="reuse",
+                           max_new_tokens=2).token_ids == answer.token_ids
+    assert stored
 
 
 def test_every_entry_point_defaults_to_the_same_mode():
@@ -297,7 +320,7 @@ def test_every_entry_point_defaults_to_the_same_mode():
         assert inspect.signature(fn).parameters["mode"].default == DEFAULT_MODE, fn.__qualname__
     for fn in (KVRag.answer, KVRag.stream, KVRag.prepare):  # None: the default mode, under the gate
         assert inspect.signature(fn).parameters["mode"].default is None, fn.__qualname__
-    assert build_parser().parse_args(["ask", "./idx", "q?"]).mode == DEFAULT_MODE
+    assert build_parser().parse_args(["ask", "./idx", "q?"]).mode is None  # as KVRag.answer: the default mode, gated
     for name in ("langchain", "llama_index"):
         module = importlib.import_module(f"kvrag.integrations.{name}")
         assert module.KVCachedLLM.model_fields["mode"].default == DEFAULT_MODE, name
@@ -329,5 +352,5 @@ def test_index_keeps_its_question_tail_and_older_indexes_have_none(built, tiny_l
     manifest_path = older.path / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     del manifest["prompt"]["question_tail"]  # as written before the setting existed
-    manifest_path.write_text(json.dumps(manifest))
+    write_manifest(manifest_path, manifest)
     assert KVRag.open(older.path, model=tiny_lm).layout.question_tail == ""

@@ -21,6 +21,7 @@ from typing import Any
 
 from kvrag.cli.common import human_bytes, non_negative_int, positive_int, show_progress
 from kvrag.cli.sizes import expected_cache_bytes, folder_bytes
+from kvrag.config import CodecConfig
 from kvrag.errors import IndexMismatchError, InputError
 
 HELP = "build an index over files or folders, or add new documents to one"
@@ -40,9 +41,9 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                    help="sentence-transformers model for retrieval (default: all-MiniLM-L6-v2, bundled offline)")
     p.add_argument("--codec", default=None,
                    help="how chunk caches are stored: raw (lossless), int8 or cachegen (smallest, lossy) "
-                        "(default: raw; an existing index keeps its own)")
+                        "(default: cachegen; an existing index keeps its own)")
     p.add_argument("--codec-level", type=non_negative_int, default=None, metavar="N",
-                   help="codec quality level, higher is larger and closer (cachegen: 0-3, default 1)")
+                   help="codec quality level, higher is larger and closer (cachegen: 0-3, default 2)")
     p.add_argument("--split", default="semantic", choices=["semantic", "fixed", "document"],
                    help="how documents are cut into chunks: at topic shifts under the token budget (semantic), "
                         "every --max-tokens tokens (fixed), or one chunk per document (document) "
@@ -114,7 +115,7 @@ def _estimate(args: argparse.Namespace, lm: Any, n_docs: int, tokens: int, codec
 def _settings(args: argparse.Namespace, manifest: dict[str, Any] | None) -> tuple[str, str, int | None]:
     """Model name, codec and codec level: the options given, else the index's own, else the defaults."""
     if manifest is None:
-        return args.model or "smollm2", args.codec or "raw", args.codec_level
+        return args.model or "smollm2", args.codec or CodecConfig().name, args.codec_level
     codec = manifest["codec"]
     if args.codec is not None and args.codec != codec["name"]:  # refused before any model loads
         raise IndexMismatchError(f"index {args.index} uses codec {codec['name']!r}, not {args.codec!r}")
@@ -130,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
     from kvrag.storage.chunk_index import ChunkIndex
 
     index_path = Path(args.index)
+    if index_path.exists() and not index_path.is_dir():
+        raise InputError(f"index path {index_path} is a file, not a folder; name a new or existing index folder")
     manifest, chunks_before = None, 0
     if ChunkIndex.exists(index_path):
         with ChunkIndex.open(index_path) as existing:

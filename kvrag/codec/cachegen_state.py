@@ -108,7 +108,7 @@ class CacheGenState:
             meta = read_json(directory / _JSON)
             with np.load(directory / _NPZ, allow_pickle=False) as npz:
                 arrays = {name: npz[name] for name in npz.files}
-        except (OSError, ValueError, KeyError) as exc:
+        except Exception as exc:  # a damaged file fails in many ways (BadZipFile, struct.error...): all are damage
             raise ValueError(f"cannot read cachegen codec state in {directory}: {exc}") from None
         if meta.get("format") != STATE_FORMAT or meta.get("codec") != "cachegen":
             raise ValueError(f"{directory / _JSON}: not a cachegen state of format {STATE_FORMAT} "

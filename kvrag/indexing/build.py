@@ -6,6 +6,10 @@ what is missing.
 Chunks already in the index are skipped; chunks whose cache file is already stored (a build killed
 after writing caches but before committing the group) skip the prefill. Encoding and writing run on
 a worker thread, overlapped with the next batch's prefill.
+
+A codec that needs fitting is fitted on the first chunks prefilled and its state is saved before the
+first cache coded with it is written, so a build killed before then has neither and simply fits again
+on re-run (`codec_ready` asks the codec itself, not a marker file).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 
 from kvrag.codec.base import Codec
 from kvrag.config import SplitConfig
-from kvrag.errors import CorruptChunkError
+from kvrag.errors import CorruptChunkError, InputError
 from kvrag.indexing.documents import Loaded
 from kvrag.indexing.embed import Embedder
 from kvrag.indexing.kvgen import (
@@ -189,6 +193,8 @@ class Builder:
         prefix: PrefixCache, codec_state_dir: Path, batch_tokens: int = 4096, context_chunks: int = 0,
         neighbour_kv: str = "stored",
     ) -> None:
+        if isinstance(batch_tokens, bool) or not isinstance(batch_tokens, int) or batch_tokens < 1:
+            raise InputError(f"batch_tokens must be a positive int, got {batch_tokens!r}")
         self.lm, self.index, self.kvstore, self.embedder = lm, index, kvstore, embedder
         self.prefix, self.codec_state_dir, self.batch_tokens = prefix, codec_state_dir, batch_tokens
         self.context_chunks, self.neighbour_kv = context_chunks, check_neighbour_kv(neighbour_kv)
@@ -196,7 +202,7 @@ class Builder:
     @property
     def codec_ready(self) -> bool:
         codec = self.kvstore.codec
-        return not codec.needs_fit or (self.codec_state_dir / "fitted").is_file()
+        return not codec.needs_fit or bool(getattr(codec, "fitted", (self.codec_state_dir / "fitted").is_file()))
 
     def run(self, candidates: Sequence[Candidate], stats: BuildStats, show_progress: bool,
             caches: bool = True) -> None:
@@ -225,6 +231,9 @@ class Builder:
                         self._store_leads([(c.record.key, c.ids) for c in group], stats, writer)
                     self._store_caches(group, vectors, stats, writer, bar)
                 else:
+                    if not self.codec_ready:  # a lazy index still needs a fitted codec for its first use
+                        self._store_leads([(c.record.key, c.ids) for c in group[:FIT_CHUNKS]], stats, writer,
+                                          plain=not self.context_chunks)
                     bar.update(sum(len(c.ids) for c in group))
                 self.index.add([c.record for c in group], vectors)  # (keys already indexed are skipped)
         bar.close()
@@ -286,17 +295,25 @@ class Builder:
         stats.kv_s += time.perf_counter() - t0
 
     def _store_leads(self, chunks: Sequence[tuple[str, list[int]]], stats: BuildStats,
-                     writer: ThreadPoolExecutor) -> None:
-        """With neighbour context: the plain caches (``(key, token ids)`` of each chunk) not stored yet,
-        for when a chunk comes first in a prompt and for placing it before its neighbours.
+                     writer: ThreadPoolExecutor, plain: bool = False) -> None:
+        """The plain caches (after the prefix alone; ``(key, token ids)`` of each chunk) not stored yet:
+        with neighbour context, under `lead_key`, for when a chunk comes first in a prompt and for placing
+        it before its neighbours; with ``plain``, under the chunk's own key (a lazy index's fitting sample).
+        A codec not fitted yet is fitted on them first.
         """
-        leads = {key: ids for key, ids in chunks if not self.kvstore.contains(lead_key(key))}
+        stored_as = (lambda key: key) if plain else lead_key
+        leads = {key: ids for key, ids in chunks if not self.kvstore.contains(stored_as(key))}
         if not leads:
             return
         t0 = time.perf_counter()
         keys = list(leads)
-        pending = [self._submit(writer, lead_key(keys[i]), kv)
-                   for i, kv in chunk_caches(self.lm, self.prefix, list(leads.values()), self.batch_tokens)]
+        computed = list(chunk_caches(self.lm, self.prefix, list(leads.values()), self.batch_tokens))
+        if not self.codec_ready:
+            _fit_codec(self.kvstore.codec, [kv for _, kv in computed[:FIT_CHUNKS]], self.codec_state_dir)
+            (self.codec_state_dir / "fitted").touch()
+        stats.prefilled_tokens += sum(len(leads[keys[i]]) for i, _ in computed) if plain else 0
+        stats.prefilled_chunks += len(computed) if plain else 0
+        pending = [self._submit(writer, stored_as(keys[i]), kv) for i, kv in computed]
         stats.stored_bytes += sum(f.result() for f in pending)
         stats.kv_s += time.perf_counter() - t0
 

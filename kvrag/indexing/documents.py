@@ -32,6 +32,8 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any, Union
 
+from kvrag.errors import InputError
+
 log = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
@@ -293,7 +295,7 @@ def _read_path(path: Path, out: Loaded) -> None:
     elif path.is_file():
         _read_file(path, out)
     else:
-        raise FileNotFoundError(f"document path does not exist: {path}")
+        raise InputError(f"document path does not exist: {path}")
 
 
 def load_documents(documents: Document | Iterable[Document]) -> Loaded:

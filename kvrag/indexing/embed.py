@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from kvrag.storage.vectors import unit_rows  # noqa: F401  (the vectors an Embedder gives are made unit rows there)
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_EMBEDDER = "sentence-transformers/all-MiniLM-L6-v2"
@@ -67,31 +69,6 @@ def _embedding_dim(model: Any) -> int:
     if not isinstance(dim, int) or dim < 1:
         raise ValueError(f"embedder reports an unusable embedding dimension {dim!r}")
     return dim
-
-
-def unit_rows(x: Any, dim: int, what: str = "embeddings") -> np.ndarray:
-    """Validate vectors and return them L2-normalised.
-
-    Args:
-        x: ``[n, dim]`` or a single ``[dim]`` vector.
-        dim: the expected width.
-        what: the argument's name, for error messages.
-
-    Returns:
-        float32 ``[n, dim]`` with unit rows. Raises ValueError on a wrong shape, NaN/inf or a
-        zero row (which has no direction).
-    """
-    arr = np.asarray(x, dtype=np.float32)
-    arr = arr.reshape(1, -1) if arr.ndim == 1 else arr
-    if arr.ndim != 2 or arr.shape[1] != dim:
-        raise ValueError(f"{what} must have shape [n, {dim}], got {list(np.shape(x))}")
-    if not np.isfinite(arr).all():
-        raise ValueError(f"{what} contains NaN or infinite values")
-    norms = np.linalg.norm(arr, axis=1, keepdims=True)  # [n, 1]
-    zero = np.flatnonzero(norms[:, 0] == 0)
-    if zero.size:
-        raise ValueError(f"{what} row {int(zero[0])} has zero norm and cannot be normalised")
-    return np.ascontiguousarray(arr / norms, dtype=np.float32)
 
 
 def _check_texts(texts: Sequence[str]) -> list[str]:

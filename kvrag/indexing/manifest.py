@@ -8,6 +8,7 @@ neighbour-context settings. `new_manifest` writes nothing: `ChunkIndex.create` s
 from __future__ import annotations
 
 import importlib.metadata as md
+import logging
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -18,6 +19,8 @@ from kvrag.config import SplitConfig
 from kvrag.errors import IndexMismatchError
 from kvrag.model import LoadedModel
 from kvrag.prompt import PromptLayout
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 
@@ -65,3 +68,28 @@ def check_model(manifest: dict[str, Any], lm: LoadedModel, path: Path) -> None:
         raise IndexMismatchError(
             f"index {path} was built with model {stored['source']!r} (fingerprint "
             f"{stored['fingerprint']}), but the model given is {lm.source!r} (fingerprint {lm.fingerprint})")
+
+
+def check_build_args(manifest: dict[str, Any], path: Path, model: Any, embedder: str | None, codec: str | None,
+                     neighbour_context: int | None, neighbour_kv: str | None, instruction: str,
+                     question_tail: str) -> None:
+    """Refuse build arguments that contradict an existing index's manifest (the index keeps its own)."""
+    from kvrag.indexing.embed import Embedder
+    from kvrag.prompt import DEFAULT_INSTRUCTION
+
+    if isinstance(model, str) and model != manifest["model"]["source"]:
+        log.info("index was built from %r; extending it with the model given (%r)", manifest["model"]["source"], model)
+    if embedder is not None and Embedder(embedder).name != manifest["embedder"]:
+        raise IndexMismatchError(f"index uses embedder {manifest['embedder']!r}, not {embedder!r}")
+    if codec is not None and codec != manifest["codec"]["name"]:
+        raise IndexMismatchError(f"index uses codec {manifest['codec']['name']!r}, not {codec!r}")
+    context, placed = manifest.get("neighbour_context", 0), manifest.get("neighbour_kv", "prefill")
+    if neighbour_context is not None and neighbour_context != context:
+        raise IndexMismatchError(f"index computes caches with neighbour_context={context}, not {neighbour_context}")
+    if neighbour_kv is not None and context and neighbour_kv != placed:
+        raise IndexMismatchError(f"index puts neighbours before a chunk as {placed!r}, not {neighbour_kv!r}")
+    prompt = manifest["prompt"]
+    if (instruction not in (DEFAULT_INSTRUCTION, prompt["instruction"])
+            or question_tail.strip() not in ("", prompt.get("question_tail", ""))):
+        log.warning("index %s keeps the prompt it was built with (instruction %r, question tail %r)",
+                    path, prompt["instruction"], prompt.get("question_tail", ""))

@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -231,6 +232,14 @@ def _from_pretrained(name: str, source: str, dtype: torch.dtype) -> tuple[Any, A
         where = name if source == name else f"{name} ({source})"
         raise UnsupportedModelError(
             f"cannot load model {where} as a causal language model: {_first_line(exc)}") from exc
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:  # torch.load's safe loader refused a pickle
+        if isinstance(exc, RuntimeError) and "pickle" not in str(exc).lower() and "weights" not in str(exc).lower():
+            raise
+        where = name if source == name else f"{name} ({source})"
+        raise UnsupportedModelError(
+            f"cannot load the weights of model {where}: they are a pickle (e.g. pytorch_model.bin) that holds "
+            f"more than plain tensors, which kvrag never unpickles ({type(exc).__name__}); convert the weights "
+            "to safetensors (model.safetensors) from a source you trust") from None
     return model, tokenizer
 
 

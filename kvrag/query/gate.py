@@ -100,6 +100,13 @@ class GateReport:
                 "attempts": self.attempts}
 
 
+def gate_settings(gate: GateConfig | bool) -> GateConfig | None:
+    """The gate's settings from `KVRag.answer`'s ``gate`` argument (True: the defaults; False: off)."""
+    if isinstance(gate, GateConfig):
+        return gate
+    return GateConfig() if gate else None
+
+
 def stale_tokens(ctx: QueryContext, chunks: Sequence[RetrievedChunk], first_exact: bool = True) -> int:
     """Chunk tokens whose stored caches are approximate in this prompt: all but the first chunk's."""
     lengths = [len(chunk_token_ids(ctx.lm.tokenizer, c.text)) for c in chunks]

@@ -1,13 +1,21 @@
 """A retrieval index in one directory: FAISS vectors, chunk metadata and a manifest.
 
-Files: ``manifest.json`` (caller fields plus a reserved ``"vectors"`` section; it makes a directory
-an index), ``chunks.sqlite`` (WAL; table ``chunks``, rows 0..n-1 without gaps), ``vectors.faiss``
-(FAISS's format, never pickle; FAISS id ``i`` is ``row i``), ``index.lock`` (writers' ``flock``).
+Files: ``manifest.json`` (caller fields plus a reserved ``"vectors"`` section and a ``"checksum"`` over
+the rest; it makes a directory an index), ``chunks.sqlite`` (WAL; `kvrag.storage.chunk_db`: rows
+0..n-1 without gaps, each with a checksum, and a ``meta`` table), ``vectors.faiss`` (FAISS's format,
+never pickle; FAISS id ``i`` is ``row i``), ``index.lock`` (writers' ``flock``).
 
-Commit protocol: an append atomically replaces ``vectors.faiss`` with the new vectors added, then
-inserts the rows in one SQLite transaction, the commit point. Readers read the row count first and
-drop vectors past it, so a writer killed between the two steps leaves only unreferenced trailing
-vectors. Fewer vectors than rows cannot come from a crash and is reported as corruption.
+Integrity: every byte read is checked. The manifest against its checksum, each row against its
+digest, and ``vectors.faiss`` against the SHA-256 recorded in ``meta`` before it is parsed; damage
+raises `IndexCorruptError` naming the file and ``kvrag repair``. An index folder holding a link that
+leads outside it is refused (`kvrag.storage.integrity.check_confined`).
+
+Commit protocol: an append records the new vectors file's hash as pending, atomically replaces
+``vectors.faiss`` with the new vectors added, then inserts the rows and makes the pending hash the
+committed one in one SQLite transaction, the commit point. Readers read the row count and both
+hashes in one transaction, accept a file matching either, and drop vectors past the row count, so a
+writer killed between the steps leaves only unreferenced trailing vectors. Fewer vectors than rows,
+or a file matching neither hash, cannot come from a crash and is reported as corruption.
 
 Vectors are L2-normalised on the way in, so scores are cosine similarities, for both ``"flat"``
 (exact ``IndexFlatIP``) and ``"hnsw"`` (``IndexHNSWFlat``, inner product, M=32). An append rewrites
@@ -28,6 +36,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,66 +44,26 @@ from typing import Any
 import faiss
 import numpy as np
 
-from kvrag.errors import IndexNotFoundError, KVRagError
-from kvrag.indexing.embed import unit_rows
-from kvrag.storage import atomic
+from kvrag.errors import IndexCorruptError, IndexNotFoundError, KVRagError
+from kvrag.storage import atomic, chunk_db
+from kvrag.storage.chunk_db import COLUMNS as _COLUMNS
+from kvrag.storage.chunk_db import ChunkRecord
+from kvrag.storage.integrity import check_confined, read_manifest, sha256_hex, write_manifest
+from kvrag.storage.vectors import HNSW_M, load_vectors, new_faiss, rewrite_vectors, unit_rows  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 KINDS = ("flat", "hnsw")
-HNSW_M = 32
 HNSW_EF_SEARCH = 64
 _DB, _VECTORS, _LOCK = "chunks.sqlite", "vectors.faiss", "index.lock"
 _RESERVED = "vectors"
-_COLUMNS = "row, key, doc_id, seq, text, n_tokens, source"
-
-
-@dataclasses.dataclass(frozen=True)
-class ChunkRecord:
-    """One chunk's metadata, stored beside its vector."""
-
-    key: str  # content hash (hex), unique in an index
-    doc_id: str
-    seq: int  # position of the chunk within its document, from 0
-    text: str  # the chunk's exact text
-    n_tokens: int  # length in the LLM tokenizer's tokens
-    source: str = ""  # file path or caller-provided id
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.key, str) or not self.key:
-            raise ValueError(f"ChunkRecord.key must be a non-empty str, got {self.key!r}")
-
-
-def _new_faiss(dim: int, kind: str) -> faiss.Index:
-    if kind == "flat":
-        return faiss.IndexFlatIP(dim)
-    return faiss.IndexHNSWFlat(dim, HNSW_M, faiss.METRIC_INNER_PRODUCT)
-
-
-def _connect(db: Path, create: bool = False) -> sqlite3.Connection:
-    conn = sqlite3.connect(str(db), timeout=30.0, check_same_thread=False)
-    conn.execute("PRAGMA synchronous=FULL")
-    if create:
-        conn.execute("PRAGMA journal_mode=WAL")  # persistent: readers inherit it
-        with conn:
-            conn.execute(
-                "CREATE TABLE IF NOT EXISTS chunks (row INTEGER PRIMARY KEY, key TEXT UNIQUE "
-                "NOT NULL, doc_id TEXT NOT NULL, seq INTEGER NOT NULL, text TEXT NOT NULL, "
-                "n_tokens INTEGER NOT NULL, source TEXT NOT NULL)"
-            )
-    return conn
-
-
-def _row_count(conn: sqlite3.Connection) -> int:
-    # Rows are contiguous from 0, so MAX+1 is the count, found in O(log n).
-    return int(conn.execute("SELECT COALESCE(MAX(row) + 1, 0) FROM chunks").fetchone()[0])
 
 
 def _vectors_section(manifest: dict[str, Any], path: Path) -> dict[str, Any]:
     section = manifest.get(_RESERVED)
     if not isinstance(section, dict) or "dim" not in section or section.get("kind") not in KINDS:
-        raise KVRagError(f"manifest of {path} lacks a valid {_RESERVED!r} section: {section!r}")
+        raise IndexCorruptError(path / ChunkIndex.MANIFEST, f"lacks a valid {_RESERVED!r} section", path)
     if int(section.get("format_version", 0)) > FORMAT_VERSION:
         raise KVRagError(f"index at {path} is newer than this kvrag reads; upgrade kvrag")
     return section
@@ -117,16 +86,17 @@ class ChunkIndex:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         """Open an existing index; prefer `ChunkIndex.open`, which checks that it exists."""
         self.path = Path(path)
+        check_confined(self.path)
         self._lock = threading.RLock()
         self._manifest: dict[str, Any] = {}
         self._manifest_sig: tuple[int, int, int] | None = None
         self._load_manifest()
         section = _vectors_section(self._manifest, self.path)
         self.dim, self.kind = int(section["dim"]), str(section["kind"])
-        self._conn: sqlite3.Connection | None = _connect(self.path / _DB)
+        self._conn: sqlite3.Connection | None = chunk_db.connect(self.path / _DB, self.path)
         self._n = 0
         self._keys: dict[str, int] = {}  # key -> row, for rows < self._n
-        self._vectors = _new_faiss(self.dim, self.kind)
+        self._vectors = new_faiss(self.dim, self.kind)
         self._sync(full=True)
 
     @classmethod
@@ -155,25 +125,35 @@ class ChunkIndex:
         section = {"dim": dim, "kind": kind, "metric": "inner_product", "hnsw_m": HNSW_M,
                    "format_version": FORMAT_VERSION}
         path.mkdir(parents=True, exist_ok=True)
+        check_confined(path)
         with atomic.exclusive_lock(path / _LOCK):
             # The manifest goes last: until it exists the directory is no index, so a create
             # killed half-way is simply redone.
             if cls.exists(path):
                 raise KVRagError(f"an index already exists at {path}; refusing to overwrite it")
-            with contextlib.closing(_connect(path / _DB, create=True)) as conn:
-                rows = _row_count(conn)
-            if rows:
-                raise KVRagError(f"{path / _DB} holds chunks but no manifest; not overwriting")
-            vectors = faiss.serialize_index(_new_faiss(dim, kind)).tobytes()
-            atomic.atomic_write_bytes(path / _VECTORS, vectors)
-            atomic.atomic_write_json(path / cls.MANIFEST, {**manifest, _RESERVED: section})
+            if (path / _DB).exists():
+                chunk_db.check_no_rows(path / _DB, path / ChunkIndex.MANIFEST, path)
+            with contextlib.closing(chunk_db.connect(path / _DB, path, create=True)) as conn:
+                vectors = faiss.serialize_index(new_faiss(dim, kind)).tobytes()
+                with chunk_db.guarded(path / _DB, path), conn:
+                    chunk_db.set_meta(conn, **{chunk_db.VECTORS_PENDING: sha256_hex(vectors)})
+                atomic.atomic_write_bytes(path / _VECTORS, vectors)
+                with chunk_db.guarded(path / _DB, path), conn:
+                    chunk_db.set_meta(conn, **{chunk_db.VECTORS_SHA: sha256_hex(vectors),
+                                               chunk_db.VECTORS_PENDING: None})
+                stored = write_manifest(path / cls.MANIFEST, {**manifest, _RESERVED: section})
+                with chunk_db.guarded(path / _DB, path):
+                    chunk_db.store_manifest_copy(conn, stored)
         logger.info("created %s index at %s (dim=%d)", kind, path, dim)
         return cls(path)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> ChunkIndex:
-        """Open the index in ``path``; IndexNotFoundError without a manifest, KVRagError if bad."""
+        """Open the index in ``path``; IndexNotFoundError without one, IndexCorruptError if damaged."""
         if not cls.exists(path):
+            if (Path(path) / _DB).is_file() and (Path(path) / _DB).stat().st_size:
+                raise IndexCorruptError(Path(path) / cls.MANIFEST, "is missing but the index's chunks are there",
+                                        path)
             raise IndexNotFoundError(f"no kvrag index at {path} (missing {cls.MANIFEST})")
         return cls(path)
 
@@ -196,15 +176,20 @@ class ChunkIndex:
         if _RESERVED in fields:
             raise ValueError(f"manifest key {_RESERVED!r} is reserved for the index itself")
         with self._lock, atomic.exclusive_lock(self.path / _LOCK):
-            current = atomic.read_json(self.path / self.MANIFEST)
-            atomic.atomic_write_json(self.path / self.MANIFEST, {**current, **fields})
+            current = read_manifest(self.path / self.MANIFEST, self.path)
+            stored = write_manifest(self.path / self.MANIFEST, {**current, **fields})
+            with chunk_db.guarded(self.path / _DB, self.path):
+                chunk_db.store_manifest_copy(self._db, stored)
             self._load_manifest()
 
     def _load_manifest(self) -> None:
-        st = (self.path / self.MANIFEST).stat()
+        try:
+            st = (self.path / self.MANIFEST).stat()
+        except FileNotFoundError:
+            raise IndexCorruptError(self.path / self.MANIFEST, "is missing", self.path) from None
         sig = (st.st_ino, st.st_mtime_ns, st.st_size)
         if sig != self._manifest_sig:
-            self._manifest = atomic.read_json(self.path / self.MANIFEST)
+            self._manifest = read_manifest(self.path / self.MANIFEST, self.path)
             self._manifest_sig = sig
 
     def __len__(self) -> int:
@@ -227,19 +212,22 @@ class ChunkIndex:
 
     def records(self) -> list[ChunkRecord]:
         """Return every chunk of the current snapshot, in insertion order."""
-        with self._lock:
-            sql = f"SELECT {_COLUMNS} FROM chunks WHERE row < ? ORDER BY row"
-            return [ChunkRecord(*r[1:]) for r in self._db.execute(sql, (self._n,))]
+        db = self.path / _DB
+        with self._lock, chunk_db.guarded(db, self.path):
+            sql = f"SELECT {_COLUMNS}, digest FROM chunks WHERE row < ? ORDER BY row"
+            return [ChunkRecord(*chunk_db.checked_row(r, db, self.path)[1:])
+                    for r in self._db.execute(sql, (self._n,))]
 
     def _fetch_rows(self, rows: Sequence[int]) -> dict[int, ChunkRecord]:
         # json_each keeps this one query with one parameter, whatever the number of rows.
-        sql = f"SELECT {_COLUMNS} FROM chunks WHERE row IN (SELECT value FROM json_each(?))"
-        with self._lock:
+        sql = f"SELECT {_COLUMNS}, digest FROM chunks WHERE row IN (SELECT value FROM json_each(?))"
+        db = self.path / _DB
+        with self._lock, chunk_db.guarded(db, self.path):
             cur = self._db.execute(sql, (json.dumps(list(rows)),))
-            out = {r[0]: ChunkRecord(*r[1:]) for r in cur}
+            out = {r[0]: ChunkRecord(*r[1:]) for r in (chunk_db.checked_row(row, db, self.path) for row in cur)}
         if len(out) != len(set(rows)):
             missing = sorted(set(rows) - out.keys())[:5]
-            raise KVRagError(f"index at {self.path}: vector rows {missing} have no metadata")
+            raise IndexCorruptError(db, f"vector rows {missing} have no chunk rows", fix=chunk_db.db_fix(self.path))
         return out
 
     def search(self, query: np.ndarray, k: int) -> list[tuple[ChunkRecord, float]]:
@@ -280,40 +268,41 @@ class ChunkIndex:
 
     def _sync(self, full: bool) -> None:
         """Load rows past the snapshot (all rows if ``full``: at open, after a failed append)."""
-        n, start = _row_count(self._db), 0 if full else self._n
-        if n == self._n and not full:
-            return
-        if n < start:
-            raise KVRagError(f"index at {self.path} shrank from {self._n} to {n} chunks")
-        vectors = self._load_vectors(n)  # read after the row count: see the commit protocol
-        sql = "SELECT key, row FROM chunks WHERE row >= ? AND row < ?"
-        keys = {key: int(row) for key, row in self._db.execute(sql, (start, n))}
+        db = self.path / _DB
+        with chunk_db.guarded(db, self.path):
+            n = chunk_db.row_count(self._db)
+            start = 0 if full else self._n
+            if n == self._n and not full:
+                return
+            if n < start:
+                raise IndexCorruptError(db, f"shrank from {self._n} to {n} chunks", fix=chunk_db.db_fix(self.path))
+            n, data = self._read_vectors_file()  # the row count and the file, consistent: see the commit protocol
+            vectors = load_vectors(data, n, self.dim, self.kind, self.path / _VECTORS, self.path)
+            sql = "SELECT key, row FROM chunks WHERE row >= ? AND row < ?"
+            keys = {key: int(row) for key, row in self._db.execute(sql, (start, n))}
         if len(keys) != n - start:
-            raise KVRagError(f"index at {self.path}: chunk rows below {n} have gaps")
+            raise IndexCorruptError(db, f"chunk rows below {n} have gaps", fix=chunk_db.db_fix(self.path))
         if full:
             self._keys = {}
         self._keys.update(keys)
         self._vectors, self._n = vectors, n
 
-    def _load_vectors(self, n: int) -> faiss.Index:
-        """Load ``vectors.faiss``, keeping its first ``n`` vectors (the committed ones)."""
+    def _read_vectors_file(self) -> tuple[int, bytes]:
+        """``(row count, vectors file bytes)`` whose hash the database records, retried while a writer commits."""
         file = self.path / _VECTORS
-        try:
-            index = faiss.read_index(str(file))
-        except RuntimeError as e:
-            raise KVRagError(f"cannot read vectors file {file}: {e}") from e
-        if index.d != self.dim:
-            raise KVRagError(f"{file} holds {index.d}-dim vectors, the manifest says {self.dim}")
-        if index.ntotal < n:
-            raise KVRagError(f"{file} holds {index.ntotal} vectors for {n} chunks; it is corrupt")
-        if index.ntotal > n:
-            logger.debug("%s: ignoring %d vector(s) past the %d committed chunks (an append "
-                         "in progress or interrupted)", file, index.ntotal - n, n)
-            kept = _new_faiss(self.dim, self.kind)  # an HNSW graph cannot drop nodes: rebuild
-            if n:
-                kept.add(index.reconstruct_n(0, n))  # [n, dim]
-            index = kept
-        return index
+        for attempt in range(50):
+            n, hashes = chunk_db.snapshot(self._db)
+            try:
+                data = file.read_bytes()
+            except FileNotFoundError:
+                data = None
+            if data is not None and sha256_hex(data) in hashes:
+                return n, data
+            if chunk_db.snapshot(self._db) == (n, hashes):  # no writer moved on: the file itself is wrong
+                what = "is missing" if data is None else "does not match its recorded checksum (damaged or replaced)"
+                raise IndexCorruptError(file, what, self.path)
+            time.sleep(0.01 * min(attempt + 1, 10))
+        raise KVRagError(f"{file} kept changing while it was read; try again")
 
     def add(self, records: Sequence[ChunkRecord], embeddings: np.ndarray) -> int:
         """Append chunks and their vectors; keys already present (or repeated) are skipped.
@@ -357,19 +346,34 @@ class ChunkIndex:
         try:
             self._vectors.add(vecs)
             data = faiss.serialize_index(self._vectors).tobytes()
+            with chunk_db.guarded(self.path / _DB, self.path), self._db:
+                chunk_db.set_meta(self._db, **{chunk_db.VECTORS_PENDING: sha256_hex(data)})
             atomic.atomic_write_bytes(self.path / _VECTORS, data)
-            self._commit_rows(records, start)
+            self._commit_rows(records, start, sha256_hex(data))
         except BaseException:
             self._sync(full=True)  # the in-memory index may hold uncommitted vectors
             raise
         self._keys.update((rec.key, start + i) for i, rec in enumerate(records))
         self._n = start + len(records)
 
-    def _commit_rows(self, records: Sequence[ChunkRecord], start: int) -> None:
-        """Insert the metadata rows in one transaction: the commit point."""
+    def _commit_rows(self, records: Sequence[ChunkRecord], start: int, vectors_sha: str) -> None:
+        """Insert the metadata rows and commit the vectors file's hash in one transaction: the commit point."""
         rows = [(start + i, *dataclasses.astuple(r)) for i, r in enumerate(records)]
-        with self._db:
-            self._db.executemany(f"INSERT INTO chunks ({_COLUMNS}) VALUES (?,?,?,?,?,?,?)", rows)
+        with chunk_db.guarded(self.path / _DB, self.path), self._db:
+            chunk_db.insert_rows(self._db, rows)
+            chunk_db.set_meta(self._db, **{chunk_db.VECTORS_SHA: vectors_sha, chunk_db.VECTORS_PENDING: None})
+
+    @classmethod
+    def write_vectors(cls, path: str | os.PathLike[str], embeddings: np.ndarray) -> None:
+        """Rewrite ``vectors.faiss`` from one embedding per chunk row (``[rows, dim]``), under the writer lock.
+
+        For `kvrag repair`, on an index whose manifest and chunk rows are sound but whose vectors file is
+        not (so it need not open): the hash is committed in the same steps as an append's.
+        """
+        path = Path(path)
+        section = _vectors_section(read_manifest(path / cls.MANIFEST, path), path)
+        rewrite_vectors(path, path / _DB, path / _VECTORS, path / _LOCK, int(section["dim"]), str(section["kind"]),
+                        embeddings)
 
     @property
     def _db(self) -> sqlite3.Connection:

@@ -3,6 +3,8 @@
 Contract: blob ``abcdef…`` lives at ``root/ab/abcdef….kvc``; every write is atomic
 (`kvrag.storage.atomic.atomic_write_bytes`), so a reader sees the old blob or the new one, never a mix,
 and with ``fsync`` it survives a power loss once ``put`` returns. Keys must be lowercase hex.
+Symbolic links are never followed: a blob that is a link reads as absent (and a ``put`` replaces the
+link, not its target), and a ``put`` into a folder that is a link raises `IndexCorruptError`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from kvrag.errors import IndexCorruptError
 from kvrag.storage.atomic import atomic_write_bytes
 from kvrag.storage.stores.base import ByteStore, register_store
 
@@ -40,17 +43,27 @@ class DiskStore(ByteStore):
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
+        for folder in (self.root, path.parent):
+            if folder.is_symlink():
+                raise IndexCorruptError(folder, "is a link; kvrag does not write through links",
+                                        fix=f"replace it with a real folder inside {self.root.parent}")
         path.parent.mkdir(exist_ok=True)
         atomic_write_bytes(path, data, fsync=self.fsync)
 
     def open(self, key: str) -> BinaryIO | None:
         try:
-            return open(self._path(key), "rb")
-        except FileNotFoundError:
+            fd = os.open(self._path(key), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except (FileNotFoundError, NotADirectoryError):
             return None
+        except OSError as exc:  # ELOOP: the blob is a link, which is never followed
+            if self._path(key).is_symlink():
+                return None
+            raise exc
+        return os.fdopen(fd, "rb")
 
     def contains(self, key: str) -> bool:
-        return self._path(key).is_file()
+        path = self._path(key)
+        return path.is_file() and not path.is_symlink()
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)

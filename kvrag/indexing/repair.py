@@ -1,0 +1,261 @@
+"""`repair_index`: rebuild what can be rebuilt of a damaged index from what is intact.
+
+Contract: `repair_index(path)` runs `kvrag.storage.verify.verify_index`, then, holding the index's
+writer lock, in order:
+
+1. links leading out of the folder: nothing is repaired (kvrag never follows one); the error says
+   which link to remove;
+2. ``manifest.json``: restored from the checked copy kept in ``chunks.sqlite``; without a sound copy it
+   cannot be recovered and the error says what is needed (the documents and the build settings);
+3. ``chunks.sqlite``: the rows that pass their checksums are kept (renumbered without gaps, in their
+   order) in a fresh database that replaces the old one atomically; rows that fail are named in the
+   report (their texts had no other copy: index their documents again); an index written before row
+   checksums gets them;
+4. ``vectors.faiss``: re-embedded from the chunk texts in row order whenever it is damaged, missing or
+   the rows were renumbered, and its hash committed;
+5. the codec state of a codec that needs fitting: when damaged, every cache coded with it is removed and
+   the build loop runs again over those chunks, which refits the codec on the first chunks and stores
+   their caches again;
+6. chunk caches that fail their checksums are removed and computed again from their texts.
+
+Returns a `RepairReport`: what was rebuilt, what was lost, and the index's `VerifyReport` afterwards.
+The model (``model``, default: the one in the manifest) is loaded only when caches or vectors must be
+computed (the embedder for vectors, the LLM for caches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvrag.errors import IndexCorruptError
+from kvrag.storage import atomic, chunk_db
+from kvrag.storage.chunk_index import ChunkIndex
+from kvrag.storage.integrity import is_chunk_key, manifest_problem, row_digest, write_manifest
+from kvrag.storage.verify import CHUNKS, CODEC, DB, MANIFEST, VECTORS, VerifyReport, verify_index, writer_lock
+
+log = logging.getLogger(__name__)
+
+EMBED_GROUP = 256  # rows embedded per call, as a build embeds its groups
+
+
+@dataclass
+class RepairReport:
+    """What `repair_index` did: ``rebuilt`` and ``lost`` lines, and the verification afterwards."""
+
+    path: Path
+    rebuilt: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
+    after: VerifyReport | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Whether the index is sound now."""
+        return self.after is not None and self.after.ok
+
+    def lines(self) -> list[str]:
+        """One line per thing rebuilt or lost, then the verification's lines."""
+        out = [f"rebuilt: {line}" for line in self.rebuilt] + [f"lost: {line}" for line in self.lost]
+        return out + (self.after.lines() if self.after is not None else [])
+
+
+def repair_index(path: str | os.PathLike[str], model: Any = None, device: str | None = None,
+                 show_progress: bool = False) -> RepairReport:
+    """Repair the index at ``path`` (see the module docstring) and return a `RepairReport`.
+
+    Raises:
+        IndexCorruptError: what cannot be rebuilt from what is left (a link out of the folder, a manifest
+            without a sound copy, chunk texts that are all gone), naming what is needed.
+    """
+    path = Path(path)
+    report = RepairReport(path)
+    found = verify_index(path)
+    if found.ok:
+        report.after = found
+        return report
+    for problem in found.problems:
+        if problem.part == "links":
+            raise IndexCorruptError(problem.file, problem.what.removesuffix("; remove it")
+                                    + "; kvrag never follows it", fix="remove the link, then run kvrag repair again")
+    with writer_lock(path):
+        atomic.remove_stale_temps(path / MANIFEST)
+        atomic.remove_stale_temps(path / VECTORS)
+        manifest = _repair_manifest(path, found, report)
+        if found.manifest is None:  # verification stops at a damaged manifest: look at the rest now
+            found = verify_index(path)
+            found.manifest_copy = found.manifest_copy or manifest
+        renumbered = _repair_db(path, manifest, found, report)
+        parts = {p.part for p in found.problems}
+        if renumbered or "vectors" in parts:
+            _reembed(path, manifest, report, device)
+        redo = _damaged_caches(path, manifest, found, report, "codec" in parts)
+        if redo:
+            _recompute(path, redo, report, model, device, show_progress)
+    report.after = verify_index(path)
+    return report
+
+
+def _repair_manifest(path: Path, found: VerifyReport, report: RepairReport) -> dict[str, Any]:
+    if found.manifest is not None:
+        return found.manifest
+    copy = found.manifest_copy
+    if copy is None:
+        legacy, problem = _legacy_manifest(path)
+        if legacy is None:
+            raise IndexCorruptError(path / MANIFEST, f"{problem} and chunks.sqlite holds no sound copy of it, so it "
+                                    "cannot be recovered", fix=f"move {path} away and build the index again from "
+                                    "its documents with the same settings (kvrag index DOCS --index ...)")
+        copy = legacy
+        report.rebuilt.append(f"{path / MANIFEST}: checksum added (written by an older kvrag)")
+    else:
+        report.rebuilt.append(f"{path / MANIFEST}: restored from the copy kept in {DB}")
+    return write_manifest(path / MANIFEST, copy)
+
+
+def _legacy_manifest(path: Path) -> tuple[dict[str, Any] | None, str]:
+    """A parseable manifest without a checksum, accepted only beside a database without checksums either."""
+    obj, problem = manifest_problem(path / MANIFEST)
+    if "no checksum" not in problem:
+        return None, problem
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path / DB}?mode=ro", uri=True)) as conn:
+            tables = {t for (t,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    except sqlite3.DatabaseError:
+        return None, problem
+    if "meta" in tables:
+        return None, problem
+    return json.loads((path / MANIFEST).read_text(encoding="utf-8")), ""
+
+
+def _repair_db(path: Path, manifest: dict[str, Any], found: VerifyReport, report: RepairReport) -> bool:
+    """Rewrite ``chunks.sqlite`` with its sound rows when it is damaged; True when rows were renumbered."""
+    problems = [p for p in found.problems if p.part == "chunks"]
+    if not problems:
+        with contextlib.closing(chunk_db.connect(path / DB, path)) as conn, chunk_db.guarded(path / DB, path):
+            chunk_db.store_manifest_copy(conn, manifest)  # the copy may be the damaged part
+        return False
+    rows, lost = _salvage(path / DB)
+    if not rows and (lost or not (path / DB).is_file()):
+        raise IndexCorruptError(path / DB, "is lost: no chunk row could be read back, and the texts have no other "
+                                "copy", fix=f"move {path} away and index the documents again")
+    report.lost += lost
+    tmp = path / f".{DB}.repair.tmp"
+    tmp.unlink(missing_ok=True)
+    with contextlib.closing(chunk_db.connect(tmp, path, create=True)) as conn:
+        with conn:
+            chunk_db.insert_rows(conn, [(i, *r[1:]) for i, r in enumerate(rows)])
+        chunk_db.store_manifest_copy(conn, manifest)
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    for suffix in ("-wal", "-shm"):
+        (path / f"{DB}{suffix}").unlink(missing_ok=True)
+        (path / f".{DB}.repair.tmp{suffix}").unlink(missing_ok=True)
+    os.replace(tmp, path / DB)
+    atomic.fsync_dir(path)
+    report.rebuilt.append(f"{path / DB}: rewritten with its {len(rows)} sound chunk rows")
+    return True
+
+
+def _salvage(db: Path) -> tuple[list[tuple[Any, ...]], list[str]]:
+    """The rows of ``db`` that read back and pass their checksum (in row order), and a line per row lost."""
+    if not db.is_file():
+        return [], []
+    lost: list[str] = []
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    except sqlite3.DatabaseError as exc:
+        return [], [f"{db}: {exc}"]
+    with contextlib.closing(conn):
+        try:
+            columns = {row[1] for row in conn.execute("PRAGMA table_info(chunks)")}
+            top = int(conn.execute("SELECT COALESCE(MAX(row), -1) FROM chunks").fetchone()[0])
+        except sqlite3.DatabaseError as exc:
+            return [], [f"{db}: {exc}"]
+        digest = "digest" if "digest" in columns else "NULL"
+        rows = []
+        for row_id in range(top + 1):  # one query a row, so that one damaged page loses only its rows
+            try:
+                row = conn.execute(f"SELECT {chunk_db.COLUMNS}, {digest} FROM chunks WHERE row = ?",
+                                   (row_id,)).fetchone()
+            except sqlite3.DatabaseError as exc:
+                lost.append(f"chunk row {row_id}: unreadable ({exc})")
+                continue
+            if row is None:
+                continue
+            fields = tuple(row[:-1])
+            if row[-1] is not None and row[-1] != row_digest(*fields[1:]):
+                lost.append(f"chunk row {row_id} (document {fields[2]!r}, chunk {fields[3]}, source "
+                            f"{fields[6]!r}): its text fails its checksum; index that document again")
+                continue
+            if not is_chunk_key(fields[1]):
+                lost.append(f"chunk row {row_id}: key {str(fields[1])[:60]!r} is no chunk key")
+                continue
+            rows.append(fields)
+    return rows, lost
+
+
+def _reembed(path: Path, manifest: dict[str, Any], report: RepairReport, device: str | None) -> None:
+    import numpy as np
+
+    from kvrag.indexing.embed import Embedder
+
+    with contextlib.closing(chunk_db.connect(path / DB, path)) as conn, chunk_db.guarded(path / DB, path):
+        texts = [t for (t,) in conn.execute("SELECT text FROM chunks ORDER BY row")]
+    embedder = Embedder(manifest["embedder"], device=device)
+    groups = [embedder.encode(texts[i:i + EMBED_GROUP]) for i in range(0, len(texts), EMBED_GROUP)]
+    vectors = np.concatenate(groups) if groups else np.zeros((0, embedder.dim), np.float32)
+    ChunkIndex.write_vectors(path, vectors)
+    report.rebuilt.append(f"{path / VECTORS}: {len(texts)} vectors embedded again from the chunk texts")
+
+
+def _damaged_caches(path: Path, manifest: dict[str, Any], found: VerifyReport, report: RepairReport,
+                    codec_damaged: bool) -> set[str]:
+    """Remove damaged caches (all of them when the codec state is damaged); the chunk keys to compute again."""
+    from kvrag.indexing.kvgen import lead_key
+
+    with ChunkIndex.open(path) as index:
+        keys = [r.key for r in index.records()]
+    leads = {lead_key(k): k for k in keys} if manifest.get("neighbour_context", 0) else {}
+    owner = {**{k: k for k in keys}, **leads}
+    chunks = path / CHUNKS
+    if codec_damaged:
+        stored = [f for f in chunks.glob("*/*.kvc") if f.stem in owner] if chunks.is_dir() else []
+        for f in chunks.glob("*/*.kvc") if chunks.is_dir() else []:
+            f.unlink()
+        for f in (path / CODEC).glob("*") if (path / CODEC).is_dir() else []:
+            f.unlink()
+        report.rebuilt.append(f"{path / CODEC}: fitted again; {len(stored)} caches coded with it computed again")
+        return {owner[f.stem] for f in stored}
+    redo = set()
+    for stored_key in found.bad_caches:
+        (chunks / stored_key[:2] / f"{stored_key}.kvc").unlink(missing_ok=True)
+        if stored_key in owner:
+            redo.add(owner[stored_key])
+    if redo:
+        report.rebuilt.append(f"{chunks}: {len(found.bad_caches)} damaged caches computed again from their texts")
+    return redo
+
+
+def _recompute(path: Path, keys: set[str], report: RepairReport, model: Any, device: str | None,
+               show_progress: bool) -> None:
+    """Run the build loop over the chunks ``keys`` (in row order): it stores the caches they lack."""
+    from kvrag.indexing.build import Builder, BuildStats, Candidate
+    from kvrag.prompt import chunk_token_ids
+    from kvrag.rag import KVRag
+
+    rag = KVRag.open(path, model=model, device=device)
+    try:
+        records = [r for r in rag.index.records() if r.key in keys]
+        candidates = [Candidate(r, chunk_token_ids(rag.lm.tokenizer, r.text)) for r in records]
+        builder = Builder(rag.lm, rag.index, rag.kvstore, rag.embedder, rag.prefix, path / CODEC, rag.batch_tokens,
+                          rag.neighbour_context, rag.neighbour_kv)
+        stats = BuildStats()
+        builder.run(candidates, stats, show_progress)
+        log.info("repair recomputed %d chunk caches", stats.prefilled_chunks)
+    finally:
+        rag.close()

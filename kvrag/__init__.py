@@ -29,16 +29,16 @@ from kvrag.errors import (
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from kvrag.indexing.repair import RepairReport, repair_index
     from kvrag.query.answer import Answer, RetrievedChunk
     from kvrag.query.pipeline import FusedPrompt
     from kvrag.rag import KVRag
+    from kvrag.repair import RepairReport, repair_index
     from kvrag.storage.verify import VerifyReport, verify_index
 
 _LAZY = {"KVRag": "kvrag.rag", "Answer": "kvrag.query.answer", "RetrievedChunk": "kvrag.query.answer",
          "FusedPrompt": "kvrag.query.pipeline", "verify_index": "kvrag.storage.verify",
-         "repair_index": "kvrag.indexing.repair", "VerifyReport": "kvrag.storage.verify",
-         "RepairReport": "kvrag.indexing.repair"}
+         "repair_index": "kvrag.repair", "VerifyReport": "kvrag.storage.verify",
+         "RepairReport": "kvrag.repair"}
 
 
 def __getattr__(name: str) -> Any:

@@ -41,7 +41,7 @@ from kvrag.storage.stores import make_store
 from kvrag.storage.verify import VerifyReport, load_codec_state, verify_index, writer_lock
 
 if TYPE_CHECKING:
-    from kvrag.indexing.repair import RepairReport
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -231,16 +231,6 @@ class KVRag:
     def verify(path: str | Path, caches: bool = True) -> VerifyReport:
         """Check every file of the index at ``path``, loading no model: a `VerifyReport` (`kvrag.storage.verify`)."""
         return verify_index(path, caches=caches)
-
-    @staticmethod
-    def repair(path: str | Path, model: str | LoadedModel | None = None, device: str | None = None,
-               show_progress: bool = False) -> RepairReport:
-        """Rebuild what can be rebuilt of the index at ``path`` from what is intact; a `RepairReport` naming
-        what was rebuilt and what could not be (`kvrag.indexing.repair`).
-        """
-        from kvrag.indexing.repair import repair_index
-
-        return repair_index(path, model=model, device=device, show_progress=show_progress)
 
     @property
     def context(self) -> QueryContext:

@@ -37,7 +37,7 @@ def synthetic_kv(seed: int, seq: int = 37, layers: int = L, heads: int = H, dim:
 
 @pytest.fixture(scope="module")
 def fitted() -> CacheGenCodec:
-    codec = make_codec("cachegen")
+    codec = make_codec("cachegen", 1)  # the bounds below were set at level 1; other levels via with_level
     assert isinstance(codec, CacheGenCodec)
     codec.fit([synthetic_kv(i, seq=40 + i) for i in range(8)], n_layers=L)
     return codec
@@ -122,7 +122,7 @@ def test_int8_rejects_non_finite() -> None:
 
 
 def test_registry_levels() -> None:
-    assert make_codec("cachegen").level == CacheGenCodec.default_level() == 1
+    assert make_codec("cachegen").level == CacheGenCodec.default_level() == 2
     assert CacheGenCodec.levels() == (0, 1, 2, 3)
     assert make_codec("cachegen").needs_fit and not make_codec("int8").needs_fit
     with pytest.raises(ValueError, match="levels"):
@@ -522,12 +522,12 @@ def test_codec_bench_rows_and_markdown() -> None:
     from kvrag.bench.codec import run_codec_bench, to_markdown
 
     rows = run_codec_bench([synthetic_kv(i, seq=48) for i in range(6)], codecs=("raw", "int8", "cachegen"),
-                           levels=(1,), repeats=1)
-    assert [(r["codec"], r["level"]) for r in rows] == [("raw", 0), ("int8", 0), ("cachegen", 1)]
+                           levels=(2,), repeats=1)
+    assert [(r["codec"], r["level"]) for r in rows] == [("raw", 0), ("int8", 0), ("cachegen", 2)]
     raw, int8, cachegen = rows
     assert raw["rel_err_k"] == 0 and raw["bits_per_element"] > 32  # float32 plus the container header
     assert int8["bits_per_element"] > cachegen["bits_per_element"] and cachegen["rel_err_v"] < 0.1
     assert all(r["decode_MBps"] > 0 and r["decode_into_MBps"] > 0
                and r["ratio_vs_bf16"] == pytest.approx(16 / r["bits_per_element"]) for r in rows)
     table = to_markdown(rows)
-    assert table.count("\n| ") == 3 and "cachegen | 1*" in table  # 3 rows after the header
+    assert table.count("\n| ") == 3 and "cachegen | 2*" in table  # 3 rows after the header

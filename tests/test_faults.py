@@ -24,6 +24,7 @@ import pytest
 
 from kvrag import IndexCorruptError, KVRag, KVRagError, SplitConfig
 from kvrag.cli import main
+from kvrag.repair import repair_index
 from kvrag.storage.integrity import row_digest
 from kvrag.storage.verify import verify_index
 
@@ -119,7 +120,7 @@ def run_damage_case(clean_path: Path, expected: list[list[int]], work: Path, kin
     result["verify"] = "ok" if report.ok else "damaged"
     if repair and not report.ok:
         try:
-            fixed = KVRag.repair(path, model=tiny_lm)
+            fixed = repair_index(path, model=tiny_lm)
             # texts whose only copy was damaged are named in the report: the answer may then differ
             result["repaired"] = "named" if fixed.lost and fixed.ok else _outcome(path, tiny_lm, expected)
         except IndexCorruptError as exc:  # what cannot be rebuilt is named in one line
@@ -154,7 +155,7 @@ def test_damaged_codec_state_is_detected_and_refitted(clean, tiny_lm, tmp_path):
     _damage(work / "codec" / "cachegen.npz", "bitflip", random.Random(1))
     with pytest.raises(IndexCorruptError, match=r"codec: is damaged.*kvrag repair"):
         KVRag.open(work, model=tiny_lm)
-    report = KVRag.repair(work, model=tiny_lm)
+    report = repair_index(work, model=tiny_lm)
     assert report.ok and any("fitted again" in line for line in report.rebuilt)
     rag = KVRag.open(work, model=tiny_lm)
     assert len(rag.index) == len(KVRag.open(path, model=tiny_lm).index)
@@ -172,7 +173,7 @@ def test_a_changed_text_in_the_database_is_an_error_and_repair_names_it(clean, t
     rag.close()
     assert main(["verify", str(work)]) == 1
     with pytest.raises(IndexCorruptError, match="is lost"):  # every text is damaged: nothing to keep
-        KVRag.repair(work, model=tiny_lm)
+        repair_index(work, model=tiny_lm)
 
 
 def test_verify_and_repair_commands(clean, tiny_lm, tmp_path, capsys):
@@ -188,7 +189,7 @@ def test_verify_and_repair_commands(clean, tiny_lm, tmp_path, capsys):
     assert main(["ask", str(work), "Who keeps the reactor?"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "manifest.json" in err and "kvrag repair" in err
-    report = KVRag.repair(work, model=tiny_lm)
+    report = repair_index(work, model=tiny_lm)
     assert report.ok, report.lines()
     rag = KVRag.open(work, model=tiny_lm)
     assert [_answer(rag, q) for q in QUESTIONS] == expected
@@ -217,7 +218,7 @@ def test_link_out_of_the_index_is_refused_and_nothing_outside_is_touched(clean, 
     assert main(["index", str(doc), "--index", str(work)]) == 2
     assert "outside the index" in capsys.readouterr().err
     with pytest.raises(IndexCorruptError, match="remove the link"):
-        KVRag.repair(work, model=tiny_lm)
+        repair_index(work, model=tiny_lm)
     assert _listing(outside) == before
 
 

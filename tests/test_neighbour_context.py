@@ -122,7 +122,8 @@ def test_without_an_exact_first_chunk_the_selectors_take_it_too(lm):
 @pytest.fixture(scope="module")
 def neighboured(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     path = tmp_path_factory.mktemp("rag-nc") / "idx"
-    rag = KVRag.build(DOCS, path, model=str(tiny_model_dir), split=SPLIT, neighbour_context=2, neighbour_kv="prefill",
+    rag = KVRag.build(DOCS, path, model=str(tiny_model_dir), codec="raw", split=SPLIT,
+                      neighbour_context=2, neighbour_kv="prefill",
                       show_progress=False)
     return rag, path
 
@@ -205,7 +206,8 @@ def test_neighbour_context_must_match_the_index_and_be_non_negative(neighboured,
 
 def test_a_build_that_places_the_neighbours_stored_caches(tiny_model_dir, tmp_path):
     path = tmp_path / "idx"
-    rag = KVRag.build(DOCS, path, model=str(tiny_model_dir), split=SPLIT, neighbour_context=2, show_progress=False)
+    rag = KVRag.build(DOCS, path, model=str(tiny_model_dir), codec="raw", split=SPLIT, neighbour_context=2,
+                      show_progress=False)
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["neighbour_context"] == 2 and manifest["neighbour_kv"] == rag.neighbour_kv == "stored"
     for record in rag.index.records():
@@ -244,7 +246,8 @@ def test_a_build_that_places_the_neighbours_stored_caches(tiny_model_dir, tmp_pa
 def test_chunks_indexed_without_caches_are_neighbours_and_get_their_caches_later(tiny_model_dir, tmp_path):
     path = tmp_path / "idx"
     pool, cached = DOCS[:2], DOCS[2:]
-    rag = KVRag.build(pool, path, model=str(tiny_model_dir), split=SPLIT, neighbour_context=2, show_progress=False,
+    rag = KVRag.build(pool, path, model=str(tiny_model_dir), codec="raw", split=SPLIT, neighbour_context=2,
+                      show_progress=False,
                       caches=False)
     pool_keys = {r.key for r in rag.index.records()}
     assert pool_keys and not any(rag.kvstore.contains(k) or rag.kvstore.contains(lead_key(k)) for k in pool_keys)
@@ -273,7 +276,7 @@ def test_chunks_indexed_without_caches_are_neighbours_and_get_their_caches_later
 
 
 def test_a_chunk_both_in_the_index_and_among_the_others_is_one_neighbour(lm, tiny_model_dir, tmp_path):
-    rag = KVRag.build(DOCS, tmp_path / "idx", model=str(tiny_model_dir), split=SPLIT, show_progress=False,
+    rag = KVRag.build(DOCS, tmp_path / "idx", model=str(tiny_model_dir), codec="raw", split=SPLIT, show_progress=False,
                       caches=False)
     records = rag.index.records()
     target, other = records[0], records[1]

@@ -12,7 +12,6 @@ stays cheap.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata as md
 import json
 import math
 import os
@@ -186,13 +185,10 @@ def hardware() -> dict[str, Any]:
 
 
 def versions() -> dict[str, str]:
-    out = {"python": sys.version.split()[0]}
-    for name in ("kvrag", "torch", "transformers", "numpy", "matplotlib"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            continue
-    return out
+    from kvrag.indexing.manifest import installed_versions
+
+    return {"python": sys.version.split()[0],
+            **installed_versions(("kvrag", "torch", "transformers", "numpy", "matplotlib"))}
 
 
 def stamp(args: Any = None) -> dict[str, Any]:

@@ -53,7 +53,8 @@ def passage_index(args: argparse.Namespace) -> None:
     from kvrag.rag import KVRag
 
     docs = passage_documents(load_questions(Path(args.data), args.n))
-    KVRag.build(docs, args.index, model="smollm2", split=SplitConfig(mode="document", max_tokens=2048, min_tokens=0),
+    KVRag.build(docs, args.index, model="smollm2", codec="raw",
+                split=SplitConfig(mode="document", max_tokens=2048, min_tokens=0),
                 caches=False, show_progress=False).close()
 
 
@@ -107,7 +108,8 @@ def build_index(args: argparse.Namespace, items: list[dict[str, Any]], index_dir
     split = SplitConfig(mode="document", max_tokens=args.max_chunk_tokens, min_tokens=0)
     docs = passage_documents(items)
     first = pool_documents(pool, {text for _, text in docs}) if pool else docs
-    rag = KVRag.build(first, index_dir, model=args.model, split=split, device=args.device,
+    # lossless caches: the quality benches measure fusion; `kvrag bench codec` measures a codec's effect
+    rag = KVRag.build(first, index_dir, model=args.model, split=split, device=args.device, codec="raw",
                       neighbour_context=neighbour_context, neighbour_kv=neighbour_kv, show_progress=False,
                       caches=not pool, question_tail=question_tail)
     if pool:

@@ -1,6 +1,6 @@
 """``kvrag repair INDEX``: rebuild what can be rebuilt of a damaged index from what is intact.
 
-Contract: runs `kvrag.indexing.repair.repair_index` and prints one line per part rebuilt or lost, then
+Contract: runs `kvrag.repair.repair_index` and prints one line per part rebuilt or lost, then
 the verification afterwards. Exit status 0 when the index is sound afterwards, 1 when damage remains;
 what cannot be rebuilt at all (a link out of the folder, a manifest or chunk texts without a sound copy)
 ends in one line ``kvrag: error: …`` naming what is needed (exit status 2).
@@ -26,7 +26,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvrag.indexing.repair import repair_index
+    from kvrag.repair import repair_index
 
     report = repair_index(Path(args.index), model=args.model, device=args.device, show_progress=show_progress(args))
     for line in report.lines():

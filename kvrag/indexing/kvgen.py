@@ -11,7 +11,6 @@ seq, head_dim]`` per chunk.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,23 +18,9 @@ from typing import Any
 import torch
 
 from kvrag.model import LoadedModel, apply_rope, hf_compat, rope_at, unapply_rope
+from kvrag.storage.keys import chunk_key, lead_key  # noqa: F401  (re-exported)
 
 KV = tuple[torch.Tensor, torch.Tensor]
-
-
-def chunk_key(fingerprint: str, prefix_ids: Sequence[int], ids: Sequence[int]) -> str:
-    """Content hash of (model fingerprint, prefix token ids, chunk token ids)."""
-    h = hashlib.sha256(fingerprint.encode())
-    h.update(b"|" + ",".join(map(str, prefix_ids)).encode())
-    h.update(b"|" + ",".join(map(str, ids)).encode())
-    return h.hexdigest()[:40]
-
-
-def lead_key(key: str) -> str:
-    """The store key of a chunk's plain cache (computed right after the prefix) in an index whose caches
-    are computed after neighbour context: the cache it needs when it comes first in a prompt.
-    """
-    return hashlib.sha256(b"lead|" + key.encode()).hexdigest()[:40]
 
 
 @dataclass

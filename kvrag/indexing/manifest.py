@@ -25,15 +25,20 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 
 
-def library_versions() -> dict[str, str]:
-    """Installed versions of kvrag and the libraries whose behaviour the stored caches depend on."""
+def installed_versions(names: tuple[str, ...]) -> dict[str, str]:
+    """The installed version of each distribution in ``names`` that is installed."""
     out = {}
-    for name in ("kvrag", "torch", "transformers", "faiss-cpu", "sentence-transformers"):
+    for name in names:
         try:
             out[name] = md.version(name)
         except md.PackageNotFoundError:
             continue
     return out
+
+
+def library_versions() -> dict[str, str]:
+    """Installed versions of kvrag and the libraries whose behaviour the stored caches depend on."""
+    return installed_versions(("kvrag", "torch", "transformers", "faiss-cpu", "sentence-transformers"))
 
 
 def new_manifest(lm: LoadedModel, embedder_name: str, codec: Codec, split: SplitConfig, layout: PromptLayout,

@@ -9,7 +9,7 @@ of a codec that needs fitting; and with ``caches=True`` every stored chunk cache
 checksums; a missing cache is no damage: it is computed on first use). It returns a `VerifyReport`
 with one `Problem` per damaged part; ``report.ok`` is True when there is none.
 
-Also here, shared by the facade and `kvrag.indexing.repair`: `writer_lock` (one writer per index: a
+Also here, shared by the facade and `kvrag.repair`: `writer_lock` (one writer per index: a
 second one waits for the first) and `load_codec_state` (a damaged state is an `IndexCorruptError`; a
 state that was never written because a build was killed before its first cache is no error).
 """
@@ -233,7 +233,7 @@ def _check_codec(path: Path, report: VerifyReport) -> Any:
 
 
 def _check_caches(path: Path, report: VerifyReport, codec: Any, keys: list[str]) -> None:
-    from kvrag.indexing.kvgen import lead_key
+    from kvrag.storage.keys import lead_key
     from kvrag.storage.kvstore import KVStore
     from kvrag.storage.stores.disk import DiskStore
 

@@ -384,7 +384,7 @@ def test_cachegen_blob_from_other_level_or_state_is_refused(fitted: CacheGenCode
     blob = fitted.encode_layer(keys[0], values[0], 0)
     with pytest.raises(ValueError, match="level"):
         fitted.with_level(0).decode_layer(blob, 0, (H, 37, D), torch.float32)
-    other = make_codec("cachegen")
+    other = make_codec("cachegen", fitted.level)  # same level: only the state differs
     other.fit([synthetic_kv(50 + i) for i in range(3)], n_layers=L)
     assert other.params()["state"] != fitted.params()["state"]
     with pytest.raises(ValueError, match="state"):

@@ -36,20 +36,3 @@ def test_recompute_everything_reproduces_full(rag):
     full = rag.answer(q, k=4, mode="full", max_new_tokens=12)
     blend = rag.answer(q, k=4, mode="cacheblend", ratio=1.0, max_new_tokens=12)
     assert blend.token_ids == full.token_ids
-
-
-def test_passage_index_holds_each_passage_as_one_chunk_without_caches(tmp_path):
-    """`kvrag.bench.qa_data.passage_index`: the index that the experiment scripts build when theirs is missing."""
-    import argparse
-
-    from kvrag.bench.qa_data import load_questions, passage_index, passage_keys
-
-    args = argparse.Namespace(data=str(DATA / "qa" / "hotpotqa_ircot.jsonl"), index=str(tmp_path / "idx"), n=2)
-    passage_index(args)
-    stamp = (tmp_path / "idx" / "manifest.json").stat().st_mtime_ns
-    passage_index(args)  # present: left as it is
-    assert (tmp_path / "idx" / "manifest.json").stat().st_mtime_ns == stamp
-    with KVRag.open(args.index) as rag:
-        keys = [k for item in load_questions(DATA / "qa" / "hotpotqa_ircot.jsonl", 2) for k in passage_keys(rag, item)]
-        assert len(set(keys)) == len(rag.index.keys())
-        assert not any(rag.kvstore.contains(k) for k in keys)

@@ -42,22 +42,6 @@ def passage_documents(items: list[dict[str, Any]]) -> list[tuple[str, str]]:
     return [(f"{item['id']}/{j}", passage_text(ctx)) for item in items for j, ctx in enumerate(item["ctxs"])]
 
 
-def passage_index(args: argparse.Namespace) -> None:
-    """Build ``args.index`` (an `experiment_parser` command line) if it is missing: the passages of the
-    first ``args.n`` questions of ``args.data``, one chunk each, embedded and indexed without caches,
-    for scripts that compute the caches themselves.
-    """
-    if Path(args.index).exists():
-        return
-    from kvrag.config import SplitConfig
-    from kvrag.rag import KVRag
-
-    docs = passage_documents(load_questions(Path(args.data), args.n))
-    KVRag.build(docs, args.index, model="smollm2", codec="raw",
-                split=SplitConfig(mode="document", max_tokens=2048, min_tokens=0),
-                caches=False, show_progress=False).close()
-
-
 def pool_documents(paths: Sequence[Path], exclude: set[str]) -> list[tuple[str, str]]:
     """``(id, text)`` of the passages in ``paths`` (QA JSONL files, or JSON files holding a list of
     ``{title, text}``), each text once, leaving out the texts in ``exclude``.

@@ -1,4 +1,5 @@
-r"""LangChain adapter: `KVRetriever` (chunks as `Document`s) and `KVCachedLLM` (fuses the chunks it finds).
+r"""LangChain adapter: `KVRetriever` (chunks as `Document`s), `KVCachedLLM` (fuses the chunks it finds) and
+`ChatKVRag` (a chat model over `KVRag.chat`, defined in `kvrag.integrations.langchain_chat`).
 
 A LangChain LLM only ever sees a flat prompt string. `KVCachedLLM` finds the stored chunk texts in
 it (`kvrag.query.spans.find_chunk_spans`), reuses their caches and recomputes everything else
@@ -16,6 +17,14 @@ be usable, each chunk must appear as ``text.strip() + "\n\n"`` — use `format_d
     chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | llm
     chain.invoke("Who designed the alpha reactor?")
     llm.last_answer.chunks  # the chunks whose caches were fused
+
+`ChatKVRag` takes LangChain messages instead: kvrag applies the model's chat template, fuses the
+chunks retrieved for the last user message and reuses the conversation's KV across turns::
+
+    from kvrag.integrations.langchain import ChatKVRag
+
+    chat = ChatKVRag(rag=rag, k=4)
+    chat.invoke("Who designed the alpha reactor?").response_metadata["chunks"]
 
 Installed with ``pip install 'kvrag[langchain]'``.
 """
@@ -43,10 +52,12 @@ except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the
         "kvrag.integrations.langchain needs langchain-core: pip install 'kvrag[langchain]'"
     ) from exc
 
+from kvrag.integrations.langchain_chat import ChatKVRag
+
 from kvrag.config import DEFAULT_MODE
 from kvrag.query.flat import chat_prompt, stream_flat_prompt
 
-__all__ = ["KVCachedLLM", "KVRetriever", "format_docs"]
+__all__ = ["ChatKVRag", "KVCachedLLM", "KVRetriever", "format_docs"]
 
 
 def format_docs(docs: Sequence[Document]) -> str:

@@ -13,12 +13,16 @@ the direct path: it hands the retrieved chunk ids straight to `KVRag.answer` (`K
     retriever, llm = KVRetriever(rag=rag, k=4), KVCachedLLM(rag=rag, ratio=0.15)
     KVRagQueryEngine(retriever=retriever, llm=llm).query("Who designed the alpha reactor?")
 
+For conversations, `KVRagChatLLM` (a chat LLM over `KVRag.chat`) and `KVRagChatEngine` (a chat engine
+that fuses each turn's retrieved chunks after the conversation's reused KV) are defined in
+`kvrag.integrations.llama_index_chat` and importable from here too.
+
 Installed with ``pip install 'kvrag[llamaindex]'``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Iterable, Iterator
 from typing import Any
 
 try:
@@ -43,7 +47,8 @@ except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the
 from kvrag.config import DEFAULT_MODE
 from kvrag.query.flat import chat_prompt, stream_flat_prompt
 
-__all__ = ["KVCachedLLM", "KVRagQueryEngine", "KVRetriever"]
+# The chat classes are defined in `kvrag.integrations.llama_index_chat` and loaded on first use (`__getattr__`).
+__all__ = ["KVCachedLLM", "KVRagChatEngine", "KVRagChatLLM", "KVRagQueryEngine", "KVRetriever"]  # noqa: F822
 
 _META_KEYS = ["chunk_id", "score", "source", "doc_id", "seq"]
 
@@ -185,22 +190,44 @@ class KVRagQueryEngine(CustomQueryEngine):
 
     def _stream(self, query_str: str, keys: list[str], info: dict[str, Any]) -> Generator[str, None, None]:
         """Yield kvrag's text pieces, trimmed as `Answer.text` is (no leading or trailing whitespace)."""
-        rag, pending, started = self.llm.rag, "", False
+        rag = self.llm.rag
 
         def publish() -> None:
             self.llm.last_answer = rag.last_answer
             info.update(self._info(rag.last_answer))
 
-        for piece in rag.stream(query_str, **self._options(keys)):
-            if not info:
-                publish()  # the answer exists (and its TTFT is known) once the first piece is out
-            if not started:
-                piece = piece.lstrip()
-                started = bool(piece)
-            body = piece.rstrip()
-            if body:
-                yield pending + body
-                pending = piece[len(body):]
-            else:
-                pending += piece
+        def pieces() -> Iterator[str]:
+            for piece in rag.stream(query_str, **self._options(keys)):
+                if not info:
+                    publish()  # the answer exists (and its TTFT is known) once the first piece is out
+                yield piece
+
+        yield from _trimmed(pieces())
         publish()
+
+
+def _trimmed(pieces: Iterable[str]) -> Iterator[str]:
+    """Non-empty text pieces that join to ``"".join(pieces).strip()``, as `Answer.text` is trimmed.
+
+    Leading whitespace is dropped; trailing whitespace is held back until more text follows it.
+    """
+    pending, started = "", False
+    for piece in pieces:
+        if not started:
+            piece = piece.lstrip()
+            started = bool(piece)
+        body = piece.rstrip()
+        if body:
+            yield pending + body
+            pending = piece[len(body):]
+        else:
+            pending += piece
+
+
+def __getattr__(name: str) -> Any:
+    # The chat classes live in `kvrag.integrations.llama_index_chat`, which imports this module.
+    if name in ("KVRagChatEngine", "KVRagChatLLM"):
+        from kvrag.integrations import llama_index_chat
+
+        return getattr(llama_index_chat, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvrag.config import CodecConfig, FuseConfig, GateConfig, GenerateConfig, SplitConfig, StoreConfig
+from kvrag.config import (
+    CodecConfig,
+    FuseConfig,
+    GateConfig,
+    GenerateConfig,
+    SessionConfig,
+    SplitConfig,
+    StoreConfig,
+)
 from kvrag.errors import (
     CorruptChunkError,
     IndexCorruptError,
@@ -53,6 +61,7 @@ __all__ = [
     "Answer", "CodecConfig", "CorruptChunkError", "FuseConfig", "FusedPrompt", "GateConfig", "GenerateConfig",
     "IndexCorruptError", "IndexMismatchError",
     "IndexNotFoundError", "InputError", "KVRag", "KVRagError", "ModelNotFoundError", "RetrievedChunk", "SplitConfig",
-    "RepairReport", "StoreConfig", "UnsupportedModelError", "VerifyReport", "__version__", "repair_index",
+    "RepairReport", "SessionConfig", "StoreConfig", "UnsupportedModelError", "VerifyReport", "__version__",
+    "repair_index",
     "verify_index",
 ]

@@ -64,11 +64,71 @@ class CodecConfig:
 
 
 @dataclass(frozen=True)
+class SessionConfig:
+    """Where conversations' kept KV lives between turns (`kvrag.chat.tiers`): each tier bounded in bytes.
+
+    Attributes:
+        device_bytes: KV kept in the model's GPU memory (used only when the model is on a GPU).
+        host_bytes: KV kept in host memory.
+        disk_bytes: KV written to ``disk_dir``; 0 turns the disk tier off.
+        disk_dir: the disk tier's folder (None: a temporary folder, removed when the index is closed).
+        max_context: the token budget of one turn's prompt plus its answer (None: the model's context
+            window); over it, the oldest turns are dropped (`kvrag.chat.history`).
+    """
+
+    device_bytes: int = 2 << 30
+    host_bytes: int = 1 << 30
+    disk_bytes: int = 8 << 30
+    disk_dir: str | None = None
+    max_context: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("device_bytes", "host_bytes", "disk_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"SessionConfig.{name} must be an int >= 0, got {value!r}")
+        if self.max_context is not None and self.max_context < 16:
+            raise ValueError(f"SessionConfig.max_context must be >= 16 tokens, got {self.max_context}")
+
+
+@dataclass(frozen=True)
 class StoreConfig:
-    """Where and how chunk caches are stored."""
+    """Where and how chunk caches are stored (`kvrag.storage.stores.cached.open_index_store`; docs/stores.md).
+
+    Attributes:
+        backend: ``"disk"`` (the default) is the index's own store: its ``chunks/`` folder, or the URL it was
+            built with. Anything else names a store by URL or path and, given to an existing index, overrides
+            the recorded one (the same caches at another URL): ``file:///abs/path``, or a shared Redis or
+            Valkey ``redis://[[USER]:PASSWORD@]HOST:PORT/DB`` (``rediss://`` with TLS).
+        fsync: whether a file store flushes each write to stable storage before it returns.
+        cache_mb: the bound, in MiB, of the in-memory LRU cache of hot chunk caches kept in front of a
+            remote store (0 turns it off).
+        connect_timeout_s, timeout_s: a remote store's connect timeout and its timeout per command.
+        retries: how many times a remote command is tried again (with exponential backoff) after a
+            connection error (a timeout is not tried again).
+        retry_after_s: after a remote store failed, for how long it is taken as away without asking it
+            again (chunks are then computed from their text).
+    """
 
     backend: str = "disk"
     fsync: bool = True
+    cache_mb: float = 256.0
+    connect_timeout_s: float = 1.0
+    timeout_s: float = 5.0
+    retries: int = 2
+    retry_after_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.backend:
+            raise ValueError("StoreConfig.backend must name a store, got an empty string")
+        if not self.cache_mb >= 0:
+            raise ValueError(f"StoreConfig.cache_mb must be >= 0, got {self.cache_mb!r}")
+        if not (self.connect_timeout_s > 0 and self.timeout_s > 0):
+            raise ValueError(f"StoreConfig timeouts must be > 0, got {self.connect_timeout_s!r}, {self.timeout_s!r}")
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
+            raise ValueError(f"StoreConfig.retries must be an int >= 0, got {self.retries!r}")
+        if not self.retry_after_s >= 0:
+            raise ValueError(f"StoreConfig.retry_after_s must be >= 0, got {self.retry_after_s!r}")
 
 
 @dataclass(frozen=True)
@@ -106,6 +166,12 @@ class FuseConfig:
             ceiling) while loading would still hide the recompute. ``ratio`` stays the floor. Plans
             use the throughputs measured by earlier fusions of the same `KVRag` (or benchmark
             workload); until then nothing changes.
+        ttft_slo: a time-to-first-token target in seconds for fusions that load from the store (CacheGen's
+            bandwidth-adaptive streaming, `kvrag.query.plan`): per chunk, the loader picks the best stored
+            encoding level (the index's own and its ``stream_levels``) whose transfer at the store link's
+            measured throughput still meets the target, or the chunk's text (recomputed) where none does.
+            None (the default) loads every chunk at the index's own level. ``Answer.load_plan`` says what
+            was chosen and why.
     """
 
     mode: str = DEFAULT_MODE
@@ -117,6 +183,7 @@ class FuseConfig:
     probe_from: float = 0.33
     attention: str = "auto"
     adaptive: bool = False
+    ttft_slo: float | None = None
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
@@ -140,6 +207,8 @@ class FuseConfig:
             raise ValueError(f"link_tokens must be >= 0, got {self.link_tokens}")
         if not 0.0 <= self.probe_from < 1.0:
             raise ValueError(f"probe_from must be in [0, 1), got {self.probe_from!r}")
+        if self.ttft_slo is not None and not (isinstance(self.ttft_slo, (int, float)) and self.ttft_slo > 0):
+            raise ValueError(f"ttft_slo must be a number of seconds > 0, got {self.ttft_slo!r}")
 
 
 @dataclass(frozen=True)

@@ -52,3 +52,15 @@ class UnsupportedModelError(KVRagError):
 
 class InputError(KVRagError, ValueError):
     """Bad user input (empty documents, empty question, prompt longer than the context...)."""
+
+
+class StoreUnavailableError(KVRagError):
+    """A chunk store could not be reached or did not answer; the message names it without its password."""
+
+
+class ChunkUnavailableError(CorruptChunkError):
+    """A chunk's cache could not be read because its store is unreachable: not damaged, not known to be absent.
+
+    It is recovered like a damaged cache (computed from the chunk's text), but the store has already warned
+    once for the whole outage, so recoveries log it at debug level (`kvrag.storage.kvstore.log_recovery`).
+    """

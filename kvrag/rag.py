@@ -1,24 +1,25 @@
 """`KVRag`: the facade over kvrag's pipeline. Build an index of chunk caches, open it, answer.
 
-Index time (`build`, `add`) runs `kvrag.indexing`: read, split, embed, compute caches, store. Question
-time (`answer`, `stream`, `prepare`) runs `kvrag.query.pipeline`: retrieve -> plan -> load -> fuse, then
-generates. The facade owns the per-index state that is computed once (the loaded model, the prompt
-layout, the prefix's KV and the loading controller's measurements) and hands it down as a
-`QueryContext`; no stage reaches back into it.
+Index time (`build`, `add`) runs `kvrag.indexing`. Question time (`answer`, `stream`, `prepare`) runs
+`kvrag.query.pipeline` (retrieve -> plan -> load -> fuse, then generate); a conversation's turn (`chat`)
+runs `kvrag.chat`. The facade owns the per-index state computed once (model, prompt layout, prefix KV,
+the loading controller, the conversations' tiers) and hands it down; no stage reaches back into it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
 import torch
 
+from kvrag.chat.sessions import ChatSessions
+from kvrag.chat.turn import TurnSettings, conversation_for, stream_turn
 from kvrag.codec.base import Codec, make_codec
-from kvrag.config import DEFAULT_MODE, CodecConfig, FuseConfig, GateConfig, GenerateConfig, SplitConfig
+from kvrag.config import CodecConfig, FuseConfig, GateConfig, GenerateConfig, SessionConfig, SplitConfig, StoreConfig
 from kvrag.errors import CorruptChunkError, IndexCorruptError, IndexMismatchError, InputError
 from kvrag.fusion import Selector
 from kvrag.indexing.build import Builder, BuildStats, check_neighbour_kv, split_documents
@@ -26,22 +27,20 @@ from kvrag.indexing.documents import Document, Loaded, load_documents
 from kvrag.indexing.embed import Embedder
 from kvrag.indexing.kvgen import KV, PrefixCache, prefix_cache
 from kvrag.indexing.manifest import check_build_args, check_format, check_model, new_manifest
+from kvrag.indexing.ray_build import add_on_ray
 from kvrag.indexing.recompute import recompute_chunk
 from kvrag.model import LoadedModel, load_model
 from kvrag.prompt import DEFAULT_INSTRUCTION, PromptLayout, build_layout, prompt_text
 from kvrag.query import pipeline
 from kvrag.query.answer import Answer, RetrievedChunk
-from kvrag.query.gate import gate_settings, gated_prepare
+from kvrag.query.gate import prepare_answer
 from kvrag.query.pipeline import FusedPrompt, QueryContext
 from kvrag.query.plan import LoadController
 from kvrag.storage.chunk_index import ChunkIndex
 from kvrag.storage.integrity import is_chunk_key
-from kvrag.storage.kvstore import KVStore
-from kvrag.storage.stores import make_store
+from kvrag.storage.kvstore import KVStore, log_recovery
+from kvrag.storage.stores import open_index_store
 from kvrag.storage.verify import VerifyReport, load_codec_state, verify_index, writer_lock
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 
@@ -59,16 +58,15 @@ class KVRag:
 
     def __init__(self, path: Path, index: ChunkIndex, lm: LoadedModel, embedder: Embedder,
                  codec: Codec, layout: PromptLayout, batch_tokens: int = 4096, neighbour_context: int = 0,
-                 neighbour_kv: str = "stored") -> None:
-        self.path, self.index, self.lm, self.embedder = path, index, lm, embedder
-        self.layout = layout
-        self.kvstore = KVStore(make_store("disk", path / "chunks"), codec, lm.fingerprint)
-        self.batch_tokens = batch_tokens
-        self.neighbour_context, self.neighbour_kv = neighbour_context, neighbour_kv
+                 neighbour_kv: str = "stored", store: str | StoreConfig | None = None) -> None:
+        self.path, self.index, self.lm, self.embedder, self.layout = path, index, lm, embedder, layout
+        self.kvstore = KVStore(open_index_store(path, index.manifest, store), codec, lm.fingerprint)
+        self.batch_tokens, self.neighbour_context, self.neighbour_kv = batch_tokens, neighbour_context, neighbour_kv
         self._prefix: PrefixCache | None = None
         self._context: QueryContext | None = None
         self.last_answer: Answer | None = None
         self.controller = LoadController()  # throughputs of this index's fusions (`FuseConfig.adaptive`)
+        self._sessions: ChatSessions | None = None
 
     # -- construction -----------------------------------------------------------------------
 
@@ -76,16 +74,15 @@ class KVRag:
     def build(
         cls, documents: Document | Iterable[Document], path: str | Path, model: str | LoadedModel = "smollm2",
         embedder: str | None = None, *, split: SplitConfig | None = None, codec: str | None = None,
-        codec_level: int | None = None, index_kind: str = "flat", dtype: str | None = None,
-        device: str | None = None, batch_tokens: int = 4096, instruction: str = DEFAULT_INSTRUCTION,
-        question_tail: str = "", neighbour_context: int | None = None,
-        neighbour_kv: str | None = None, show_progress: bool = True, caches: bool = True,
-    ) -> KVRag:
-        """Build (or extend) an index at ``path`` over ``documents``.
+        codec_level: int | None = None, index_kind: str = "flat", dtype: str | None = None, device: str | None = None,
+        batch_tokens: int = 4096, instruction: str = DEFAULT_INSTRUCTION, question_tail: str = "",
+        neighbour_context: int | None = None, store: str | StoreConfig | None = None, neighbour_kv: str | None = None,
+        show_progress: bool = True, caches: bool = True, engine: str = "local", address: str | None = None,
+        workers: int | None = None, stream_levels: Sequence[int] = ()) -> KVRag:
+        """Build (or extend) an index at ``path`` over ``documents``, its caches in ``store`` (default ``path/chunks``).
 
-        On an existing index the stored model, embedder, codec and split settings are used and only
-        chunks not yet in it are computed (arguments that contradict the manifest raise
-        `IndexMismatchError`).
+        On an existing index the stored model, embedder, codec and split settings are used and only chunks not yet
+        in it are computed (arguments that contradict the manifest raise `IndexMismatchError`).
 
         Args:
             documents: text strings, ``(id, text)`` pairs, `pathlib.Path` files/folders, or a mix.
@@ -97,28 +94,20 @@ class KVRag:
             codec_level: the codec's quality level (default: the codec's own; ``cachegen``: 2).
             index_kind: ``flat`` or ``hnsw``.
             instruction: the system instruction, before the passages (the chunk caches depend on it).
-            question_tail: a line put right after the question (default none), e.g. how to answer.
-                It changes no cache; the index keeps it for every later question. Repeating the
-                short-answer request there made SmolLM2-135M's answers shorter and closer to `full`'s
-                on MuSiQue but further from them on HotpotQA (benchmarks/README.md, "A line after the
-                question").
+            question_tail: a line put right after the question (default none), e.g. how to answer. It changes no
+                cache; the index keeps it for every later question (benchmarks/README.md, "A line after the question").
             neighbour_context: compute each chunk's cache after this many of its nearest chunks (by
-                embedding) instead of after the prompt prefix alone (default 0; an existing index keeps
-                its own). Chunks retrieved together are often each other's neighbours, so their stored
-                caches then already saw much of the context they are fused with. Each chunk's plain
-                cache is stored too (twice the storage), for when it comes first in a prompt, where the
-                plain cache is exact.
-            neighbour_kv: how the neighbours are put before a chunk with ``neighbour_context``:
-                ``"stored"`` (the default for a new index) places their stored plain caches, so a chunk
-                costs about its plain prefill again; ``"prefill"`` prefills their tokens with the chunk,
-                exact for that context but up to ``neighbour_context + 1`` times the cost. An existing
-                index keeps its own (indexes that predate the setting used ``"prefill"``).
-            caches: False indexes the chunks for retrieval only (`add`): each chunk's cache is computed
-                the first time a prompt uses it.
+                embedding) instead of after the prompt prefix alone (default 0; an existing index keeps its
+                own); each chunk's plain cache is stored too (README.md, benchmarks/README.md).
+            neighbour_kv: how the neighbours are put before a chunk: ``"stored"`` (the default) places their
+                stored plain caches; ``"prefill"`` prefills their tokens with the chunk (exact, costlier).
+            caches: False indexes the chunks for retrieval only (`add`); each cache is computed on first use.
+            stream_levels: more levels of the codec each cache is stored at, for streaming (`FuseConfig.ttft_slo`).
+            engine: ``"ray"``: on ``workers`` Ray actors at ``address`` (`kvrag.indexing.ray_build.add_on_ray`).
 
         Raises:
-            InputError: no usable documents, a document path that does not exist, an index path that is a
-                file, or ``batch_tokens < 1``.
+            InputError: no usable documents, a document path that does not exist, an index path that is a file,
+                ``batch_tokens < 1``, or (``engine="ray"``) an index with neighbour context or bad ``workers``.
             IndexCorruptError: the existing index at ``path`` is damaged (`verify`, `repair`).
         """
         path = Path(path)
@@ -131,36 +120,36 @@ class KVRag:
             raise InputError("no documents to index" + (
                 f" (skipped: {', '.join(s for s, _ in loaded.skipped)})" if loaded.skipped else ""))
         if ChunkIndex.exists(path):
-            rag = cls.open(path, model=model if isinstance(model, LoadedModel) else None, device=device)
+            rag = cls.open(path, model=model if isinstance(model, LoadedModel) else None, device=device, store=store)
             check_build_args(rag.manifest, path, model, embedder, codec, neighbour_context, neighbour_kv, instruction,
-                             question_tail)
+                             question_tail, stream_levels)
         else:
             if neighbour_context is not None and neighbour_context < 0:
                 raise ValueError(f"neighbour_context must be >= 0, got {neighbour_context}")
             rag = cls._create(path, model, embedder, split or SplitConfig(), codec, codec_level, index_kind, dtype,
                               device, batch_tokens, instruction, question_tail, neighbour_context or 0,
-                              check_neighbour_kv(neighbour_kv or "stored"))
-        rag.add(loaded, show_progress=show_progress, caches=caches)
+                              check_neighbour_kv(neighbour_kv or "stored"), store, stream_levels)
+        rag.add(loaded, show_progress=show_progress, caches=caches, engine=engine, address=address, workers=workers)
         return rag
 
     @classmethod
     def _create(cls, path: Path, model: str | LoadedModel, embedder_name: str | None, split: SplitConfig,
                 codec_name: str | None, codec_level: int | None, index_kind: str, dtype: str | None,
-                device: str | None, batch_tokens: int, instruction: str, question_tail: str,
-                neighbour_context: int, neighbour_kv: str) -> KVRag:
+                device: str | None, batch_tokens: int, instruction: str, question_tail: str, neighbour_context: int,
+                neighbour_kv: str, store: str | StoreConfig | None = None, stream_levels: Sequence[int] = ()) -> KVRag:
         codec = make_codec(codec_name or CodecConfig().name, codec_level)
         lm = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
         embedder = Embedder(embedder_name, device=device)
         layout = build_layout(lm.tokenizer, instruction, question_tail)
         manifest = new_manifest(lm, embedder.name, codec, split, layout, batch_tokens, neighbour_context,
-                                neighbour_kv)
+                                neighbour_kv, store, stream_levels)
         index = ChunkIndex.create(path, manifest, embedder.dim, index_kind)
-        return cls(path, index, lm, embedder, codec, layout, batch_tokens, neighbour_context, neighbour_kv)
+        return cls(path, index, lm, embedder, codec, layout, batch_tokens, neighbour_context, neighbour_kv, store)
 
     @classmethod
     def open(cls, path: str | Path, *, model: str | LoadedModel | None = None,
-             device: str | None = None, dtype: str | None = None) -> KVRag:
-        """Open an index; the model is loaded from the manifest unless ``model`` is given.
+             device: str | None = None, dtype: str | None = None, store: str | StoreConfig | None = None) -> KVRag:
+        """Open an index; its manifest names the model and the caches' store unless ``model`` / ``store`` is given.
 
         Raises:
             IndexNotFoundError: no index at ``path``.
@@ -190,7 +179,7 @@ class KVRag:
             raise IndexMismatchError(f"the tokenizer's prompt layout differs from the one index {path} was built with")
         return cls(path, index, lm, Embedder(manifest["embedder"], device=device), codec, layout,
                    manifest.get("batch_tokens", 4096), manifest.get("neighbour_context", 0),
-                   manifest.get("neighbour_kv", "prefill"))
+                   manifest.get("neighbour_kv", "prefill"), store)
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -204,18 +193,20 @@ class KVRag:
             self._prefix = prefix_cache(self.lm, self.layout.prefix_ids)
         return self._prefix
 
-    def add(self, documents: Document | Iterable[Document] | Loaded, show_progress: bool = True,
-            caches: bool = True) -> BuildStats:
+    def add(self, documents: Document | Iterable[Document] | Loaded, show_progress: bool = True, caches: bool = True,
+            engine: str = "local", address: str | None = None, workers: int | None = None) -> BuildStats:
         """Index new documents; chunks already present are skipped (content-hash keys).
 
         ``caches=False`` embeds and indexes the new chunks without computing their caches (a large
         corpus of which few chunks are ever retrieved, or candidates for neighbour context): a chunk's
         cache is then computed the first time a prompt uses it, and stored. A later ``add`` of the same
-        documents with ``caches=True`` computes the caches still missing.
+        documents with ``caches=True`` computes the caches still missing. ``engine``: as in `build`.
         """
         t0 = time.perf_counter()
         loaded = documents if isinstance(documents, Loaded) else load_documents(documents)
         stats = BuildStats(documents=len(loaded.docs), skipped=list(loaded.skipped))
+        if engine != "local":  # split, embed and compute the caches on a Ray cluster
+            return add_on_ray(self, loaded, stats, show_progress, caches, engine, address, workers)
         split = SplitConfig(**self.manifest["split"])
         candidates = split_documents(loaded, self.lm, self.layout, split, self.embedder.encode)
         builder = Builder(self.lm, self.index, self.kvstore, self.embedder, self.prefix,
@@ -258,7 +249,7 @@ class KVRag:
         try:
             return self.kvstore.load(chunk.key)
         except CorruptChunkError as exc:
-            log.warning("%s; recomputing it from its text", exc)
+            log_recovery(log, exc)
             return self._recompute_chunk(chunk)
 
     def _recompute_chunk(self, chunk: RetrievedChunk, lead: bool = False) -> KV:
@@ -279,13 +270,8 @@ class KVRag:
             >>> answer = fused.generate()  # doctest: +SKIP
             >>> fused.nll(reference_token_ids)  # doctest: +SKIP
         """
-        default = mode is None and ratio is None and fuse_config is None and selector is None and caches is None
-        ratio = FuseConfig.ratio if ratio is None else ratio
-        config = fuse_config or FuseConfig(mode=mode or DEFAULT_MODE, ratio=ratio)
-        gate_config = gate_settings(default if gate is None else gate)
-        if gate_config is None or config.mode == "full":
-            return pipeline.prepare(self.context, question, k, chunks, config, caches, selector, first_exact)
-        return gated_prepare(self.context, question, k, chunks, config, gate_config, caches, selector, first_exact)
+        return prepare_answer(self.context, question, k, chunks, mode, ratio, fuse_config, caches, first_exact,
+                              selector, gate)
 
     def stream(self, question: str, k: int = 4, mode: str | None = None, ratio: float | None = None, *,
                chunks: Sequence[str | RetrievedChunk] | None = None, max_new_tokens: int = 64,
@@ -354,27 +340,56 @@ class KVRag:
     def nll(self, question: str, target_ids: Sequence[int], chunks: Sequence[str | RetrievedChunk],
             mode: str = "full", ratio: float = 0.15, fuse_config: FuseConfig | None = None) -> float:
         """Mean teacher-forced negative log-likelihood of ``target_ids`` after the fused prompt."""
-        if not target_ids:
-            raise ValueError("target_ids is empty")
-        fused = self.prepare(question, len(chunks), mode, ratio, chunks=chunks, fuse_config=fuse_config, gate=False)
-        return fused.nll(target_ids)
+        return self.prepare(question, len(chunks), mode, ratio, chunks=chunks, fuse_config=fuse_config,
+                            gate=False).nll(target_ids)
 
     def teacher_logprobs(self, question: str, target_ids: Sequence[int], chunks: Sequence[str | RetrievedChunk],
                          mode: str = "full", ratio: float = 0.15, fuse_config: FuseConfig | None = None
                          ) -> torch.Tensor:
-        """Log-probabilities over the vocabulary at each step of ``target_ids`` fed after the fused
-        prompt: ``[len(target_ids), vocab]`` float32, row ``i`` predicting ``target_ids[i]``.
+        """`FusedPrompt.teacher_logprobs` of ``target_ids`` after the fused prompt."""
+        return self.prepare(question, len(chunks), mode, ratio, chunks=chunks, fuse_config=fuse_config,
+                            gate=False).teacher_logprobs(target_ids)
 
-        E.g. where a mode's greedy answer departs from ``full``'s, the two models' margins between the
-        tokens they chose.
+    @property
+    def sessions(self) -> ChatSessions:
+        """Conversations' kept KV across turns (`kvrag.chat.sessions`): ``stats()``, ``expect``, ``release``."""
+        return self._sessions or self.configure_sessions(SessionConfig())
+
+    def configure_sessions(self, config: SessionConfig) -> ChatSessions:
+        """Bound the tiers that keep conversations' KV (`SessionConfig`); what they held is dropped."""
+        if self._sessions is not None:
+            self._sessions.close()
+        self._sessions = ChatSessions(self.lm, lambda messages: conversation_for(self.context, messages), config)
+        return self._sessions
+
+    def chat_stream(self, messages: Sequence[Any], k: int = 4, mode: str | None = None, ratio: float | None = None,
+                    *, retrieve: bool = True, chunks: Sequence[str | RetrievedChunk] | None = None,
+                    max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+                    stop: Sequence[str] = (), seed: int | None = None, fuse_config: FuseConfig | None = None,
+                    gate: GateConfig | bool | None = None, history_cache: bool = True) -> Generator[str, None, Answer]:
+        """Yield the answer to the last of ``messages`` (``{"role", "content"}`` dicts, an optional system one
+        first) and return its `Answer` (also in `last_answer`). The last user message is the retrieval query;
+        its passages are fused after the conversation's kept KV (``history_cache=False``: the history is
+        recomputed). ``retrieve=False`` or ``k=0``: no passages. Other arguments as in `answer`;
+        `Answer.history` says what was reused (docs/conversations.md).
         """
-        if not target_ids:
-            raise ValueError("target_ids is empty")
-        fused = self.prepare(question, len(chunks), mode, ratio, chunks=chunks, fuse_config=fuse_config, gate=False)
-        return fused.teacher_logprobs(target_ids)
+        generate = GenerateConfig(max_new_tokens, temperature, top_p, tuple(stop), seed)
+        return (yield from stream_turn(self.context, self.sessions, messages, TurnSettings(k, mode, ratio,
+                                       fuse_config, gate), generate, retrieve=retrieve, chunks=chunks,
+                                       history_cache=history_cache,
+                                       on_answer=lambda a: setattr(self, "last_answer", a)))
+
+    def chat(self, messages: Sequence[Any], k: int = 4, mode: str | None = None, ratio: float | None = None,
+             **options: Any) -> Answer:
+        """`chat_stream` to the end: the whole `Answer` to the conversation's last user message."""
+        for _ in self.chat_stream(messages, k, mode, ratio, **options):
+            pass
+        return cast(Answer, self.last_answer)
 
     def close(self) -> None:
-        """Close the index and the chunk store."""
+        """Close the index, the chunk store and the conversations' tiers."""
+        if self._sessions is not None:
+            self._sessions.close()
         self.index.close()
         self.kvstore.store.close()
 

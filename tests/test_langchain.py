@@ -8,17 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import json
 import subprocess
 import sys
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from kvrag import KVRag, SplitConfig
+from kvrag import KVRag
 
 pytest.importorskip("langchain_core")
 from kvrag.integrations.langchain import KVCachedLLM, KVRetriever, format_docs  # noqa: E402
@@ -27,26 +23,14 @@ from langchain_core.documents import Document  # noqa: E402
 from langchain_core.prompts import PromptTemplate  # noqa: E402
 from langchain_core.runnables import RunnablePassthrough  # noqa: E402
 
-QA = Path(__file__).resolve().parent / "data" / "qa" / "hotpotqa_ircot.jsonl"
 QUESTION = "In what year was the album Milk and Honey released?"
 GOLD = "1984"
 TEMPLATE = "Context:\n{context}Answer the question with a short answer of a few words.\nQuestion: {question}"
 
 
-def passages(n: int = 4) -> list[tuple[str, str]]:
-    """The first ``n`` real passages of the first HotpotQA item (John Lennon albums)."""
-    ctxs = json.loads(QA.read_text().splitlines()[0])["ctxs"][:n]
-    return [(c["title"], f"{c['title']}. {c['text']}") for c in ctxs]
-
-
 @pytest.fixture(scope="module")
-def rag(smollm2, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVRag]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a 135M model gains nothing from threads on a shared 2-core CPU
-    path = tmp_path_factory.mktemp("lc") / "idx"
-    yield KVRag.build(passages(), path, model=smollm2, split=SplitConfig(mode="document"),
-                      show_progress=False)
-    torch.set_num_threads(threads)
+def rag(lennon_rag: KVRag) -> KVRag:
+    return lennon_rag
 
 
 # -- imports ----------------------------------------------------------------------------------------
@@ -59,7 +43,8 @@ def test_import_kvrag_loads_no_framework():
     assert out.strip() == "[]"
 
 
-def test_missing_extra_names_it(monkeypatch):
+@pytest.mark.parametrize("module", ["kvrag.integrations.langchain", "kvrag.integrations.langchain_chat"])
+def test_missing_extra_names_it(monkeypatch, module):
     import builtins
 
     real_import = builtins.__import__
@@ -69,10 +54,10 @@ def test_missing_extra_names_it(monkeypatch):
             raise ImportError(f"No module named {name!r}")
         return real_import(name, *args, **kwargs)
 
-    monkeypatch.delitem(sys.modules, "kvrag.integrations.langchain")
+    monkeypatch.delitem(sys.modules, module, raising=False)
     monkeypatch.setattr(builtins, "__import__", fail_langchain)
     with pytest.raises(ImportError, match=r"pip install 'kvrag\[langchain\]'"):
-        importlib.import_module("kvrag.integrations.langchain")
+        importlib.import_module(module)
 
 
 def test_format_docs_lays_chunks_out_as_kvrag_stores_them():

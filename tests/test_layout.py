@@ -13,7 +13,7 @@ KVRAG = ROOT / "kvrag"
 MAX_LINES = 400
 # A stage may import the stages before it, never the ones after (the facade and front ends sit on top).
 ORDER = ["config", "errors", "prompt", "model", "codec", "storage", "indexing", "loading", "fusion", "generation",
-         "query", "rag", "repair", "bench", "cli"]
+         "query", "chat", "rag", "repair", "bench", "serve", "cli"]
 # The one deliberate exception: a FuseConfig checks its mode against the selector registry, imported when the
 # check runs, so that mode names are spelled in one place and `import kvrag.config` stays light.
 ALLOWED_UPWARD = {("kvrag/config.py", "kvrag.fusion.selectors.base")}

@@ -6,16 +6,12 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
-import json
 import sys
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from kvrag import KVRag, SplitConfig
+from kvrag import KVRag
 
 pytest.importorskip("llama_index.core")
 from kvrag.integrations.llama_index import KVCachedLLM, KVRagQueryEngine, KVRetriever  # noqa: E402
@@ -24,25 +20,13 @@ from llama_index.core.llms import ChatMessage  # noqa: E402
 from llama_index.core.query_engine import RetrieverQueryEngine  # noqa: E402
 from llama_index.core.schema import NodeWithScore  # noqa: E402
 
-QA = Path(__file__).resolve().parent / "data" / "qa" / "hotpotqa_ircot.jsonl"
 QUESTION = "In what year was the album Milk and Honey released?"
 GOLD = "1984"
 
 
-def passages(n: int = 4) -> list[tuple[str, str]]:
-    """The first ``n`` real passages of the first HotpotQA item (John Lennon albums)."""
-    ctxs = json.loads(QA.read_text().splitlines()[0])["ctxs"][:n]
-    return [(c["title"], f"{c['title']}. {c['text']}") for c in ctxs]
-
-
 @pytest.fixture(scope="module")
-def rag(smollm2, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVRag]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a 135M model gains nothing from threads on a shared 2-core CPU
-    path = tmp_path_factory.mktemp("li") / "idx"
-    yield KVRag.build(passages(), path, model=smollm2, split=SplitConfig(mode="document"),
-                      show_progress=False)
-    torch.set_num_threads(threads)
+def rag(lennon_rag: KVRag) -> KVRag:
+    return lennon_rag
 
 
 def test_missing_extra_names_it(monkeypatch):

@@ -1,4 +1,4 @@
-"""The ``kvrag`` command: ``index``, ``ask``, ``info``, ``verify``, ``repair`` and ``bench …``.
+"""The ``kvrag`` command: ``index``, ``ask``, ``info``, ``verify``, ``repair``, ``serve`` and ``bench …``.
 
 Contract: `main(argv)` runs one command and returns the exit status (it raises nothing, so it can run
 inside another program): 0 on success; 2 after one line ``kvrag: error: …`` on stderr for a usage
@@ -8,7 +8,7 @@ stdout; the progress bar, warnings and errors to stderr. By default the librarie
 and progress bars are silenced (``-v``/``-vv`` bring them back: `kvrag.cli.verbosity`).
 
 One module per command (`kvrag.cli.index`, `kvrag.cli.ask`, `kvrag.cli.info`, `kvrag.cli.verify`,
-`kvrag.cli.repair`, `kvrag.cli.bench`),
+`kvrag.cli.repair`, `kvrag.cli.serve`, `kvrag.cli.bench`),
 each with ``add_parser(sub, parents)`` and ``run(args)``; `kvrag.cli.common` holds what they share.
 """
 
@@ -18,7 +18,7 @@ import argparse
 import sys
 import traceback
 
-from kvrag.cli import ask, bench, index, info, repair, verify
+from kvrag.cli import ask, bench, index, info, repair, serve, verify
 from kvrag.cli.common import Parser, add_global_flags
 from kvrag.cli.verbosity import configured
 from kvrag.errors import KVRagError
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags = Parser(add_help=False)
     add_global_flags(flags, top=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (index, ask, info, verify, repair, bench):
+    for command in (index, ask, info, verify, repair, serve, bench):
         command.add_parser(sub, [flags])
     return parser
 

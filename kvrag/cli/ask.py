@@ -5,7 +5,11 @@ The model is the one the index was built with; ``--model`` loads another name fo
 (`IndexMismatchError`) unless it is the same model. ``--warmup N`` first answers N throwaway
 questions, unprinted. Prints the answer on stdout (``--stream``: as it is generated), then on stderr
 one line with the mode, the TTFT and its breakdown, the model-load time (not part of the TTFT) and
-the chunks used; ``--json`` prints all of it on stdout instead, model load as ``load_model_s``.
+the chunks used; ``--json`` prints all of it on stdout instead, model load as ``load_model_s``. The
+chunk caches are read from where the index records them (``--store URL`` names them otherwise); a store
+that does not answer costs one warning, and the chunks are computed from their text. ``--ttft-slo S``
+streams the chunks (`FuseConfig.ttft_slo`): per chunk the stored level, or the text, that meets the target
+at the store's measured bandwidth; ``--json`` then shows the choices under ``load_plan``.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvrag.cli.common import fraction, non_negative_int, positive_int
+from kvrag.cli.common import add_store_flags, fraction, non_negative_int, positive_int, store_arg
 from kvrag.config import DEFAULT_MODE
 from kvrag.errors import IndexNotFoundError, InputError
 from kvrag.fusion import available_modes
@@ -56,7 +60,23 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                    help="first answer N throwaway questions (not printed) so that the TTFT reported excludes "
                         "warm-up: the first answer in a process also pays for one-time initialisation and "
                         "first-call compilation (default 0: the TTFT includes it)")
+    p.add_argument("--ttft-slo", type=_seconds, default=None, metavar="S",
+                   help="time-to-first-token target in seconds: load each chunk at the stored level (or recompute "
+                        "it from its text) that meets it at the store's measured bandwidth (an index built with "
+                        "--stream-levels offers several levels); implies --gate off unless --gate is given")
+    add_store_flags(p, building=False)
     p.set_defaults(func=run)
+
+
+def _seconds(text: str) -> float:
+    """A positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return value
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -90,11 +110,16 @@ def run(args: argparse.Namespace) -> int:
 
     _check(args)
     t0 = time.perf_counter()
-    rag = KVRag.open(args.index, model=args.model, device=args.device)
+    rag = KVRag.open(args.index, model=args.model, device=args.device, store=store_arg(args))
     load_s = time.perf_counter() - t0
     try:
         kwargs: dict[str, Any] = dict(k=args.k, mode=args.mode, ratio=args.ratio, max_new_tokens=args.max_new_tokens,
                                       gate=_gate(args.gate))
+        if args.ttft_slo is not None:  # streaming: the fusion's settings in a FuseConfig
+            from kvrag.config import FuseConfig
+
+            kwargs["fuse_config"] = FuseConfig(mode=args.mode or DEFAULT_MODE, ttft_slo=args.ttft_slo,
+                                               ratio=FuseConfig.ratio if args.ratio is None else args.ratio)
         t1 = time.perf_counter()
         for _ in range(args.warmup):
             rag.answer(WARMUP_QUESTION, **{**kwargs, "max_new_tokens": 1})

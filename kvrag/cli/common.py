@@ -3,8 +3,10 @@
 Contract: `Parser` reports a usage error as one line ``kvrag: error: …`` on stderr and exits 2
 (no usage dump). `add_global_flags` puts ``-v/--verbose`` (count), ``-q/--quiet``, ``--progress``
 and ``--debug`` on the top-level parser (with defaults) and on each subcommand (without, so that a
-flag given before the subcommand survives); they work in either place. Argument types name the
-argument's problem and the value given. Nothing here imports torch.
+flag given before the subcommand survives); they work in either place. `add_store_flags` adds
+``--store URL`` and ``--store-cache-mb N`` (where the chunk caches live; `store_arg` turns them into
+``KVRag``'s ``store=``). Argument types name the argument's problem and the value given. Nothing here
+imports torch.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import NoReturn
+
+from kvrag.config import StoreConfig
 
 
 class Parser(argparse.ArgumentParser):
@@ -37,6 +41,26 @@ def add_global_flags(parser: argparse.ArgumentParser, top: bool) -> None:
                         help="on an error, print the full traceback instead of one line")
 
 
+def add_store_flags(parser: argparse.ArgumentParser, building: bool) -> None:
+    """``--store`` and ``--store-cache-mb``; ``building``: for ``kvrag index`` (the URL is recorded in a new index)."""
+    where = ("where the chunk caches go: file:///abs/path, or a shared Redis or Valkey "
+             "redis://[:PASSWORD@]HOST:PORT/DB, recorded in a new index (without the password) so that 'kvrag ask' "
+             "finds it (default: the chunks/ folder of the index); for an existing index, another URL for its caches"
+             if building else "where the index's chunk caches are, when not where the index records them (e.g. "
+             "redis://[:PASSWORD@]HOST:PORT/DB: another URL for the same server, or the password)")
+    parser.add_argument("--store", default=None, metavar="URL", help=where)
+    parser.add_argument("--store-cache-mb", type=non_negative_float, default=None, metavar="MB",
+                        help=f"size of the in-memory cache of hot chunk caches in front of a Redis store "
+                             f"(default {StoreConfig.cache_mb:g}; 0: none)")
+
+
+def store_arg(args: argparse.Namespace) -> str | StoreConfig | None:
+    """``--store`` / ``--store-cache-mb`` as ``KVRag``'s ``store=`` (None: the index's own store)."""
+    if args.store_cache_mb is not None:
+        return StoreConfig(backend=args.store or "disk", cache_mb=args.store_cache_mb)
+    return args.store
+
+
 def show_progress(args: argparse.Namespace) -> bool:
     """A progress bar by default only on a terminal; ``--progress`` forces one, ``-q`` none."""
     return not args.quiet and (args.progress or sys.stderr.isatty())
@@ -54,6 +78,17 @@ def non_negative_int(text: str) -> int:
     """An argparse type: an integer >= 0."""
     value = _int(text)
     if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text!r}")
     return value
 

@@ -8,6 +8,11 @@ model's K/V elements per token x the codec's measured bits per element), with a 
 when that exceeds the free disk space; build (one progress bar with an ETA, on stderr, on a
 terminal or with ``--progress``); print the chunks and the bytes actually written; last, one line
 naming the skipped files and why. Options not given on an existing index take its own settings.
+``--store URL`` puts the caches in another store, e.g. a shared Redis (recorded in a new index, without
+its password); a remote store that does not answer is refused before the model loads, and the sizes
+printed are then those of the index folder alone (the caches are in the store). ``--engine ray`` splits,
+embeds and computes the caches on a Ray cluster (``--address``, ``--workers``; docs/ray.md).
+``--stream-levels 1,3`` also stores every cache at those levels of its codec, for ``kvrag ask --ttft-slo``.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvrag.cli.common import human_bytes, non_negative_int, positive_int, show_progress
+from kvrag.cli.common import add_store_flags, human_bytes, non_negative_int, positive_int, show_progress, store_arg
 from kvrag.cli.sizes import expected_cache_bytes, folder_bytes
 from kvrag.config import CodecConfig
 from kvrag.errors import IndexMismatchError, InputError
@@ -63,6 +68,10 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                    help="with --neighbour-context: place the neighbours' stored caches before a chunk (default for a "
                         "new index; about the cost of a plain build again) or prefill their tokens with it (exact, "
                         "up to N+1 times the cost)")
+    p.add_argument("--stream-levels", type=_levels, default=(), metavar="L,L",
+                   help="also store each chunk's cache at these levels of its codec (e.g. 1,3 for cachegen), so that "
+                        "'kvrag ask --ttft-slo' can pick a smaller or finer one per chunk from the measured bandwidth "
+                        "(a new index only; default none)")
     p.add_argument("--lazy", action="store_true",
                    help="index the chunks for retrieval only: each chunk's cache is computed the first time a "
                         "question uses it (a later run without --lazy computes the missing ones)")
@@ -75,7 +84,26 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                         "CPU; an existing index: the dtype it was built with)")
     p.add_argument("--device", default=None,
                    help="torch device for the model and the embedder, e.g. cpu or cuda (default: cuda if available)")
+    p.add_argument("--engine", default="local", choices=["local", "ray"],
+                   help="where the chunks are split, embedded and their caches computed: this process (local) or "
+                        "Ray actors, one model each, GPUs where present (ray; needs pip install kvrag[ray])")
+    p.add_argument("--address", default=None, metavar="ADDR",
+                   help="with --engine ray: the Ray cluster, e.g. auto or HOST:6379 (default: start a local one)")
+    p.add_argument("--workers", type=positive_int, default=None, metavar="N",
+                   help="with --engine ray: Ray actors to run (default: one per GPU of the cluster, else one per CPU)")
+    add_store_flags(p, building=True)
     p.set_defaults(func=run)
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    """``--stream-levels`` as a tuple of levels (``1,3``)."""
+    try:
+        levels = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected levels like 1,3, got {text!r}") from None
+    if any(lv < 0 for lv in levels):
+        raise argparse.ArgumentTypeError(f"levels must be >= 0, got {text!r}")
+    return levels
 
 
 def _free_bytes(path: Path) -> tuple[int, Path]:
@@ -87,8 +115,8 @@ def _free_bytes(path: Path) -> tuple[int, Path]:
 
 
 def _estimate(args: argparse.Namespace, lm: Any, n_docs: int, tokens: int, codec: str, level: int,
-              neighbour_context: int, existing: bool) -> None:
-    """Print the expected size of the caches; warn on stderr when the disk has less room."""
+              neighbour_context: int, existing: bool, remote: bool) -> None:
+    """Print the expected size of the caches; warn on stderr when the disk (not a remote store) has less room."""
     from dataclasses import asdict
 
     spec = asdict(lm.spec)
@@ -105,7 +133,7 @@ def _estimate(args: argparse.Namespace, lm: Any, n_docs: int, tokens: int, codec
         size += "; chunks already in the index are not computed again"
     docs = f"{n_docs} document{'' if n_docs == 1 else 's'}"
     print(f"{args.index}: {docs}, {tokens:,} tokens: {size}", flush=True)
-    if expected is not None and not args.lazy:
+    if expected is not None and not args.lazy and not remote:
         free, where = _free_bytes(Path(args.index))
         if expected > free:
             print(f"kvrag: warning: the caches need about {human_bytes(expected)} but {where} has only "
@@ -126,6 +154,26 @@ def _settings(args: argparse.Namespace, manifest: dict[str, Any] | None) -> tupl
     return args.model or manifest["model"]["source"], args.codec or str(codec["name"]), codec.get("level")
 
 
+def _check_store(args: argparse.Namespace, manifest: dict[str, Any] | None) -> str | None:
+    """The remote store the caches go to, named without its password, once it answered; None for a local one.
+
+    Raises:
+        StoreUnavailableError: it does not answer (before any model loads).
+    """
+    from kvrag.storage.stores import CachedStore, is_remote_url, open_index_store
+
+    url = args.store or ((manifest or {}).get("store") or {}).get("url")
+    if url is None or not is_remote_url(url):
+        return None
+    store = open_index_store(Path(args.index), manifest or {}, store_arg(args))
+    assert isinstance(store, CachedStore)
+    try:
+        getattr(store.inner, "ping", lambda: None)()
+    finally:
+        store.close()
+    return store.label
+
+
 def run(args: argparse.Namespace) -> int:
     from kvrag.indexing.documents import load_documents
     from kvrag.storage.chunk_index import ChunkIndex
@@ -139,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
             manifest = existing.manifest
             chunks_before = len(existing)
     model_name, codec_name, level = _settings(args, manifest)
+    remote = _check_store(args, manifest)
     loaded = load_documents([Path(p) for p in args.paths])
     if not loaded.docs:
         raise InputError(f"no documents to index in {', '.join(args.paths)}"
@@ -159,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
     tokens = sum(len(ids) for ids in lm.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"])
     neighbour_context = (args.neighbour_context if manifest is None or args.neighbour_context is not None
                          else manifest.get("neighbour_context", 0)) or 0
-    _estimate(args, lm, len(loaded.docs), tokens, codec.name, codec.level, neighbour_context, manifest is not None)
+    _estimate(args, lm, len(loaded.docs), tokens, codec.name, codec.level, neighbour_context, manifest is not None,
+              remote is not None)
 
     bytes_before = folder_bytes(index_path)
     t0 = time.perf_counter()
@@ -168,14 +218,16 @@ def run(args: argparse.Namespace) -> int:
                       batch_tokens=args.batch_tokens, neighbour_context=args.neighbour_context,
                       neighbour_kv=args.neighbour_kv, show_progress=show_progress(args), caches=not args.lazy,
                       instruction=DEFAULT_INSTRUCTION if args.instruction is None else args.instruction,
-                      question_tail=args.question_tail)
+                      question_tail=args.question_tail, store=store_arg(args), stream_levels=args.stream_levels,
+                      engine=args.engine, address=args.address, workers=args.workers)
     elapsed = time.perf_counter() - t0
     n_chunks = len(rag.index)
     rag.close()
     total = folder_bytes(index_path)
     new = f" ({n_chunks - chunks_before} new)" if manifest is not None else ""
+    caches = f"; the caches are in {remote}" if remote is not None else ""
     print(f"{args.index}: {n_chunks} chunks{new}; wrote {human_bytes(max(0, total - bytes_before))} in "
-          f"{elapsed:.1f} s, {human_bytes(total)} on disk in all", flush=True)
+          f"{elapsed:.1f} s, {human_bytes(total)} on disk in all{caches}", flush=True)
     if loaded.skipped:
         print(loaded.skipped_summary(), flush=True)
     return 0

@@ -1,8 +1,10 @@
 """``kvrag info INDEX``: what an index holds and what it takes on disk.
 
-Contract: reads the manifest and the chunk table only (no model, no torch). Prints, as text or with
-``--json`` as one object: chunks and their tokens; bytes on disk split into caches, FAISS vectors,
-codec state, chunk text (``chunks.sqlite``) and other files; cache bytes per token; the model's
+Contract: reads the manifest and the chunk table only (no model, no torch), and the sizes of the caches
+in the index's store (its ``chunks/`` folder, or a network store's keys under the index's namespace). Prints,
+as text or with ``--json`` as one object: chunks and their tokens; bytes split into caches, FAISS vectors,
+codec state, chunk text (``chunks.sqlite``) and other files; where the caches are (``store``: None for the
+folder); the stream levels stored besides the codec's own; cache bytes per token; the model's
 source and shape; the embedder; the codec's name and level; the creation date; the neighbour-context
 setting. ``--json`` adds the whole manifest under ``"manifest"``.
 """
@@ -39,7 +41,7 @@ def describe(path: Path) -> dict[str, Any]:
         manifest = index.manifest
         records = index.records()
     tokens = sum(r.n_tokens for r in records)
-    sizes = index_sizes(path)
+    sizes = index_sizes(path, manifest)
     model, codec = manifest.get("model", {}), manifest.get("codec", {})
     return {
         "path": str(path),
@@ -51,6 +53,8 @@ def describe(path: Path) -> dict[str, Any]:
         "model_spec": model.get("spec", {}),
         "embedder": manifest.get("embedder"),
         "codec": {"name": codec.get("name"), "level": codec.get("level")},
+        "stream_levels": list(manifest.get("stream_levels", [])),
+        "store": (manifest.get("store") or {}).get("url"),
         "neighbour_context": manifest.get("neighbour_context", 0),
         "created": manifest.get("created"),
         "manifest": manifest,
@@ -73,9 +77,12 @@ def _text(info: dict[str, Any]) -> str:
         ("created", str(info["created"])),
         ("model", f"{info['model']}{shape}"),
         ("embedder", str(info["embedder"])),
-        ("codec", f"{codec['name']} level {codec['level']}"),
+        ("codec", f"{codec['name']} level {codec['level']}"
+                  + (f" (also stored at levels {', '.join(map(str, info['stream_levels']))})"
+                     if info["stream_levels"] else "")),
         ("chunks", f"{info['chunks']:,} ({info['tokens']:,} tokens)"),
-        ("on disk", f"{human_bytes(sizes['total'])}: {parts}"),
+        ("on disk" if info["store"] is None else "stored", f"{human_bytes(sizes['total'])}: {parts}"
+         + ("" if info["store"] is None else f" (the caches in {info['store']})")),
         ("per token", per_token),
     ]
     return "\n".join(f"{name:<10} {value}" for name, value in rows)

@@ -4,8 +4,10 @@ Contract: `expected_cache_bytes` estimates the chunk caches of ``tokens`` tokens
 spec (a `ModelSpec` as a dict: ``n_layers``, ``n_kv_heads``, ``head_dim``, ``dtype``) and the codec's
 measured bits per stored element (`BITS_PER_ELEMENT`, measured on SmolLM2-135M caches, container
 included: about, not exactly, what another model's caches take); None for a codec or level not
-measured. `index_sizes` splits the bytes of an index folder into caches, FAISS vectors, codec state,
-chunk text (SQLite) and the rest. Nothing here imports torch.
+measured. `index_sizes` splits the bytes of an index into caches, FAISS vectors, codec state, chunk text
+(SQLite) and the rest; the caches are counted where the index keeps them (`store_cache_bytes`: its
+``chunks/`` folder, or the keys under its namespace in a network store, listed with ``SCAN``). Nothing here
+imports torch.
 """
 
 from __future__ import annotations
@@ -61,10 +63,35 @@ def folder_bytes(path: Path) -> int:
     return _tree_bytes(Path(path))
 
 
-def index_sizes(path: Path) -> dict[str, int]:
-    """Bytes of an index folder by part (`PARTS`) and ``total``."""
+def store_cache_bytes(path: Path, manifest: Mapping[str, Any]) -> int | None:
+    """Bytes of the chunk caches in the network store the manifest records (every blob under the index's
+    namespace); None for an index whose caches are in its folder.
+
+    Raises:
+        kvrag.errors.StoreUnavailableError: the store cannot be reached.
+    """
+    from kvrag.config import StoreConfig
+    from kvrag.storage.stores import is_remote_url, open_index_store
+
+    url = (manifest.get("store") or {}).get("url")
+    if url is None or not is_remote_url(url):
+        return None
+    store = open_index_store(Path(path), manifest, StoreConfig(cache_mb=0))
+    try:
+        return sum(store.sizes(list(store.keys())))
+    finally:
+        store.close()
+
+
+def index_sizes(path: Path, manifest: Mapping[str, Any] | None = None) -> dict[str, int]:
+    """Bytes of an index by part (`PARTS`) and ``total``; with the ``manifest``, the caches of a network store
+    count as ``caches`` (and in ``total``) too.
+    """
     path = Path(path)
     out = dict.fromkeys(PARTS, 0)
+    remote = store_cache_bytes(path, manifest) if manifest is not None else None
+    if remote is not None:
+        out["caches"] += remote
     for entry in path.iterdir():
         size = _tree_bytes(entry)
         if entry.name == _CACHES:

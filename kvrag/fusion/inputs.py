@@ -25,7 +25,8 @@ class FusionInput:
     ``chunk_kv`` is either the caches themselves or a `ChunkFeed` that delivers them layer by layer
     while fusion runs (loading overlapped with recompute). ``first_exact``: the first chunk's cache
     was computed right after the prefix, as the prompt places it, so it is exact and no selector
-    recomputes it; False for caches computed after other context (neighbour context).
+    recomputes it; False for caches computed after other context (neighbour context, a conversation's
+    history). ``reuse_prefix``: the prefix rows are exact and kept as they are even by ``full``.
     """
 
     prefix: PrefixCache
@@ -33,6 +34,7 @@ class FusionInput:
     chunk_kv: list[KV | None] | ChunkFeed  # each ([L, H, n_i, D] pre-RoPE keys, values) or None
     suffix_ids: torch.Tensor  # [S]
     first_exact: bool = True
+    reuse_prefix: bool = False  # the prefix's rows are a conversation's kept KV: ``full`` does not recompute them
 
     def available(self) -> list[bool]:
         """Per chunk: whether it has a stored cache."""
@@ -52,6 +54,7 @@ class Segments:
     total: int
     forced: torch.Tensor  # bool [N]: tokens that must be recomputed (suffix, chunks without cache)
     first_exact: bool = True  # the first chunk's stored cache is exact (see `FusionInput`)
+    reuse_prefix: bool = False  # ``full`` recomputes from ``prefix_len`` on (see `FusionInput`)
 
     @property
     def chunk_tokens(self) -> int:
@@ -107,4 +110,4 @@ def segments(inp: FusionInput) -> Segments:
     for start, n, ok in zip(starts, lens, inp.available()):
         if not ok:
             forced[start : start + n] = True
-    return Segments(p, starts, lens, pos, total, forced, inp.first_exact)
+    return Segments(p, starts, lens, pos, total, forced, inp.first_exact, inp.reuse_prefix)

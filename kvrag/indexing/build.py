@@ -10,6 +10,10 @@ a worker thread, overlapped with the next batch's prefill.
 A codec that needs fitting is fitted on the first chunks prefilled and its state is saved before the
 first cache coded with it is written, so a build killed before then has neither and simply fits again
 on re-run (`codec_ready` asks the codec itself, not a marker file).
+
+An index whose manifest lists ``stream_levels`` (`kvrag.indexing.manifest.check_stream_levels`) also stores
+each chunk's cache at those levels of its codec (`KVStore.put_levels`, derived keys) for the streaming
+loader (`kvrag.query.plan`); a chunk counts as cached only once every level is stored.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from kvrag.indexing.split import KVSplitter
 from kvrag.model import LoadedModel
 from kvrag.prompt import PromptLayout, chunk_token_ids
 from kvrag.storage.chunk_index import ChunkIndex, ChunkRecord
-from kvrag.storage.kvstore import KVStore
+from kvrag.storage.kvstore import KVStore, log_recovery
 
 log = logging.getLogger(__name__)
 GROUP_CHUNKS = 256
@@ -172,7 +176,7 @@ def cache_after_neighbours(lm: LoadedModel, prefix: PrefixCache, kvstore: KVStor
         try:
             keys, values = kvstore.load(lead_key(n.key))
         except CorruptChunkError as exc:
-            log.warning("%s; computing the plain cache of a neighbour again", exc)
+            log_recovery(log, exc, "computing the plain cache of a neighbour again")
             keys, values = next(chunk_caches(lm, prefix, [n.ids]))[1]
             kvstore.put(lead_key(n.key), keys.cpu(), values.cpu())
         placed.append((n.ids[n.start:], (keys[:, :, n.start:], values[:, :, n.start:])))
@@ -198,6 +202,8 @@ class Builder:
         self.lm, self.index, self.kvstore, self.embedder = lm, index, kvstore, embedder
         self.prefix, self.codec_state_dir, self.batch_tokens = prefix, codec_state_dir, batch_tokens
         self.context_chunks, self.neighbour_kv = context_chunks, check_neighbour_kv(neighbour_kv)
+        own = kvstore.codec.level  # the levels stored besides the codec's own, for the streaming loader
+        self.stream_levels = tuple(lv for lv in index.manifest.get("stream_levels", ()) if lv != own)
 
     @property
     def codec_ready(self) -> bool:
@@ -241,7 +247,8 @@ class Builder:
     def _cached(self, candidate: Candidate) -> bool:
         """Whether a chunk's caches are stored (with neighbour context: its plain cache too)."""
         key = candidate.record.key
-        return self.kvstore.contains(key) and (not self.context_chunks or self.kvstore.contains(lead_key(key)))
+        return (self.kvstore.contains(key) and (not self.context_chunks or self.kvstore.contains(lead_key(key)))
+                and all(self.kvstore.contains(key, level) for level in self.stream_levels))
 
     def _neighbours(self, group: list[Candidate], vectors: np.ndarray, i: int) -> list[Neighbour]:
         """`nearest_chunks` of the group's chunk ``i``, among the index and the rest of the group."""
@@ -268,7 +275,8 @@ class Builder:
 
     def _store_caches(self, group: list[Candidate], vectors: np.ndarray, stats: BuildStats,
                       writer: ThreadPoolExecutor, bar: Any) -> None:
-        positions = [i for i, c in enumerate(group) if not self.kvstore.contains(c.record.key)]
+        positions = [i for i, c in enumerate(group) if not self.kvstore.contains(c.record.key)
+                     or not all(self.kvstore.contains(c.record.key, lv) for lv in self.stream_levels)]
         todo = [group[i] for i in positions]
         bar.update(sum(len(c.ids) for c in group) - sum(len(c.ids) for c in todo))
         if not todo:
@@ -285,11 +293,11 @@ class Builder:
                     continue
                 _fit_codec(self.kvstore.codec, [h[1] for h in held], self.codec_state_dir)
                 (self.codec_state_dir / "fitted").touch()
-                pending += [self._submit(writer, todo[j].record.key, h) for j, h in held]
+                pending += [self._submit(writer, todo[j].record.key, h, self.stream_levels) for j, h in held]
                 bar.update(sum(len(todo[j].ids) for j, _ in held))
                 held = []
                 continue
-            pending.append(self._submit(writer, todo[i].record.key, kv))
+            pending.append(self._submit(writer, todo[i].record.key, kv, self.stream_levels))
             bar.update(len(todo[i].ids))
         stats.stored_bytes += sum(f.result() for f in pending)
         stats.kv_s += time.perf_counter() - t0
@@ -317,6 +325,13 @@ class Builder:
         stats.stored_bytes += sum(f.result() for f in pending)
         stats.kv_s += time.perf_counter() - t0
 
-    def _submit(self, writer: ThreadPoolExecutor, key: str, kv: tuple[torch.Tensor, torch.Tensor]) -> Future[int]:
+    def _submit(self, writer: ThreadPoolExecutor, key: str, kv: tuple[torch.Tensor, torch.Tensor],
+                levels: tuple[int, ...] = ()) -> Future[int]:
+        """Encode and store one cache on the writer thread (and at ``levels`` too); its stored bytes."""
         keys, values = kv[0].cpu(), kv[1].cpu()
-        return writer.submit(self.kvstore.put, key, keys, values)
+
+        def put() -> int:
+            size = self.kvstore.put(key, keys, values)
+            return size + sum(self.kvstore.put_levels(key, keys, values, levels).values()) if levels else size
+
+        return writer.submit(put)

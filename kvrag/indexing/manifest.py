@@ -1,24 +1,30 @@
 """An index's `manifest.json`: what it was built with, so that opening it can check and reuse it.
 
 The manifest records the format version, the library versions, the model (source, fingerprint and
-`ModelSpec`), the embedder, the codec's parameters, the split settings, the prompt layout, and the
-neighbour-context settings. `new_manifest` writes nothing: `ChunkIndex.create` stores it atomically.
+`ModelSpec`), the embedder, the codec's parameters, the split settings, the prompt layout, the
+neighbour-context settings, and where the chunk caches are stored (``"store"``: the URL of a store other
+than the index's ``chunks/`` folder, without its password, and the namespace of the index's keys there;
+`kvrag.storage.stores.cached.store_record`), and the ``stream_levels``: the codec levels each chunk's cache is
+also stored at for the streaming loader (absent when none; `check_stream_levels`). `new_manifest` writes
+nothing: `ChunkIndex.create` stores it atomically.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as md
 import logging
+from collections.abc import Iterable
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from kvrag.codec.base import Codec
-from kvrag.config import SplitConfig
+from kvrag.config import SplitConfig, StoreConfig
 from kvrag.errors import IndexMismatchError
 from kvrag.model import LoadedModel
 from kvrag.prompt import PromptLayout
+from kvrag.storage.stores.cached import store_record
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +47,27 @@ def library_versions() -> dict[str, str]:
     return installed_versions(("kvrag", "torch", "transformers", "faiss-cpu", "sentence-transformers"))
 
 
+def check_stream_levels(codec: Codec, levels: Iterable[int] | None) -> tuple[int, ...]:
+    """``levels`` sorted without repeats and without the codec's own level, if the codec offers each one.
+
+    Raises:
+        ValueError: a level the codec does not offer.
+    """
+    chosen = sorted({int(lv) for lv in levels or ()})
+    bad = [lv for lv in chosen if lv not in codec.levels()]
+    if bad:
+        raise ValueError(f"stream levels {bad}: codec {codec.name!r} offers levels {list(codec.levels())}")
+    return tuple(lv for lv in chosen if lv != codec.level)
+
+
 def new_manifest(lm: LoadedModel, embedder_name: str, codec: Codec, split: SplitConfig, layout: PromptLayout,
-                 batch_tokens: int, neighbour_context: int, neighbour_kv: str) -> dict[str, Any]:
-    """The manifest of a new index."""
-    return {
+                 batch_tokens: int, neighbour_context: int, neighbour_kv: str,
+                 store: str | StoreConfig | None = None, stream_levels: Iterable[int] = ()) -> dict[str, Any]:
+    """The manifest of a new index; ``store``: where its caches go (default: its ``chunks/`` folder);
+    ``stream_levels``: more levels of the codec each cache is stored at (`check_stream_levels`).
+    """
+    levels = check_stream_levels(codec, stream_levels)
+    return {**({"stream_levels": list(levels)} if levels else {}),
         "format_version": FORMAT_VERSION,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "library_versions": library_versions(),
@@ -56,6 +79,7 @@ def new_manifest(lm: LoadedModel, embedder_name: str, codec: Codec, split: Split
         "batch_tokens": batch_tokens,
         "neighbour_context": neighbour_context,
         "neighbour_kv": neighbour_kv,
+        "store": store_record(store, lm.fingerprint),
     }
 
 
@@ -77,8 +101,12 @@ def check_model(manifest: dict[str, Any], lm: LoadedModel, path: Path) -> None:
 
 def check_build_args(manifest: dict[str, Any], path: Path, model: Any, embedder: str | None, codec: str | None,
                      neighbour_context: int | None, neighbour_kv: str | None, instruction: str,
-                     question_tail: str) -> None:
+                     question_tail: str, stream_levels: Iterable[int] | None = None) -> None:
     """Refuse build arguments that contradict an existing index's manifest (the index keeps its own)."""
+    own = manifest.get("stream_levels", [])
+    asked = sorted({int(lv) for lv in stream_levels or ()} - {manifest["codec"].get("level")})
+    if asked and asked != own:
+        raise IndexMismatchError(f"index stores stream levels {own}, not {asked}; build another index for others")
     from kvrag.indexing.embed import Embedder
     from kvrag.prompt import DEFAULT_INSTRUCTION
 

@@ -38,6 +38,7 @@ from kvrag.loading.chunk_feed import DEFAULT_DEPTH, ChunkFeed
 from kvrag.loading.device_region import StagingBuffer, layers_per_launch, region_codec
 from kvrag.loading.prefetch import DeviceCopier, Prefetcher, consume, copy_stream, is_cuda, on_stream
 from kvrag.loading.staging import ExtentReads, LayerKV, PlaneLayout
+from kvrag.storage.kvstore import log_recovery
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +59,21 @@ class StoreFeed(ChunkFeed):
     check there (`kvrag.kernels.rans_decode.works`). ``region_layers`` layers are decoded per launch
     there (default: on CUDA, enough for ~4 blobs per multiprocessor, as each blob's 32 lanes are one
     program; 1 elsewhere).
+
+    ``levels`` (one per chunk, None for the index's own) reads each chunk's cache at another stored level of
+    its codec (`kvrag.storage.kvstore.level_key`), as a streaming plan chose (`kvrag.query.plan`).
     """
 
     def __init__(self, kvstore: Any, keys: Sequence[str | None], lengths: Sequence[int], n_layers: int,
                  device: torch.device | str, dtype: torch.dtype, recover: Callable[[int], KV] | None = None,
                  depth: int = DEFAULT_DEPTH, workers: int | None = None, device_decode: bool | None = None,
-                 region_layers: int | None = None) -> None:
+                 region_layers: int | None = None, levels: Sequence[int | None] | None = None) -> None:
         super().__init__(lengths, [k is not None for k in keys], n_layers, device, dtype)
         if workers is None:  # decoding threads; a layer's chunks decode in parallel
             workers = min(8, max(1, (os.cpu_count() or 2) // 2)) if is_cuda(self.device) else 1
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvrag-decode") if workers > 1 else None
         self.kvstore, self.keys, self._recover = kvstore, list(keys), recover
+        self.levels = list(levels) if levels is not None else [None] * len(self.keys)
         self._readers: list[Any] = [None] * len(self.keys)
         self._recovered: dict[int, KV] = {}
         self._lock = threading.Lock()
@@ -98,7 +103,8 @@ class StoreFeed(ChunkFeed):
 
     def _open(self, j: int, key: str) -> None:
         try:
-            reader = self.kvstore.reader(key)
+            level = self.levels[j]
+            reader = self.kvstore.reader(key) if level is None else self.kvstore.reader(key, level)
             if reader.header.shape[2] != self.lengths[j] or reader.header.n_layers < self.n_layers:
                 reader.close()
                 raise CorruptChunkError(key, f"holds {reader.header.shape[2]} tokens, expected {self.lengths[j]}")
@@ -109,7 +115,7 @@ class StoreFeed(ChunkFeed):
     def _recover_chunk(self, j: int, exc: CorruptChunkError) -> None:
         if self._recover is None:
             raise exc
-        log.warning("%s; recomputing it from its text", exc)
+        log_recovery(log, exc)
         reader, self._readers[j] = self._readers[j], None
         if reader is not None:
             reader.close()

@@ -54,6 +54,7 @@ class Answer:
     token_logprobs: list[float] = field(default_factory=list)  # log-probability of each generated token
     load_plan: LoadPlan | None = None  # the loading controller's plan, for an adaptive fusion
     gate: Any = None  # the correctness gate's `GateReport`, when it ran (`kvrag.query.gate`)
+    history: Any = None  # a conversation turn's `kvrag.chat.sessions.HistoryReport`
 
     def to_json(self) -> dict[str, Any]:
         """The answer as ``kvrag ask --json`` prints it."""
@@ -68,6 +69,8 @@ class Answer:
             out["load_plan"] = self.load_plan.to_json()
         if self.gate is not None:
             out["gate"] = self.gate.to_json()
+        if self.history is not None:
+            out["history"] = self.history.to_json()
         return out
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kvrag.config import FuseConfig, GateConfig
+from kvrag.config import DEFAULT_MODE, FuseConfig, GateConfig
 from kvrag.fusion import FusionResult, Selector
 from kvrag.indexing.kvgen import KV
 from kvrag.prompt import chunk_token_ids
@@ -121,7 +121,7 @@ def gated_prepare(ctx: QueryContext, question: str, k: int, chunks: Sequence[str
     pipeline.check_question(question)
     used = pipeline.retrieve(ctx, question, k) if chunks is None else pipeline.resolve_chunks(ctx.index, chunks)
     retrieve_s = time.perf_counter() - t0
-    report = GateReport("fused", stale_tokens(ctx, used, first_exact))
+    report = GateReport("fused", stale_tokens(ctx, used, first_exact and ctx.prefix_exact))
     if config.mode == "full" or report.stale_tokens < gate.full_below_tokens:
         report.decision = "full" if config.mode != "full" else "fused"
         attempts = [replace(config, mode="full")]
@@ -144,3 +144,18 @@ def gated_prepare(ctx: QueryContext, question: str, k: int, chunks: Sequence[str
     fused.timings["gate_s"] = sum(a["seconds"] for a in report.attempts[:-1])
     fused.gate = report
     return fused
+
+
+def prepare_answer(ctx: QueryContext, question: str, k: int, chunks: Sequence[str | RetrievedChunk] | None,
+                   mode: str | None, ratio: float | None, fuse_config: FuseConfig | None = None,
+                   caches: Sequence[KV | None] | None = None, first_exact: bool = True,
+                   selector: Selector | None = None, gate: GateConfig | bool | None = None) -> FusedPrompt:
+    """The fused prompt for `KVRag.answer`'s arguments: the gate runs when asked, or by default when no
+    mode, ratio, fusion settings, selector or caches are given.
+    """
+    default = mode is None and ratio is None and fuse_config is None and selector is None and caches is None
+    config = fuse_config or FuseConfig(mode=mode or DEFAULT_MODE, ratio=FuseConfig.ratio if ratio is None else ratio)
+    gate_config = gate_settings(default if gate is None else gate)
+    if gate_config is None or config.mode == "full":
+        return pipeline.prepare(ctx, question, k, chunks, config, caches, selector, first_exact)
+    return gated_prepare(ctx, question, k, chunks, config, gate_config, caches, selector, first_exact)

@@ -47,6 +47,8 @@ class QueryContext:
     neighbour_context: int
     controller: LoadController
     recover: Callable[[RetrievedChunk, bool], KV]  # recompute a chunk's cache (bool: its plain cache)
+    prefix_exact: bool = True  # the chunk caches were computed after this very prefix (False in a conversation)
+    reuse_prefix: bool = False  # the prefix is a conversation's kept KV: no mode recomputes it
 
 
 def check_question(question: str) -> None:
@@ -88,22 +90,26 @@ def prompt_ids(ctx: QueryContext, question: str, chunks: list[RetrievedChunk],
 
 def load(ctx: QueryContext, chunks: list[RetrievedChunk], chunk_ids: list[torch.Tensor], suffix: torch.Tensor,
          mode: str, caches: Sequence[KV | None] | None = None, from_text: Sequence[int] = (),
-         first_exact: bool = True) -> FusionInput:
+         first_exact: bool = True, levels: Sequence[int | None] | None = None) -> FusionInput:
     """The fusion input: ``caches`` when given, else the stored caches through a `StoreFeed` that
-    reads them layer by layer while fusion runs (chunks in ``from_text`` recomputed from their text).
+    reads them layer by layer while fusion runs (chunks in ``from_text`` recomputed from their text;
+    ``levels``: each chunk's stored level, as a streaming plan chose).
     """
+    first_exact = first_exact and ctx.prefix_exact
     if mode == "full":
-        return FusionInput(ctx.prefix, chunk_ids, [None] * len(chunks), suffix)
+        return FusionInput(ctx.prefix, chunk_ids, [None] * len(chunks), suffix, reuse_prefix=ctx.reuse_prefix)
     if caches is not None:
-        return FusionInput(ctx.prefix, chunk_ids, list(caches), suffix, first_exact)
+        return FusionInput(ctx.prefix, chunk_ids, list(caches), suffix, first_exact, ctx.reuse_prefix)
     # with neighbour context the first chunk reads its plain cache, which is exact where it stands
+    lead = ctx.neighbour_context and ctx.prefix_exact
     keys: list[str | None] = [
-        None if j in from_text else lead_key(c.key) if j == 0 and ctx.neighbour_context else c.key
+        None if j in from_text else lead_key(c.key) if j == 0 and lead else c.key
         for j, c in enumerate(chunks)]
     feed = StoreFeed(ctx.kvstore, keys, [int(c.numel()) for c in chunk_ids],
                      ctx.lm.spec.n_layers, ctx.lm.device, ctx.prefix.kv[0][0].dtype,
-                     recover=lambda j: ctx.recover(chunks[j], j == 0))
-    return FusionInput(ctx.prefix, chunk_ids, feed, suffix)
+                     recover=lambda j: ctx.recover(chunks[j], bool(j == 0 and lead)),
+                     levels=[None if levels is None or (j == 0 and lead) else levels[j] for j in range(len(chunks))])
+    return FusionInput(ctx.prefix, chunk_ids, feed, suffix, ctx.prefix_exact, ctx.reuse_prefix)
 
 
 @dataclass
@@ -189,9 +195,10 @@ def prepare(ctx: QueryContext, question: str, k: int, chunks: Sequence[str | Ret
     shape = prompt_shape(ctx.lm, [int(c.numel()) for c in chunk_ids], int(suffix.numel()), ctx.prefix.length)
     plan = None
     if caches is None and config.mode != "full":  # loads from the store: the controller may plan
-        config, plan = ctx.controller.adapt(config, shape)
+        config, plan = ctx.controller.adapt(config, shape, ctx.kvstore, [c.key for c in used])
     from_text = plan.from_text if plan is not None else ()
-    inp = load(ctx, used, chunk_ids, suffix, config.mode, caches, from_text, first_exact)
+    inp = load(ctx, used, chunk_ids, suffix, config.mode, caches, from_text, first_exact,
+               plan.levels if plan is not None else None)
     t2 = time.perf_counter()
     fused = fuse(ctx.lm, inp, config, selector)
     if isinstance(inp.chunk_kv, StoreFeed) and selector is None:

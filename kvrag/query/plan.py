@@ -23,6 +23,16 @@ waits for every layer), and otherwise raises ``cacheblend``'s ratio, up to ``cei
 recompute still fits under the load. A chunk recomputed from text
 attends to everything before it, as in a full prefill, so both moves only ever add recompute: the
 ratio asked for is a floor. Until one fusion of a mode has been measured, plans change nothing.
+
+**Streaming** (CacheGen §5, `FuseConfig.ttft_slo`): an index may store each chunk at several levels of its
+codec (``stream_levels``). `LoadController.stream` then picks, per chunk, what to fetch so that the estimated
+TTFT — every loaded chunk's stored bytes over the store link's measured throughput (`KVStore.throughput`:
+bytes per second of recent reads; a remote store's blobs are fetched before fusion starts, so the transfer is
+added to the recompute, not hidden by it) plus the recompute as fitted above — meets the target. Plans are
+tried best first: every chunk at its best stored level, then one chunk at a time one level lower, the last
+chunks first, until all are at their lowest; then the last chunks from their text. The first plan within the
+target is taken; when none is, the fastest. Before any read was measured every chunk loads at the index's
+own level. `LoadPlan.chunks` says per chunk what was chosen (a level, or text) with its bytes and transfer.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -56,21 +66,54 @@ def _sequential(mode: str) -> bool:
 
 
 @dataclass(frozen=True)
+class ChunkChoice:
+    """How a streaming plan loads one chunk: at a stored ``level``, or from its text (``level`` None).
+
+    ``nbytes``: its stored size at that level (0 from text); ``transfer_s``: those bytes over the measured
+    throughput (NaN when none was measured).
+    """
+
+    level: int | None
+    nbytes: int = 0
+    transfer_s: float = float("nan")
+
+    def to_json(self) -> dict[str, object]:
+        return {"load": "text" if self.level is None else "level", "level": self.level, "bytes": self.nbytes,
+                "transfer_s": self.transfer_s}
+
+
+@dataclass(frozen=True)
 class LoadPlan:
     """What a fusion loads and recomputes, and the times the controller expects of it.
 
     ``from_text``: indices of chunks recomputed from their text instead of loaded. ``load_s`` and
-    ``recompute_s`` are NaN when the controller had nothing measured to predict from.
+    ``recompute_s`` are NaN when the controller had nothing measured to predict from. A streaming plan
+    (`LoadController.stream`) also has ``chunks`` (one `ChunkChoice` per chunk), the ``ttft_slo`` it aimed at,
+    the ``throughput`` (bytes/s) it planned with, its estimated ``ttft_s`` and its ``reason``.
     """
 
     ratio: float
     from_text: tuple[int, ...] = ()
     load_s: float = float("nan")
     recompute_s: float = float("nan")
+    chunks: tuple[ChunkChoice, ...] = ()
+    ttft_slo: float | None = None
+    throughput: float | None = None
+    ttft_s: float = float("nan")
+    reason: str = ""
+
+    @property
+    def levels(self) -> tuple[int | None, ...] | None:
+        """Each chunk's level to load (None: the index's own, or from text), or None outside streaming."""
+        return tuple(c.level for c in self.chunks) if self.chunks else None
 
     def to_json(self) -> dict[str, object]:
-        return {"ratio": self.ratio, "from_text": list(self.from_text), "load_s": self.load_s,
-                "recompute_s": self.recompute_s}
+        out: dict[str, object] = {"ratio": self.ratio, "from_text": list(self.from_text), "load_s": self.load_s,
+                                  "recompute_s": self.recompute_s}
+        if self.ttft_slo is not None:
+            out.update(ttft_slo=self.ttft_slo, throughput_bytes_per_s=self.throughput, est_ttft_s=self.ttft_s,
+                       reason=self.reason, chunks=[c.to_json() for c in self.chunks])
+        return out
 
 
 @dataclass(frozen=True)
@@ -197,8 +240,16 @@ class LoadController:
         a, c = model
         return sum(y for _, y in own) / sum(a + c * x for x, _ in own)
 
-    def adapt(self, config: FuseConfig, shape: FusionShape) -> tuple[FuseConfig, LoadPlan | None]:
-        """``config`` with its planned ratio and the plan, when ``config.adaptive``; else as it is and None."""
+    def adapt(self, config: FuseConfig, shape: FusionShape, kvstore: Any = None, keys: Sequence[str] | None = None
+              ) -> tuple[FuseConfig, LoadPlan | None]:
+        """``config`` with its planned ratio and the plan, when ``config.adaptive``; the streaming plan
+        (`stream`) of the chunks ``keys`` in ``kvstore`` (a `KVStore`) when ``config.ttft_slo`` is set;
+        else ``config`` as it is and None.
+        """
+        if config.ttft_slo is not None and kvstore is not None and keys is not None:
+            plan = self.stream(config.mode, config.ratio, shape, config.ttft_slo, kvstore.level_sizes(keys),
+                               kvstore.codec.level, kvstore.throughput)
+            return config, plan
         if not config.adaptive:
             return config, None
         plan = self.plan(config.mode, config.ratio, shape)
@@ -242,6 +293,55 @@ class LoadController:
         raised = min(self.ceiling, (load_s - base) / per_ratio) if per_ratio > 0 else self.ceiling
         raised = max(ratio, raised)
         return LoadPlan(raised, (), load_s, times(raised, ())[1])
+
+
+    def stream(self, mode: str, ratio: float, shape: FusionShape, ttft_slo: float, sizes: Sequence[Mapping[int, int]],
+               own_level: int, throughput: float | None) -> LoadPlan:
+        """The streaming plan (see the module docstring): ``sizes`` gives each chunk's stored bytes by level,
+        ``throughput`` the link's bytes per second (None: nothing measured yet).
+        """
+        n = len(shape.chunk_tokens)
+        if throughput is None or throughput <= 0:
+            own = tuple(ChunkChoice(own_level, int(sizes[j].get(own_level, 0))) for j in range(n))
+            return LoadPlan(ratio, (), chunks=own, ttft_slo=ttft_slo, reason="no store throughput measured yet: "
+                            "every chunk at the index's own level")
+        model, work = self.recompute_model(), self._work.get(mode)
+        factor = self._factor(mode, model)
+        per = (work or 0.0) * (ratio if _scales_with_ratio(mode) else 1.0)
+
+        def compute_s(text: tuple[int, ...]) -> float:  # 0 until a fusion was measured: only transfers count
+            return 0.0 if model is None else factor * (model[0] + model[1] * shape.units(per, text))
+
+        def plan_of(pick: list[int | None]) -> tuple[float, float, tuple[int, ...]]:
+            text = tuple(j for j, lv in enumerate(pick) if lv is None)
+            load_s = sum(sizes[j][lv] for j, lv in enumerate(pick) if lv is not None) / throughput
+            recompute_s = compute_s(text)
+            return load_s + recompute_s, load_s, text
+
+        ladders = [sorted(sizes[j], reverse=True) for j in range(n)]  # each chunk's stored levels, best first
+        pick: list[int | None] = [ladder[0] if ladder else None for ladder in ladders]
+        steps = [list(pick)]
+        while any(lv is not None and ladders[j].index(lv) + 1 < len(ladders[j]) for j, lv in enumerate(pick)):
+            for j in reversed(range(n)):  # one level lower for each chunk, the last first
+                lv = pick[j]
+                if lv is not None and ladders[j].index(lv) + 1 < len(ladders[j]):
+                    pick[j] = ladders[j][ladders[j].index(lv) + 1]
+                    steps.append(list(pick))
+        for j in reversed(range(n)):  # then from their text, the last first
+            if pick[j] is not None:
+                pick[j] = None
+                steps.append(list(pick))
+        scored = [(plan_of(step), step) for step in steps]
+        within = [(p, step) for p, step in scored if p[0] <= ttft_slo]
+        (ttft, load_s, text), best = within[0] if within else min(scored, key=lambda ps: ps[0][0])
+        reason = (f"the best plan estimated within {ttft_slo:g} s" if within else
+                  f"no plan is estimated within {ttft_slo:g} s: the fastest")
+        reason += f" at {throughput / 1e6:.3g} MB/s measured"
+        choices = tuple(ChunkChoice(lv, int(sizes[j][lv]) if lv is not None else 0,
+                                    sizes[j][lv] / throughput if lv is not None else 0.0)
+                        for j, lv in enumerate(best))
+        recompute_s = ttft - load_s if model is not None else float("nan")
+        return LoadPlan(ratio, text, load_s, recompute_s, choices, ttft_slo, throughput, ttft, reason)
 
 
 def fusion_shape(chunk_tokens: Sequence[int], suffix_tokens: int, n_layers: int, first_exact: bool = True,

@@ -2,24 +2,30 @@
 
 Contract: stored tensors are ``[layers, kv_heads, seq, head_dim]`` with keys pre-RoPE; every blob is a
 container (`kvrag.storage.container`) checked against the index's model fingerprint on read. A chunk
-that is missing or damaged raises `CorruptChunkError` from `KVStore.reader` / `KVStore.load`.
+that is missing or damaged raises `CorruptChunkError` from `KVStore.reader` / `KVStore.load`; one whose
+store cannot be reached raises its subclass `ChunkUnavailableError` (the store has warned once for the
+outage: `log_recovery` logs such a recovery at debug level, any other at warning level).
 
 Several quality levels per chunk (for the adaptive loader): a chunk's cache at the store codec's
 own level lives under its key, as always; `KVStore.put_levels` also stores it at other levels of the
 same codec (sharing the fitted codec state) under derived keys ``level_key(key, level)`` — the key
 followed by two hex digits of the level. ``load(key, level=...)``, ``reader(key, level=...)``,
 ``contains(key, level=...)`` and ``nbytes(key, level=...)`` address one level; `stored_levels`
-lists what is present, and `discard` removes every level.
+lists what is present, and `discard` removes every level. `level_sizes` gives the stored size of
+each chunk at each level (one request to a network store; remembered, as keys are content hashes) and
+`throughput` the store link's recent bytes per second (None for a local store, or before any read):
+what the streaming loader plans with (`kvrag.query.plan`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
 from kvrag.codec.base import Codec
-from kvrag.errors import CorruptChunkError
+from kvrag.errors import ChunkUnavailableError, CorruptChunkError, StoreUnavailableError
 from kvrag.storage.container import ChunkReader, encode_chunk
 from kvrag.storage.stores.base import ByteStore
 
@@ -33,11 +39,41 @@ def level_key(key: str, level: int) -> str:
     return f"{key}{level:02x}"
 
 
+def log_recovery(logger: logging.Logger, exc: CorruptChunkError, then: str = "recomputing it from its text") -> None:
+    """Log that a chunk's cache is recovered after ``exc``: at debug level when its store is unreachable (the
+    store warned once for the outage), else as a warning.
+    """
+    level = logging.DEBUG if isinstance(exc, ChunkUnavailableError) else logging.WARNING
+    logger.log(level, "%s; %s", exc, then)
+
+
 class KVStore:
     """Chunk caches in and out of a `ByteStore` through a `Codec`."""
 
+    SIZES_KEPT = 100_000  # stored sizes remembered (content-hash keys: a size changes only if its blob is damaged)
+
     def __init__(self, store: ByteStore, codec: Codec, fingerprint: str) -> None:
         self.store, self.codec, self.fingerprint = store, codec, fingerprint
+        self._sizes: dict[str, int] = {}
+
+    @property
+    def throughput(self) -> float | None:
+        """The store link's recent read throughput in bytes per second (None: a local store, or no read yet)."""
+        meter = getattr(self.store, "meter", None)
+        return None if meter is None else meter.bytes_per_s
+
+    def level_sizes(self, keys: Sequence[str], levels: Sequence[int] | None = None) -> list[dict[int, int]]:
+        """For each chunk key, ``{level: stored bytes}`` of the levels present (all the codec's when None)."""
+        levels = list(self.codec.levels() if levels is None else levels)
+        wanted = [self._key(k, lv) for k in keys for lv in levels]
+        unknown = [w for w in dict.fromkeys(wanted) if w not in self._sizes]
+        if unknown:
+            found = self.store.sizes(unknown)
+            if len(self._sizes) + len(unknown) > self.SIZES_KEPT:
+                self._sizes.clear()
+            self._sizes.update((w, n) for w, n in zip(unknown, found) if n > 0)  # absent ones asked again
+        rows = [wanted[i * len(levels) : (i + 1) * len(levels)] for i in range(len(keys))]
+        return [{lv: self._sizes[w] for lv, w in zip(levels, row) if w in self._sizes} for row in rows]
 
     def codec_at(self, level: int | None) -> Codec:
         """The store codec at ``level`` (its own level when None), sharing its fitted state."""
@@ -45,8 +81,11 @@ class KVStore:
             return self.codec
         return self.codec.with_level(level)
 
-    def _key(self, key: str, level: int | None) -> str:
+    def stored_key(self, key: str, level: int | None = None) -> str:
+        """The store key of ``key``'s cache at ``level`` (its own key at the codec's own level)."""
         return key if level is None or level == self.codec.level else level_key(key, level)
+
+    _key = stored_key
 
     def put_levels(self, key: str, keys: torch.Tensor, values: torch.Tensor,
                    levels: tuple[int, ...] | None = None) -> dict[int, int]:
@@ -56,6 +95,7 @@ class KVStore:
             codec = self.codec_at(level)
             data = encode_chunk(codec, self._key(key, level), self.fingerprint, keys, values)
             self.store.put(self._key(key, level), data)
+            self._sizes.pop(self._key(key, level), None)
             sizes[level] = len(data)
         return sizes
 
@@ -71,6 +111,7 @@ class KVStore:
         """Encode and store one chunk (``[L, H, S, D]`` each); returns the stored size in bytes."""
         data = encode_chunk(self.codec, key, self.fingerprint, keys, values)
         self.store.put(key, data)
+        self._sizes.pop(key, None)
         return len(data)
 
     def contains(self, key: str, level: int | None = None) -> bool:
@@ -79,8 +120,13 @@ class KVStore:
     def reader(self, key: str, level: int | None = None) -> ChunkReader:
         """An open, header-checked reader; `CorruptChunkError` when missing or damaged."""
         stored = self._key(key, level)
-        fh = self.store.open(stored)
+        try:
+            fh = self.store.open(stored)
+        except StoreUnavailableError as exc:
+            self._sizes.pop(stored, None)
+            raise ChunkUnavailableError(key, f"not read ({exc})") from None
         if fh is None:
+            self._sizes.pop(stored, None)
             suffix = "" if stored == key else f" at level {level}"
             raise CorruptChunkError(key, f"missing from the store{suffix}")
         try:
@@ -94,10 +140,10 @@ class KVStore:
         with self.reader(key, level) as reader:
             return reader.decode_all()
 
-    def is_valid(self, key: str) -> bool:
-        """Whether the chunk is present and every layer passes its checksum (no decoding)."""
+    def is_valid(self, key: str, level: int | None = None) -> bool:
+        """Whether the chunk is present at ``level`` and every layer passes its checksum (no decoding)."""
         try:
-            reader = self.reader(key)
+            reader = self.reader(key, level)
         except CorruptChunkError:
             return False
         with reader:
@@ -111,6 +157,8 @@ class KVStore:
     def discard(self, key: str) -> None:
         log.warning("discarding stored cache of chunk %s", key)
         self.store.delete(key)
+        self._sizes.pop(key, None)
         for level in self.codec.levels():
             if level != self.codec.level:
                 self.store.delete(level_key(key, level))
+                self._sizes.pop(level_key(key, level), None)

@@ -5,8 +5,11 @@ links leading out of the folder (if any, nothing else is read); ``manifest.json`
 checksum (and whether the copy kept in ``chunks.sqlite`` could restore it); ``chunks.sqlite``
 (SQLite's ``quick_check``, the schema, every row against its digest, rows without gaps, keys kvrag
 writes); ``vectors.faiss`` against its recorded SHA-256, its kind, width and count; the codec state
-of a codec that needs fitting; and with ``caches=True`` every stored chunk cache (header and per-layer
-checksums; a missing cache is no damage: it is computed on first use). It returns a `VerifyReport`
+of a codec that needs fitting; and with ``caches=True`` every stored chunk cache, at the codec's own level
+and at each of the index's stream levels (header and per-layer checksums; a missing cache is no damage:
+it is computed on first use), in the index's store (`open_index_store`: its ``chunks/`` folder, or the keys
+under its namespace in a network store, listed with ``SCAN``; a store that does not answer is a problem
+that repair cannot fix). It returns a `VerifyReport`
 with one `Problem` per damaged part; ``report.ok`` is True when there is none.
 
 Also here, shared by the facade and `kvrag.repair`: `writer_lock` (one writer per index: a
@@ -233,24 +236,45 @@ def _check_codec(path: Path, report: VerifyReport) -> Any:
 
 
 def _check_caches(path: Path, report: VerifyReport, codec: Any, keys: list[str]) -> None:
+    from kvrag.config import StoreConfig
+    from kvrag.errors import ChunkUnavailableError, CorruptChunkError, StoreUnavailableError
     from kvrag.storage.keys import lead_key
     from kvrag.storage.kvstore import KVStore
-    from kvrag.storage.stores.disk import DiskStore
+    from kvrag.storage.stores import open_index_store, public_url
 
     manifest = report.manifest or {}
-    if not (path / CHUNKS).is_dir():
-        report.caches_missing = len(keys)
-        return
-    kvstore = KVStore(DiskStore(path / CHUNKS, fsync=False), codec, manifest["model"]["fingerprint"])
+    url = (manifest.get("store") or {}).get("url")
+    levels = [lv for lv in manifest.get("stream_levels", []) if lv != codec.level]
     with_leads = bool(manifest.get("neighbour_context", 0))
-    for key in keys:
-        for stored in (key, lead_key(key)) if with_leads else (key,):
-            if not kvstore.contains(stored):
-                report.caches_missing += 1
-                continue
-            report.caches_checked += 1
-            if not kvstore.is_valid(stored):
-                report.bad_caches.append(stored)
+    if url is None and not (path / CHUNKS).is_dir():
+        report.caches_missing = len(keys) * (1 + with_leads + len(levels))
+        return
+    where = path / CHUNKS if url is None else public_url(url)
+    store = open_index_store(path, manifest, StoreConfig(cache_mb=0, fsync=False))
+    try:
+        held = set(store.keys())
+        kvstore = KVStore(store, codec, manifest["model"]["fingerprint"])
+        for key in keys:
+            wanted = [(key, None), *([(lead_key(key), None)] if with_leads else []), *((key, lv) for lv in levels)]
+            for stored, level in wanted:
+                name = kvstore.stored_key(stored, level)
+                if name not in held:
+                    report.caches_missing += 1
+                    continue
+                report.caches_checked += 1
+                try:
+                    with kvstore.reader(stored, level) as reader:
+                        for i in range(reader.header.n_layers):
+                            reader.read_layer_bytes(i)
+                except ChunkUnavailableError:
+                    raise
+                except CorruptChunkError:
+                    report.bad_caches.append(name)
+    except (StoreUnavailableError, ChunkUnavailableError) as exc:
+        report._add("caches", where, f"cannot be checked: {exc}", False)
+        return
+    finally:
+        store.close()
     if report.bad_caches:
-        report._add("caches", path / CHUNKS, f"{len(report.bad_caches)} of {report.caches_checked} chunk caches are "
+        report._add("caches", where, f"{len(report.bad_caches)} of {report.caches_checked} chunk caches are "
                     "damaged (each is recomputed from its text on first use)", True)

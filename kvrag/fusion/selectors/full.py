@@ -14,7 +14,10 @@ if TYPE_CHECKING:
 
 @register_selector("full")
 class FullSelector(Selector):
-    """Every position through every layer; the stored caches are not read."""
+    """Every position through every layer (after a reused prefix); the stored caches are not read."""
 
     def initial(self, seg: Segments) -> torch.Tensor:
-        return seg.forced.new_ones(seg.total)  # bool [N], all True
+        chosen = seg.forced.new_ones(seg.total)  # bool [N], all True
+        if seg.reuse_prefix:  # a conversation's kept history: already exact
+            chosen[: seg.prefix_len] = False
+        return chosen

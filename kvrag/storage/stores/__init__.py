@@ -1,14 +1,30 @@
 """Byte stores registered by name: the interface and factory (`base`) and the stores kvrag ships.
 
 Contract: importing this package registers ``file`` (alias ``disk``, `DiskStore`), ``memory``
-(`MemoryStore`) and ``throttled`` (`ThrottledStore`); `make_store` builds any registered store by name,
-``name://`` URL or path. Chunk caches go through a store via `kvrag.storage.kvstore.KVStore`.
+(`MemoryStore`), ``throttled`` (`ThrottledStore`) and ``redis`` (alias ``rediss``, `RedisStore`: a
+shared Redis or Valkey; redis-py is imported only when one is made); `make_store` builds any registered
+store by name, ``name://`` URL or path (a network store, ``redis://host:port/db``, by its whole URL);
+`store_class` looks a class up by name. An index opens its chunk store with `open_index_store` (its
+``chunks/`` folder, or the URL its manifest records, a remote one behind the local cache `CachedStore`).
+Chunk caches go through a store via `kvrag.storage.kvstore.KVStore`.
 """
 
-from kvrag.storage.stores.base import ByteStore, available_stores, make_store, register_store
+from kvrag.errors import StoreUnavailableError
+from kvrag.storage.stores.base import (
+    ByteStore,
+    LinkMeter,
+    available_stores,
+    make_store,
+    network_class,
+    register_store,
+    store_class,
+)
+from kvrag.storage.stores.cached import CachedStore, is_remote_url, open_index_store, public_url, store_record
 from kvrag.storage.stores.disk import DiskStore
 from kvrag.storage.stores.memory import MemoryStore
+from kvrag.storage.stores.redis import RedisStore
 from kvrag.storage.stores.throttled import ThrottledStore
 
-__all__ = ["ByteStore", "DiskStore", "MemoryStore", "ThrottledStore", "available_stores", "make_store",
-           "register_store"]
+__all__ = ["ByteStore", "CachedStore", "DiskStore", "LinkMeter", "MemoryStore", "RedisStore", "StoreUnavailableError",
+           "ThrottledStore", "available_stores", "is_remote_url", "make_store", "network_class", "open_index_store",
+           "public_url", "register_store", "store_class", "store_record"]

@@ -5,11 +5,18 @@ Contract:
 - A `ByteStore` holds keyed blobs; keys are lowercase hex content hashes. ``open`` returns a readable,
   seekable binary file or None when the key is absent; ``put`` replaces a blob whole; ``delete`` of an
   absent key is not an error.
+- ``open`` raises `kvrag.errors.StoreUnavailableError` when the store cannot be reached (a network
+  store): "absent because unreachable" is never answered as "absent".
 - Store classes register under a name and any aliases with `register_store`; `make_store` builds one
   by name, by ``name://location`` URL or from a plain filesystem path (the ``file`` store), taking the
-  fields of `kvrag.config.StoreConfig`: ``make_store(config.backend, root, fsync=config.fsync)``.
-- `available_stores` lists every name `make_store` accepts. The stores shipped with kvrag register
-  when `kvrag.storage.stores` is imported.
+  fields of `kvrag.config.StoreConfig`: ``make_store(config.backend, root, fsync=config.fsync)``. A
+  class that sets ``network = True`` takes a network location: ``make_store("redis://host:6379/0")``
+  builds it with the whole URL as its ``url`` option; other stores take only local locations.
+- `available_stores` lists every name `make_store` accepts; `store_class` looks one up; `network_class`
+  says whether a URL names a network store. The stores shipped with kvrag register when
+  `kvrag.storage.stores` is imported.
+- `LinkMeter`: a store that reads over a link (``meter`` not None) records each read's bytes and seconds
+  there; its recent throughput is what the streaming loader plans with (`kvrag.query.plan`).
 """
 
 from __future__ import annotations
@@ -17,8 +24,10 @@ from __future__ import annotations
 import io
 import logging
 import os
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 from urllib.parse import unquote, urlsplit
@@ -32,14 +41,53 @@ _REGISTRY: dict[str, type[ByteStore]] = {}
 _PATH_STORE = "file"  # the store a plain path or a ``file://`` URL names
 
 
+class LinkMeter:
+    """The bytes and seconds of a store's recent reads over its link (thread-safe).
+
+    Args:
+        window: how many recent reads `bytes_per_s` sums over.
+    """
+
+    def __init__(self, window: int = 16) -> None:
+        self._reads: deque[tuple[int, float]] = deque(maxlen=window)
+        self._lock = threading.Lock()
+        self.total_bytes, self.total_s = 0, 0.0
+
+    def record(self, nbytes: int, seconds: float) -> None:
+        """One read of ``nbytes`` that took ``seconds`` on the link."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            self._reads.append((int(nbytes), float(seconds)))
+            self.total_bytes += int(nbytes)
+            self.total_s += float(seconds)
+
+    @property
+    def bytes_per_s(self) -> float | None:
+        """Bytes per second over the recent reads, or None before any."""
+        with self._lock:
+            seconds = sum(s for _, s in self._reads)
+            return sum(n for n, _ in self._reads) / seconds if seconds > 0 else None
+
+    def reset(self) -> None:
+        """Forget every read (e.g. after the link changed)."""
+        with self._lock:
+            self._reads.clear()
+
+
 class ByteStore(ABC):
     """Keyed blobs. Keys are hex content hashes.
 
     Attributes:
         name: the name the class is registered under (`register_store`), empty when unregistered.
+        network: whether the store lives at a network location named by its URL (``redis://host:port/db``);
+            `make_store` then hands it the whole URL as ``url=``.
+        meter: the `LinkMeter` of a store read over a link, None for local stores.
     """
 
     name: str = ""
+    network: bool = False
+    meter: LinkMeter | None = None
 
     @classmethod
     def create(cls, root: Path | None, fsync: bool = True, **options: Any) -> ByteStore:
@@ -82,6 +130,16 @@ class ByteStore(ABC):
         with fh:
             return fh.seek(0, io.SEEK_END)
 
+    def sizes(self, keys: Iterable[str]) -> list[int]:
+        """`nbytes` of each key, in order (a network store asks for all of them in one round trip)."""
+        return [self.nbytes(key) for key in keys]
+
+    def keys(self) -> Iterator[str]:
+        """Every key held (a network store: those under its namespace). Stores that cannot list raise
+        NotImplementedError.
+        """
+        raise NotImplementedError(f"the {self.name or type(self).__name__!r} store cannot list its keys")
+
     def close(self) -> None:
         """Release resources."""
 
@@ -121,6 +179,26 @@ def available_stores() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def store_class(name: str) -> type[ByteStore]:
+    """The store class registered under ``name`` (a name, alias or URL scheme; any case).
+
+    Raises:
+        ValueError: no store is registered under it.
+    """
+    cls = _REGISTRY.get(name.lower())
+    if cls is None:
+        raise ValueError(f"unknown store {name!r}; available: {available_stores()}")
+    return cls
+
+
+def network_class(url: str) -> type[ByteStore] | None:
+    """The registered network store class (``network = True``) a ``scheme://...`` URL names, else None."""
+    if "://" not in url:
+        return None
+    cls = _REGISTRY.get(urlsplit(url).scheme.lower())
+    return cls if cls is not None and cls.network else None
+
+
 def _looks_like_path(text: str) -> bool:
     return os.path.isabs(text) or text.startswith((".", "~")) or "/" in text or os.sep in text
 
@@ -134,7 +212,8 @@ def _from_url(url: str) -> tuple[str, Path | None]:
     if parts.query or parts.fragment:
         raise ValueError(f"store URL {url!r}: queries and fragments are not supported")
     if parts.netloc not in ("", "localhost"):
-        raise ValueError(f"store URL {url!r} names host {parts.netloc!r}; only local locations are supported")
+        raise ValueError(f"store URL {url!r} names host {parts.netloc!r}; the {scheme!r} store takes only local "
+                         "locations")
     if not parts.path:
         return scheme, None
     path = Path(url2pathname(unquote(parts.path)))
@@ -173,12 +252,14 @@ def make_store(backend: str | os.PathLike[str], root: str | os.PathLike[str] | N
 
     Args:
         backend: a registered name (`available_stores`: ``file`` alias ``disk``, ``memory``,
-            ``throttled``, ...), a URL ``name://location`` (``file:///abs/path``, ``memory://``), or a
+            ``throttled``, ``redis``, ...), a URL ``name://location`` (``file:///abs/path``, ``memory://``;
+            a network store's ``redis://host:6379/0``, given to it whole as ``url=``), or a
             path: absolute, or starting with ``.`` or ``~``, or containing a separator (the ``file``
             store rooted there). A bare word that is no registered name is refused, not taken as a path.
         root: the store's directory, for a backend given by name.
         fsync: whether writes are flushed to stable storage before they return.
-        **options: store-specific settings (``throttled``: ``bytes_per_s``, ``inner``).
+        **options: store-specific settings (``throttled``: ``bytes_per_s``, ``inner``; ``redis``:
+            ``namespace``, timeouts).
 
     Returns:
         The new store.
@@ -191,6 +272,13 @@ def make_store(backend: str | os.PathLike[str], root: str | os.PathLike[str] | N
         >>> make_store("memory").contains("ab")
         False
     """
+    network = network_class(backend) if isinstance(backend, str) else None
+    if network is not None:  # the whole URL is its location (host, port, database, credentials)
+        if root is not None:
+            raise ValueError(f"the {network.name!r} store is located by its URL; got root={str(root)!r} as well")
+        store = network.create(None, fsync=fsync, url=backend, **options)
+        log.debug("opened %s store", network.name)
+        return store
     name, located = _resolve(backend, root)
     store = _REGISTRY[name].create(located, fsync=fsync, **options)
     log.debug("opened %s store at %s", name, located)

@@ -10,6 +10,7 @@ link, not its target), and a ``put`` into a folder that is a link raises `IndexC
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -67,3 +68,11 @@ class DiskStore(ByteStore):
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+    def keys(self) -> Iterator[str]:
+        """The keys of the blobs under the root (links and foreign files left out)."""
+        if not self.root.is_dir():
+            return iter(())
+        hexdigits = frozenset("0123456789abcdef")
+        return iter(sorted(p.stem for p in self.root.glob("*/*.kvc")
+                           if hexdigits.issuperset(p.stem) and p.parent.name == p.stem[:2] and not p.is_symlink()))

@@ -7,6 +7,7 @@ Contract: nothing survives the process; ``put`` copies the bytes, ``open`` retur
 from __future__ import annotations
 
 import io
+from collections.abc import Iterator
 from typing import BinaryIO
 
 from kvrag.storage.stores.base import ByteStore, register_store
@@ -31,3 +32,6 @@ class MemoryStore(ByteStore):
 
     def delete(self, key: str) -> None:
         self._data.pop(key, None)
+
+    def keys(self) -> Iterator[str]:
+        return iter(sorted(self._data))

@@ -3,7 +3,8 @@
 Contract: every read waits its turn on the link and takes ``size / bytes_per_s``, after the reads queued
 before it; writes, deletes and size queries go straight to the inner store. Its files have no
 descriptor, so readers take the buffered path. It stands in for a remote store (object storage, a
-network file system) in benchmarks and tests.
+network file system) in benchmarks and tests. Its reads are recorded in ``meter`` (the link's time per read),
+as a remote store's are; ``bytes_per_s`` can be changed between reads (a link whose bandwidth drops).
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import io
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
-from kvrag.storage.stores.base import ByteStore, make_store, register_store
+from kvrag.storage.stores.base import ByteStore, LinkMeter, make_store, register_store
 
 
 @register_store("throttled")
@@ -31,6 +33,7 @@ class ThrottledStore(ByteStore):
         self.inner, self.bytes_per_s = inner, float(bytes_per_s)
         self._lock = threading.Lock()
         self._free_at = 0.0  # when the link finishes the reads already queued on it
+        self.meter: LinkMeter = LinkMeter()
 
     @classmethod
     def create(cls, root: Path | None, fsync: bool = True, **options: Any) -> ThrottledStore:
@@ -50,6 +53,7 @@ class ThrottledStore(ByteStore):
         with self._lock:
             done = max(time.perf_counter(), self._free_at) + nbytes / self.bytes_per_s
             self._free_at = done
+        self.meter.record(nbytes, nbytes / self.bytes_per_s)  # the link's time for these bytes, queueing aside
         time.sleep(max(0.0, done - time.perf_counter()))
 
     def put(self, key: str, data: bytes) -> None:
@@ -67,6 +71,12 @@ class ThrottledStore(ByteStore):
 
     def nbytes(self, key: str) -> int:
         return self.inner.nbytes(key)
+
+    def sizes(self, keys: Iterable[str]) -> list[int]:
+        return self.inner.sizes(keys)
+
+    def keys(self) -> Iterator[str]:
+        return self.inner.keys()
 
     def close(self) -> None:
         self.inner.close()

@@ -1,0 +1,287 @@
+"""The one worker thread that owns the model: queued chat jobs, stepped round-robin one model step at a time.
+
+Contract: `KVRag` is not thread-safe, so every call into it (``chat_stream`` and its generators'
+``next()``, ``sessions.expect``/``release``) happens on `Scheduler`'s worker thread. `Scheduler.submit`
+(any thread) queues a `Job` or raises `QueueFull` when ``max_queue`` jobs already wait for a slot: the
+queue is bounded, never unbounded memory. The worker keeps up to ``max_active`` jobs' ``chat_stream``
+generators and calls ``next()`` on each in turn, so concurrent conversations all progress; a job waiting
+for a slot has had ``rag.sessions.expect(messages)`` called (its history is prefetched and kept from
+eviction), and every job, however it ends, has ``rag.sessions.release(messages)`` called once.
+
+A job reports through its ``emit`` callback, from the worker thread, in order: zero or more
+``Piece(text)`` then exactly one ``Done(answer, queue_s, finish_reason)`` or ``Failed(error)``. ``emit`` must not
+block or raise (the app hands events to its event loop with ``call_soon_threadsafe``). A job whose
+``cancel()`` was called (its client went away) has its generator closed at the next step and emits
+nothing more. `Scheduler.stop` fails the jobs still waiting or active with `ServerStopping`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """The bounded queue of waiting requests is full."""
+
+
+class ServerStopping(Exception):
+    """The server is shutting down; the job was not (fully) served."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A piece of the answer's text, as generated."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """The job finished: its `Answer` (None if kvrag gave none), how long it waited for a slot, and why it
+    ended: ``"length"`` (``max_new_tokens`` reached) or ``"stop"`` (EOS or a stop string).
+    """
+
+    answer: Any
+    queue_s: float
+    finish_reason: str = "stop"
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The job failed with ``error`` (an `InputError` is the request's fault; anything else the server's)."""
+
+    error: BaseException
+
+
+Event = Piece | Done | Failed
+
+
+@dataclass(eq=False)
+class Job:
+    """One chat request: the messages, `KVRag.chat_stream`'s keyword arguments, and where events go."""
+
+    messages: list[dict[str, str]]
+    kwargs: dict[str, Any]
+    emit: Callable[[Event], None]
+    submitted: float = field(default_factory=time.perf_counter)
+    started: float | None = None
+    answer: Any = None
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+    _stream: Iterator[str] | None = None
+
+    def cancel(self) -> None:
+        """Stop serving this job (any thread): its generator is closed at the worker's next step."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether `cancel` was called."""
+        return self._cancelled.is_set()
+
+
+class Scheduler:
+    """Serve chat jobs on one worker thread, interleaving up to ``max_active`` of them token by token.
+
+    Args:
+        rag: the opened `KVRag`; only the worker thread touches it once `start` is called.
+        max_active: how many conversations generate at once (round-robin, one step each in turn).
+        max_queue: how many more may wait for a slot; beyond that `submit` raises `QueueFull`.
+    """
+
+    def __init__(self, rag: Any, max_active: int = 8, max_queue: int = 64) -> None:
+        if max_active < 1 or max_queue < 0:
+            raise ValueError(f"max_active must be >= 1 and max_queue >= 0, got {max_active}, {max_queue}")
+        self.rag, self.max_active, self.max_queue = rag, max_active, max_queue
+        self._lock = threading.Condition()
+        self._arrived: deque[Job] = deque()  # submitted, not yet seen by the worker (no expect() yet)
+        self._waiting: deque[Job] = deque()  # seen by the worker (expect() called), waiting for a slot
+        self._active: list[Job] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="kvrag-serve-worker", daemon=True)
+
+    # -- any thread ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the worker thread."""
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the worker: jobs still waiting or active fail with `ServerStopping`."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the worker thread is running."""
+        return self._thread.is_alive()
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; raises `QueueFull` when ``max_queue`` jobs wait already, `ServerStopping` after `stop`."""
+        with self._lock:
+            if self._stopping or (self._thread.ident is not None and not self._thread.is_alive()):
+                raise ServerStopping("the server is shutting down")
+            if self._queued_locked() >= self.max_queue + max(0, self.max_active - len(self._active)):
+                raise QueueFull(f"{self.max_queue} requests are already waiting")
+            self._arrived.append(job)
+            self._lock.notify_all()
+
+    def _queued_locked(self) -> int:
+        return len(self._arrived) + len(self._waiting)
+
+    def queue_depth(self) -> int:
+        """Requests waiting for a slot (not yet generating)."""
+        with self._lock:
+            return self._queued_locked()
+
+    def active_count(self) -> int:
+        """Requests generating now."""
+        with self._lock:
+            return len(self._active)
+
+    # -- the worker thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._take_arrivals():
+                self._admit()
+                for job in list(self._active):
+                    self._step(job)
+        except BaseException:  # a bug here must not leave requests hanging: fail them all, then stop
+            log.exception("the serve worker failed")
+            raise
+        finally:
+            self._fail_all(ServerStopping("the server is shutting down"))
+
+    def _take_arrivals(self) -> bool:
+        """Wait for work; move new jobs to the waiting line, announcing each to the session cache, and drop
+        the waiting jobs whose clients went away.
+        """
+        with self._lock:
+            while not (self._stopping or self._arrived or self._waiting or self._active):
+                self._lock.wait()
+            if self._stopping:
+                return False
+            arrived = list(self._arrived)
+            self._arrived.clear()
+            self._waiting.extend(arrived)  # still counted as queued while they are announced
+            gone = [job for job in self._waiting if job.cancelled]
+            for job in gone:
+                self._waiting.remove(job)
+        for job in arrived:
+            self._sessions("expect", job)
+        for job in gone:
+            self._sessions("release", job)
+        return True
+
+    def _admit(self) -> None:
+        while True:
+            with self._lock:
+                if len(self._active) >= self.max_active or not self._waiting:
+                    return
+                job = self._waiting.popleft()
+            if job.cancelled:
+                self._sessions("release", job)
+                continue
+            job.started = time.perf_counter()
+            try:
+                job._stream = iter(self.rag.chat_stream(job.messages, **job.kwargs))
+            except Exception as exc:  # bad arguments refused before the generator exists
+                self._finish(job, Failed(exc))
+                continue
+            with self._lock:
+                self._active.append(job)
+
+    def _step(self, job: Job) -> None:
+        """One ``next()`` on ``job``'s generator (its first does retrieval, fusion and the first token)."""
+        assert job._stream is not None
+        if job.cancelled:
+            self._close(job)
+            self._finish(job, None)
+            return
+        before = getattr(self.rag, "last_answer", None)
+        try:
+            piece = next(job._stream)
+        except StopIteration as stop:
+            self._note_answer(job, before)
+            if stop.value is not None:  # a generator that returns its Answer
+                job.answer = stop.value
+            queue_s = job.started - job.submitted if job.started else 0.0
+            self._finish(job, Done(job.answer, queue_s, self._finish_reason(job)))
+            return
+        except Exception as exc:
+            self._close(job)
+            self._finish(job, Failed(exc))
+            return
+        self._note_answer(job, before)
+        if piece:
+            job.emit(Piece(piece))
+
+    def _note_answer(self, job: Job, before: Any) -> None:
+        """``rag.last_answer`` is shared by the interleaved generators: keep it for the job whose step set it."""
+        after = getattr(self.rag, "last_answer", None)
+        if after is not None and after is not before:
+            job.answer = after
+
+    def _finish_reason(self, job: Job) -> str:
+        """``"length"`` when the answer used every token it was allowed and no stop string cut it."""
+        answer, limit = job.answer, job.kwargs.get("max_new_tokens")
+        if answer is None or limit is None or len(answer.token_ids) < limit:
+            return "stop"  # EOS ends an answer before the limit (it is not among the token ids)
+        stops = job.kwargs.get("stop") or ()
+        tokenizer = getattr(getattr(self.rag, "lm", None), "tokenizer", None)
+        if stops and tokenizer is not None:
+            text = tokenizer.decode(answer.token_ids, skip_special_tokens=True)
+            if any(stop in text for stop in stops):  # the last token completed a stop string
+                return "stop"
+        return "length"
+
+    @staticmethod
+    def _close(job: Job) -> None:
+        try:
+            if job._stream is not None and hasattr(job._stream, "close"):
+                job._stream.close()
+        except Exception:  # closing must never wedge the worker
+            log.exception("closing a chat stream failed")
+
+    def _finish(self, job: Job, event: Event | None) -> None:
+        with self._lock:
+            if job in self._active:
+                self._active.remove(job)
+        self._sessions("release", job)
+        if event is not None and not job.cancelled:
+            job.emit(event)
+
+    def _sessions(self, method: str, job: Job) -> None:
+        """``rag.sessions.expect``/``release`` for ``job``'s messages; a failure there only costs the prefetch."""
+        sessions = getattr(self.rag, "sessions", None)
+        if sessions is None:
+            return
+        try:
+            getattr(sessions, method)(job.messages)
+        except Exception as exc:  # e.g. messages the chat call will refuse itself, with the reason
+            log.warning("rag.sessions.%s failed: %s", method, exc)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            jobs = [*self._active, *self._waiting, *self._arrived]
+            seen = set(map(id, self._active)) | set(map(id, self._waiting))
+            self._active.clear()
+            self._waiting.clear()
+            self._arrived.clear()
+        for job in jobs:
+            self._close(job)
+            if id(job) in seen:
+                self._sessions("release", job)
+            if not job.cancelled:
+                job.emit(Failed(error))

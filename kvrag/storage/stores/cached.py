@@ -1,0 +1,360 @@
+"""The local side of a remote chunk store: a bounded cache of hot blobs, and what happens when the store is away.
+
+Contract:
+
+- `CachedStore` wraps a remote `ByteStore` (``redis``): reads are served from an in-memory LRU cache of whole
+  blobs bounded in bytes (``max_bytes``; 0: none; a larger blob is never cached), else fetched and remembered;
+  writes go through and are remembered. Cached bytes are as stored: every read is still checked by the
+  container's checksums (`kvrag.storage.container`); a blob replaced or deleted through it is so here too.
+- A remote store that cannot be reached (refused, timed out, a refused login) raises
+  `kvrag.errors.StoreUnavailableError`. Then ``open`` raises it too (after the local cache), so that the reader
+  can tell "absent because unreachable" from "absent" (`kvrag.storage.kvstore.KVStore.reader` raises
+  `kvrag.errors.ChunkUnavailableError`, which the recoveries log at debug level and recompute from the text);
+  ``contains``/``nbytes``/``sizes`` answer "absent"; a write waits in a pending list (at most
+  ``max(max_bytes, PENDING_MIN_BYTES)``, the oldest dropped first). The store logs **one** warning for the
+  whole outage. The first operation that reaches the store again stores the pending blobs
+  (`CachedStore.flush`): the chunks recomputed meanwhile are stored again. `close` tries once more.
+- Reads that reach the store are timed in ``meter`` (`kvrag.storage.stores.base.LinkMeter`): the link's
+  throughput, which the streaming loader plans with; reads served from memory are not.
+- `open_index_store` opens an index's chunk store: its ``chunks/`` folder by default, or the URL its manifest
+  records (`store_record`, at build time), or one given to override it; a remote one behind a `CachedStore`,
+  its keys under the index's own namespace, so that indexes share one Redis database. `public_url` is a URL
+  as messages and manifests show it: without its password.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, BinaryIO, TypeVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from kvrag.config import StoreConfig
+from kvrag.errors import StoreUnavailableError
+from kvrag.storage.stores.base import ByteStore, LinkMeter, available_stores, make_store, network_class
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MB = 1 << 20
+PENDING_MIN_BYTES = 64 * MB  # room for caches recomputed while the store is away, whatever the cache's size
+_LOCAL = ("", "localhost")  # URL hosts of stores on this machine (``file://``, ``memory://``)
+_OWN = ("disk", "file")  # StoreConfig.backend values that mean "the index's own store"
+__all__ = ["CachedStore", "StoreUnavailableError", "is_remote_url", "open_index_store", "public_url", "store_record"]
+
+
+class CachedStore(ByteStore):
+    """A remote store behind a bounded in-memory LRU cache of whole blobs, riding out outages.
+
+    Args:
+        inner: the remote store; it raises `StoreUnavailableError` when it cannot be reached.
+        max_bytes: the cache's bound in bytes (0: no cache).
+        label: how messages name the store (its URL without the password).
+        max_pending_bytes: bound of the blobs kept for storing once the store is back (default
+            ``max(max_bytes, PENDING_MIN_BYTES)``).
+
+    Attributes:
+        hits, misses: reads served from memory, and reads that went to the store.
+    """
+
+    def __init__(self, inner: ByteStore, max_bytes: int, label: str = "", max_pending_bytes: int | None = None) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.inner, self.max_bytes, self.label = inner, int(max_bytes), label or type(inner).__name__
+        self.max_pending_bytes = max(self.max_bytes, PENDING_MIN_BYTES) if max_pending_bytes is None \
+            else int(max_pending_bytes)
+        self._hot: OrderedDict[str, bytes] = OrderedDict()  # least recently used first
+        self._hot_bytes = 0
+        self._pending: OrderedDict[str, bytes] = OrderedDict()  # oldest first
+        self._pending_bytes = 0
+        self._lock = threading.RLock()
+        self._flushing = threading.Lock()
+        self._down = False  # in an outage that has been warned about
+        self.hits = self.misses = 0
+        self.meter: LinkMeter = LinkMeter()
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes held by the cache now (never more than ``max_bytes``)."""
+        return self._hot_bytes
+
+    @property
+    def pending(self) -> list[str]:
+        """Keys of the blobs waiting for the store to be reachable again, oldest first."""
+        with self._lock:
+            return list(self._pending)
+
+    def clear(self) -> None:
+        """Drop every cached blob (the pending ones stay until stored)."""
+        with self._lock:
+            self._hot.clear()
+            self._hot_bytes = 0
+
+    # -- the cache --------------------------------------------------------------------------
+
+    def _remember(self, key: str, data: bytes) -> None:
+        with self._lock:
+            self._forget(key)
+            if len(data) > self.max_bytes:
+                return
+            self._hot[key] = data
+            self._hot_bytes += len(data)
+            while self._hot_bytes > self.max_bytes:
+                _, old = self._hot.popitem(last=False)
+                self._hot_bytes -= len(old)
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            old = self._hot.pop(key, None)
+            if old is not None:
+                self._hot_bytes -= len(old)
+
+    def _local(self, key: str) -> bytes | None:
+        with self._lock:
+            data = self._hot.get(key)
+            if data is not None:
+                self._hot.move_to_end(key)
+                return data
+            return self._pending.get(key)
+
+    # -- outages ------------------------------------------------------------------------------
+
+    def _unpend(self, key: str) -> None:
+        with self._lock:
+            old = self._pending.pop(key, None)
+            self._pending_bytes -= len(old) if old is not None else 0
+
+    def _defer(self, key: str, data: bytes) -> None:
+        """Keep ``data`` for storing once the store is back (the oldest pending dropped for room)."""
+        with self._lock:
+            self._unpend(key)
+            if len(data) > self.max_pending_bytes:
+                return
+            self._pending[key] = data
+            self._pending_bytes += len(data)
+            while self._pending_bytes > self.max_pending_bytes:
+                _, dropped = self._pending.popitem(last=False)
+                self._pending_bytes -= len(dropped)
+
+    def _outage(self, exc: StoreUnavailableError) -> None:
+        """Warn once per outage."""
+        with self._lock:
+            first, self._down = not self._down, True
+        if first:
+            log.warning("%s; chunk caches are computed from their text until it answers again (those computed "
+                        "meanwhile are stored then)", exc)
+
+    def _back(self) -> None:
+        """The store answered: end the outage and store what waited for it."""
+        with self._lock:
+            was_down, self._down = self._down, False
+            waiting = bool(self._pending)
+        if was_down:
+            log.info("%s answers again", self.label)
+        if waiting:
+            self.flush()
+
+    def flush(self) -> int:
+        """Store the pending blobs, oldest first, until one fails; how many are still pending."""
+        if not self._flushing.acquire(blocking=False):  # another thread is at it
+            return len(self._pending)
+        try:
+            while True:
+                with self._lock:
+                    if not self._pending:
+                        return 0
+                    key, data = next(iter(self._pending.items()))
+                try:
+                    self.inner.put(key, data)
+                except StoreUnavailableError as exc:
+                    self._outage(exc)
+                    return len(self._pending)
+                with self._lock:
+                    if self._pending.get(key) is data:
+                        del self._pending[key]
+                        self._pending_bytes -= len(data)
+                log.debug("stored pending chunk cache %s in %s", key, self.label)
+        finally:
+            self._flushing.release()
+
+    # -- ByteStore ----------------------------------------------------------------------------
+
+    def put(self, key: str, data: bytes) -> None:
+        """Store ``data`` remotely and remember it; while the store is away, keep it pending."""
+        data = bytes(data)
+        self._remember(key, data)
+        try:
+            self.inner.put(key, data)
+        except StoreUnavailableError as exc:
+            self._defer(key, data)
+            self._outage(exc)
+            return
+        self._unpend(key)
+        self._back()
+
+    def _ask(self, command: Callable[[], T], away: T) -> T:
+        """``command()`` on the store, or ``away`` when it cannot be reached."""
+        try:
+            out = command()
+        except StoreUnavailableError as exc:
+            self._outage(exc)
+            return away
+        self._back()
+        return out
+
+    def open(self, key: str) -> BinaryIO | None:
+        """The blob from memory, else from the store (then remembered); None when absent.
+
+        Raises:
+            StoreUnavailableError: the store cannot be reached (warned about once per outage).
+        """
+        data = self._local(key)
+        if data is not None:
+            self.hits += 1
+            return io.BytesIO(data)
+        self.misses += 1
+        t0 = time.perf_counter()
+        try:
+            fh = self.inner.open(key)
+            data = None if fh is None else fh.read()
+        except StoreUnavailableError as exc:
+            self._outage(exc)
+            raise
+        self.meter.record(len(data) if data is not None else 0, time.perf_counter() - t0)
+        self._back()
+        if data is None:
+            return None
+        self._remember(key, data)
+        return io.BytesIO(data)
+
+    def contains(self, key: str) -> bool:
+        """Whether the blob is held here or in the store (False while the store is away)."""
+        return self._local(key) is not None or self._ask(lambda: self.inner.contains(key), False)
+
+    def nbytes(self, key: str) -> int:
+        """The blob's size (0 when absent or the store is away)."""
+        data = self._local(key)
+        return len(data) if data is not None else self._ask(lambda: self.inner.nbytes(key), 0)
+
+    def sizes(self, keys: Iterable[str]) -> list[int]:
+        """Each blob's size (0 when absent or the store is away): those held here from memory, the rest in one
+        request to the store.
+        """
+        keys = list(keys)
+        local = [self._local(k) for k in keys]
+        ask = [k for k, d in zip(keys, local) if d is None]
+        remote = iter(self._ask(lambda: self.inner.sizes(ask), [0] * len(ask)) if ask else [])
+        return [len(d) if d is not None else next(remote) for d in local]
+
+    def keys(self) -> Iterator[str]:
+        """The store's keys (`kvrag.errors.StoreUnavailableError` when it cannot be reached)."""
+        try:
+            found = list(self.inner.keys())
+        except StoreUnavailableError as exc:
+            self._outage(exc)
+            raise
+        self._back()
+        return iter(sorted(set(found) | set(self.pending)))
+
+    def delete(self, key: str) -> None:
+        """Drop the blob here and in the store (there only if it answers: a damaged blob left there is found
+        again when read, and replaced).
+        """
+        self._forget(key)
+        self._unpend(key)
+        self._ask(lambda: self.inner.delete(key), None)
+
+    def close(self) -> None:
+        """Store what is pending if the store answers, drop the cache, close the store."""
+        left = self.flush() if self._pending else 0
+        if left:  # the outage was warned about; these are computed from their text again when needed
+            log.info("%d chunk cache(s) computed while %s was unreachable were not stored in it", left, self.label)
+        self.clear()
+        self.inner.close()
+
+
+# -- URLs and how an index finds its store -------------------------------------------------------
+
+
+def public_url(url: str, mask: str = "***") -> str:
+    """``url`` with its password (in the user part or a ``password=`` query field) replaced by ``mask``;
+    with ``mask=""`` the password is left out altogether.
+    """
+    if "://" not in url:
+        return url
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    userinfo, at, hostport = netloc.rpartition("@")
+    if at and ":" in userinfo:
+        user = userinfo.split(":", 1)[0]
+        netloc = f"{user}:{mask}@{hostport}" if mask else (f"{user}@{hostport}" if user else hostport)
+    query = parts.query
+    if "password" in query:
+        fields = [(k, mask if k == "password" else v) for k, v in parse_qsl(query, keep_blank_values=True)
+                  if mask or k != "password"]
+        query = urlencode(fields, safe="*")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def is_remote_url(url: str) -> bool:
+    """Whether ``url`` names a registered network store (``redis://HOST:PORT/DB``), not a local one."""
+    return network_class(url) is not None
+
+
+def store_record(store: str | StoreConfig | None, fingerprint: str) -> dict[str, Any]:
+    """The manifest's ``"store"`` entry of a new index: where its chunk caches live (``url``: None for its
+    ``chunks/`` folder; a remote URL without its password) and the ``namespace`` its keys take there (the
+    model's fingerprint and a new index id, so that indexes can share one database).
+
+    Raises:
+        ValueError: ``store`` names no registered store (checked before the index is created).
+    """
+    backend = store.backend if isinstance(store, StoreConfig) else store
+    url = None if backend is None or backend.lower() in _OWN else backend
+    if url is not None and network_class(url) is not None:
+        try:
+            urlsplit(url).port  # noqa: B018 - a port that is no number raises ValueError
+        except ValueError as exc:
+            raise ValueError(f"store URL {public_url(url)}: {exc}") from None
+        url = public_url(url, mask="")
+    elif url is not None and "://" in url:
+        parts = urlsplit(url)
+        if parts.netloc not in _LOCAL or parts.scheme.lower() not in available_stores():
+            make_store(public_url(url))  # the registry's own error: an unknown scheme, a host for a local store
+    elif url is not None and url.lower() not in available_stores():
+        url = Path(url).expanduser().resolve().as_uri()  # a path: recorded absolute
+    return {"url": url, "namespace": f"kvrag:{fingerprint[:16]}:{uuid.uuid4().hex[:16]}:"}
+
+
+def _namespace(manifest: Mapping[str, Any]) -> str:
+    """The key prefix of the index's caches in a shared store (an index without a record: from its identity)."""
+    recorded = manifest.get("store") or {}
+    if recorded.get("namespace"):
+        return str(recorded["namespace"])
+    from kvrag.storage.integrity import canonical_checksum
+
+    ident = canonical_checksum({"model": manifest.get("model"), "created": manifest.get("created"),
+                                "codec": manifest.get("codec")})
+    return f"kvrag:{str(manifest.get('model', {}).get('fingerprint', ''))[:16]}:{ident[:16]}:"
+
+
+def open_index_store(path: Path, manifest: Mapping[str, Any], store: str | StoreConfig | None = None) -> ByteStore:
+    """The chunk store of the index at ``path``: ``store`` when given (a URL, path or `StoreConfig`; its
+    default backend ``disk`` means the index's own), else the one its manifest records, else ``path/chunks``.
+    A remote store comes behind a `CachedStore` of ``StoreConfig.cache_mb``.
+    """
+    config = store if isinstance(store, StoreConfig) else StoreConfig(backend=store or "disk")
+    url = config.backend if config.backend.lower() not in _OWN else (manifest.get("store") or {}).get("url")
+    if url is None:
+        return make_store("disk", Path(path) / "chunks", fsync=config.fsync)
+    if not is_remote_url(url):  # (a local store has no password: the registry's error for one need not show it)
+        return make_store(public_url(url), fsync=config.fsync)
+    inner = make_store(url, namespace=_namespace(manifest), connect_timeout_s=config.connect_timeout_s,
+                       timeout_s=config.timeout_s, retries=config.retries, retry_after_s=config.retry_after_s)
+    return CachedStore(inner, int(config.cache_mb * MB), public_url(url))

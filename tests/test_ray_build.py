@@ -108,6 +108,32 @@ def test_a_ray_build_gives_the_single_process_index(tiny_lm, ray_address, tmp_pa
     on_ray.close()
 
 
+def _rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
+    return float((x.float() - y.float()).norm() / x.float().norm())
+
+
+def test_a_ray_build_stores_every_stream_level(tiny_lm, ray_address, tmp_path):
+    # the streaming loader's levels come from Ray workers as from a local build: the same stored keys, and each
+    # level decodes close to the exact cache, coarser levels further from it
+    docs = DOCS[:4]
+    with one_thread():
+        exact = KVRag.build(docs, tmp_path / "raw", model=tiny_lm, split=FIXED, codec="raw", show_progress=False)
+        local = KVRag.build(docs, tmp_path / "local", model=tiny_lm, split=FIXED, codec="cachegen",
+                            stream_levels=(0, 3), show_progress=False)
+    on_ray = KVRag.build(docs, tmp_path / "ray", model=tiny_lm, split=FIXED, codec="cachegen", stream_levels=(0, 3),
+                         show_progress=False, engine="ray", workers=2)
+    keys = on_ray.index.keys()
+    assert keys == local.index.keys() and len(keys) >= 4
+    assert _stored(on_ray.path) == _stored(local.path) and len(_stored(on_ray.path)) == 3 * len(keys)
+    for key in keys:
+        want = exact.kvstore.load(key)
+        errors = [sum(_rel_err(w, g) for w, g in zip(want, on_ray.kvstore.load(key, level))) for level in (0, 2, 3)]
+        assert errors == sorted(errors, reverse=True) and errors[-1] < 0.2, (key, errors)
+    assert on_ray.add(docs, show_progress=False, engine="ray", workers=1).prefilled_chunks == 0  # all levels there
+    for rag in (exact, local, on_ray):
+        rag.close()
+
+
 def _kill_when(path: Path, count: int, victims, killed: list[int], timeout: float = 300) -> threading.Thread:
     """A thread that kills the processes ``victims()`` names once ``count`` caches are stored under ``path``."""
 

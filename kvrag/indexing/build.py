@@ -247,8 +247,8 @@ class Builder:
     def _cached(self, candidate: Candidate) -> bool:
         """Whether a chunk's caches are stored (with neighbour context: its plain cache too)."""
         key = candidate.record.key
-        return (self.kvstore.contains(key) and (not self.context_chunks or self.kvstore.contains(lead_key(key)))
-                and all(self.kvstore.contains(key, level) for level in self.stream_levels))
+        return (self.kvstore.contains_levels(key, self.stream_levels)
+                and (not self.context_chunks or self.kvstore.contains(lead_key(key))))
 
     def _neighbours(self, group: list[Candidate], vectors: np.ndarray, i: int) -> list[Neighbour]:
         """`nearest_chunks` of the group's chunk ``i``, among the index and the rest of the group."""
@@ -275,8 +275,8 @@ class Builder:
 
     def _store_caches(self, group: list[Candidate], vectors: np.ndarray, stats: BuildStats,
                       writer: ThreadPoolExecutor, bar: Any) -> None:
-        positions = [i for i, c in enumerate(group) if not self.kvstore.contains(c.record.key)
-                     or not all(self.kvstore.contains(c.record.key, lv) for lv in self.stream_levels)]
+        stored = self.kvstore.contains_levels
+        positions = [i for i, c in enumerate(group) if not stored(c.record.key, self.stream_levels)]
         todo = [group[i] for i in positions]
         bar.update(sum(len(c.ids) for c in group) - sum(len(c.ids) for c in todo))
         if not todo:

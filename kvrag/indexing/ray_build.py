@@ -3,10 +3,10 @@
 Contract (`add_on_ray`: ``KVRag.build(..., engine="ray")``, ``KVRag.add`` and ``kvrag index --engine ray``):
 
 - **Who does what.** Each worker is one Ray actor holding the model (on a GPU when the cluster has them), the
-  embedder and the codec, loaded once; workers split the documents, embed the chunks, compute and encode their
-  caches and return the blobs. The driver alone writes, under the index's `writer_lock`: the blobs into the
-  index's store (its ``chunks/`` folder or a remote one such as ``redis://``), the codec state, the FAISS
-  vectors and the SQLite rows.
+  embedder and the codec, loaded once (`kvrag.indexing.ray_worker.KVBuildWorker`); workers split the documents,
+  embed the chunks, compute and encode their caches (at the index's stream levels too) and return the blobs.
+  The driver alone writes, under the index's `writer_lock`: the blobs into the index's store (its ``chunks/``
+  folder or a remote one such as ``redis://``), the codec state, the FAISS vectors and the SQLite rows.
 - **The same index as the single-process build**: the same chunk keys and texts (without pretrained Punkt
   data the driver trains Punkt on all the documents, as `KVSplitter.split_many` does, and hands it out); the
   same caches, bit for bit with the ``raw`` codec on the same device (the driver cuts each group into the
@@ -15,8 +15,9 @@ Contract (`add_on_ray`: ``KVRag.build(..., engine="ray")``, ``KVRag.add`` and ``
   single-process build fits it on, and the driver saves its state before any blob coded with it (``cachegen``'s
   fit goes through BLAS, so its state matches a local build's run with the same BLAS thread count).
 - **Resuming.** Groups of `GROUP_CHUNKS` chunks are committed once their caches are stored, so a killed
-  driver resumes on re-run as the single-process build does: stored caches are not computed again. A worker
-  that dies has its unfinished work handed to the others; with none left, `KVRagError`, and a re-run resumes.
+  driver resumes on re-run as the single-process build does: stored caches (at every level) are not computed
+  again. A worker that dies has its unfinished work handed to the others; with none left, `KVRagError`, and a
+  re-run resumes.
 - A tqdm bar on stderr unless ``show_progress=False``. Ray is imported only here (`import_ray`). Indexes with
   neighbour context are refused in one line (build them with the local engine).
 """
@@ -25,10 +26,8 @@ from __future__ import annotations
 
 import logging
 import math
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -36,9 +35,10 @@ from typing import Any
 import numpy as np
 
 from kvrag.config import SplitConfig
-from kvrag.errors import IndexMismatchError, InputError, KVRagError
+from kvrag.errors import InputError, KVRagError
 from kvrag.indexing.build import FIT_CHUNKS, GROUP_CHUNKS, BuildStats, Candidate
 from kvrag.indexing.documents import Loaded
+from kvrag.indexing.ray_worker import Blobs, KVBuildWorker, WorkerSetup, codec_state_files, load_codec_state
 from kvrag.storage.chunk_index import ChunkRecord
 from kvrag.storage.verify import writer_lock
 
@@ -57,113 +57,6 @@ def import_ray() -> Any:
     except ImportError:
         raise KVRagError("building on Ray needs the ray package: pip install kvrag[ray]") from None
     return ray
-
-
-@dataclass(frozen=True)
-class WorkerSetup:
-    """What a worker loads: the driver's model (by source, dtype and fingerprint), embedder, layout, codec."""
-
-    model: str
-    dtype: str
-    fingerprint: str
-    embedder: str
-    prefix_ids: tuple[int, ...]
-    codec: str
-    codec_level: int
-    codec_state: dict[str, bytes] | None
-    split: SplitConfig
-    punkt: Any  # a trained PunktSentenceTokenizer when no pretrained Punkt data is installed, else None
-    batch_tokens: int
-    threads: int
-
-
-def _state_files(codec: Any) -> dict[str, bytes]:
-    """A fitted codec's saved state as ``{file name: bytes}`` (what `Codec.save_state` writes)."""
-    with tempfile.TemporaryDirectory(prefix="kvrag-codec-") as tmp:
-        codec.save_state(Path(tmp))
-        return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
-
-
-def _load_state(codec: Any, files: dict[str, bytes]) -> None:
-    with tempfile.TemporaryDirectory(prefix="kvrag-codec-") as tmp:
-        for name, data in files.items():
-            (Path(tmp) / name).write_bytes(data)
-        codec.load_state(Path(tmp))
-
-
-class KVBuildWorker:
-    """One Ray actor's state and work: a model, an embedder and a codec, loaded once (`WorkerSetup`)."""
-
-    def __init__(self, setup: WorkerSetup) -> None:
-        import torch
-
-        from kvrag.codec.base import make_codec
-        from kvrag.indexing.embed import Embedder
-        from kvrag.indexing.kvgen import prefix_cache
-        from kvrag.model import load_model
-
-        torch.set_num_threads(setup.threads)
-        device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray shows an actor only the GPUs it holds
-        self.lm = load_model(setup.model, dtype=setup.dtype, device=device)
-        if self.lm.fingerprint != setup.fingerprint:  # other weights on this machine: its caches would not fit
-            raise IndexMismatchError(f"model {setup.model!r} on a Ray worker has fingerprint {self.lm.fingerprint}, "
-                                     f"the driver's {setup.fingerprint}: install the same model on every node")
-        self.embedder = Embedder(setup.embedder, device=device)
-        self.prefix_ids, self.prefix = list(setup.prefix_ids), prefix_cache(self.lm, setup.prefix_ids)
-        self.codec = make_codec(setup.codec, setup.codec_level)
-        if setup.codec_state:
-            _load_state(self.codec, setup.codec_state)
-        self.setup = setup
-
-    def ready(self) -> str:  # noqa: D102  (the device, once the actor started)
-        return str(self.lm.device)
-
-    def split(self, docs: list[str]) -> list[list[tuple[str, list[int], str]]]:
-        """``(text, token ids, chunk key)`` of every chunk of each document, as `split_documents` cuts them."""
-        from kvrag.indexing.kvgen import chunk_key
-        from kvrag.indexing.split import KVSplitter
-        from kvrag.prompt import chunk_token_ids
-
-        config = self.setup.split
-        splitter = KVSplitter(self.lm.tokenizer, config, self.embedder.encode if config.mode != "fixed" else None)
-        if self.setup.punkt is not None:  # trained by the driver on every document, as a single process trains it
-            splitter._pretrained = self.setup.punkt
-        out = []
-        for chunks in splitter.split_many(docs):
-            ids = [chunk_token_ids(self.lm.tokenizer, c.text) for c in chunks]
-            out.append([(c.text, i, chunk_key(self.lm.fingerprint, self.prefix_ids, i)) for c, i in zip(chunks, ids)])
-        return out
-
-    def embed(self, texts: list[str]) -> tuple[np.ndarray, float]:
-        """The texts' vectors ``[n, dim]`` and the seconds it took."""
-        t0 = time.perf_counter()
-        return self.embedder.encode(texts), time.perf_counter() - t0
-
-    def caches(self, batches: list[list[tuple[str, list[int]]]]) -> list[tuple[str, bytes, int]]:
-        """``(key, blob, tokens)`` of each chunk of ``batches`` of ``(key, token ids)``, one model call a batch."""
-        return [(key, self._encode(key, kv), n) for key, kv, n in self._prefill(batches)]
-
-    def fit(self, batches: list[list[tuple[str, list[int]]]], n_fit: int) -> tuple[dict[str, bytes], list[Any]]:
-        """Fit the codec on the first ``n_fit`` caches of ``batches``; its state files and every chunk's blob."""
-        computed = list(self._prefill(batches))
-        self.codec.fit([kv for _, kv, _ in computed[:n_fit]], computed[0][1][0].shape[0])
-        return _state_files(self.codec), [(key, self._encode(key, kv), n) for key, kv, n in computed]
-
-    def load_state(self, files: dict[str, bytes]) -> None:
-        """Take the codec state another worker fitted."""
-        _load_state(self.codec, files)
-
-    def _prefill(self, batches: list[list[tuple[str, list[int]]]]) -> Any:
-        from kvrag.indexing.kvgen import chunk_caches
-
-        for batch in batches:
-            for i, kv in chunk_caches(self.lm, self.prefix, [ids for _, ids in batch], self.setup.batch_tokens):
-                yield batch[i][0], kv, len(batch[i][1])
-
-    def _encode(self, key: str, kv: Any) -> bytes:
-        from kvrag.storage.container import encode_chunk
-
-        return encode_chunk(self.codec, key, self.lm.fingerprint, kv[0].cpu(), kv[1].cpu())
 
 
 class WorkerPool:
@@ -287,6 +180,12 @@ def _batches(chunks: list[Candidate], batch_tokens: int) -> list[list[tuple[str,
     return [[(chunks[i].record.key, chunks[i].ids) for i in batch] for batch in batch_order(lengths, batch_tokens)]
 
 
+def stream_levels(rag: Any) -> tuple[int, ...]:
+    """The levels an index stores each cache at besides its codec's own (its manifest's ``stream_levels``)."""
+    own = rag.kvstore.codec.level
+    return tuple(level for level in rag.manifest.get("stream_levels", ()) if level != own)
+
+
 def _codec_ready(codec: Any, state_dir: Path) -> bool:
     """As `Builder.codec_ready`: the codec needs no fitting, or its state is fitted (or marked so)."""
     return not codec.needs_fit or bool(getattr(codec, "fitted", (state_dir / "fitted").is_file()))
@@ -300,13 +199,15 @@ class _Run:
     def __init__(self, pool: WorkerPool, rag: Any, stats: BuildStats, bar: Any) -> None:
         self.pool, self.rag, self.stats, self.bar = pool, rag, stats, bar
         self.codec, self.state_dir = rag.kvstore.codec, Path(rag.path) / "codec"
+        self.levels = stream_levels(rag)
 
     def group(self, group: list[Candidate], caches: bool) -> None:
         kvstore, texts, t0 = self.rag.kvstore, [c.record.text for c in group], time.perf_counter()
         vectors: dict[int, tuple[np.ndarray, float]] = {}  # by first text: ([n, dim], seconds)
         tasks = [((lambda a, s=s: a.embed.remote(texts[s : s + EMBED_TEXTS])), partial(vectors.__setitem__, s))
                  for s in range(0, len(texts), EMBED_TEXTS)]
-        todo = [c for c in (group if caches else group[:FIT_CHUNKS]) if not kvstore.contains(c.record.key)]
+        todo = [c for c in (group if caches else group[:FIT_CHUNKS])
+                if not kvstore.contains_levels(c.record.key, self.levels)]
         if caches:
             self.bar.update(sum(len(c.ids) for c in group) - sum(len(c.ids) for c in todo))
         elif _codec_ready(self.codec, self.state_dir):
@@ -330,18 +231,19 @@ class _Run:
         matrix = np.concatenate([vectors[s][0] for s in sorted(vectors)])
         self.rag.index.add([c.record for c in group], matrix)  # committed once its caches are stored
 
-    def _fitted(self, result: tuple[dict[str, bytes], list[tuple[str, bytes, int]]], caches: bool) -> None:
+    def _fitted(self, result: tuple[dict[str, bytes], list[tuple[str, Blobs, int]]], caches: bool) -> None:
         """The codec state a worker fitted: saved (then marked fitted) before any blob coded with it."""
         self._files, blobs = result
-        _load_state(self.codec, self._files)
+        load_codec_state(self.codec, self._files)
         self.codec.save_state(self.state_dir)
         (self.state_dir / "fitted").touch()
         self._store(blobs, caches)
 
-    def _store(self, blobs: list[tuple[str, bytes, int]], caches: bool) -> None:
-        for key, blob, n in blobs:
-            self.rag.kvstore.store.put(key, blob)
-            self.stats.stored_bytes += len(blob)
+    def _store(self, chunks: list[tuple[str, Blobs, int]], caches: bool) -> None:
+        for _, blobs, n in chunks:
+            for stored, blob in blobs:
+                self.rag.kvstore.store.put(stored, blob)
+                self.stats.stored_bytes += len(blob)
             self.stats.prefilled_chunks += 1
             self.stats.prefilled_tokens += n
             if caches:
@@ -374,18 +276,19 @@ def add_on_ray(rag: Any, loaded: Loaded, stats: BuildStats, show_progress: bool 
     ray = import_ray()
     t0 = time.perf_counter()
     split, codec = SplitConfig(**rag.manifest["split"]), rag.kvstore.codec
-    state = _state_files(codec) if codec.needs_fit and _codec_ready(codec, Path(rag.path) / "codec") else None
+    state = codec_state_files(codec) if codec.needs_fit and _codec_ready(codec, Path(rag.path) / "codec") else None
     source = str(Path(rag.lm.source).resolve()) if Path(rag.lm.source).exists() else rag.lm.source  # any cwd
     setup = WorkerSetup(source, rag.lm.spec.dtype, rag.lm.fingerprint, rag.embedder.name,
                         tuple(rag.layout.prefix_ids), codec.name, codec.level, state, split,
-                        _punkt(loaded, rag.lm, split), rag.batch_tokens, 1)
+                        _punkt(loaded, rag.lm, split), rag.batch_tokens, 1, stream_levels(rag))
     pool = WorkerPool(ray, setup, address, workers)
     try:
         with writer_lock(Path(rag.path)):  # one writer at a time, as for the local build
             candidates = _split(pool, loaded)
             new = [c for c in candidates if c.record.key not in rag.index]
-            todo = [c for c in candidates if c.record.key not in rag.index or (caches and not rag.kvstore.contains(
-                c.record.key))]
+            levels, stored = stream_levels(rag), rag.kvstore.contains_levels
+            todo = [c for c in candidates
+                    if c.record.key not in rag.index or (caches and not stored(c.record.key, levels))]
             stats.chunks, stats.new_chunks = len(candidates), len(new)
             bar = tqdm(total=sum(len(c.ids) for c in todo), unit="tok", dynamic_ncols=True, disable=not show_progress,
                        desc=f"{'computing caches' if caches else 'embedding'} on {len(pool.actors)} Ray workers")

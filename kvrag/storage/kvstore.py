@@ -10,9 +10,9 @@ Several quality levels per chunk (for the adaptive loader): a chunk's cache at t
 own level lives under its key, as always; `KVStore.put_levels` also stores it at other levels of the
 same codec (sharing the fitted codec state) under derived keys ``level_key(key, level)`` — the key
 followed by two hex digits of the level. ``load(key, level=...)``, ``reader(key, level=...)``,
-``contains(key, level=...)`` and ``nbytes(key, level=...)`` address one level; `stored_levels`
-lists what is present, and `discard` removes every level. `level_sizes` gives the stored size of
-each chunk at each level (one request to a network store; remembered, as keys are content hashes) and
+``contains(key, level=...)`` and ``nbytes(key, level=...)`` address one level (`contains_levels`:
+several); `stored_levels` lists what is present, and `discard` removes every level. `level_sizes` gives the
+stored size of each chunk at each level (one request to a network store; remembered, as keys are content hashes) and
 `throughput` the store link's recent bytes per second (None for a local store, or before any read):
 what the streaming loader plans with (`kvrag.query.plan`).
 """
@@ -116,6 +116,10 @@ class KVStore:
 
     def contains(self, key: str, level: int | None = None) -> bool:
         return self.store.contains(self._key(key, level))
+
+    def contains_levels(self, key: str, levels: Sequence[int]) -> bool:
+        """Whether ``key`` is stored at the codec's own level and at each of ``levels``."""
+        return self.contains(key) and all(self.contains(key, level) for level in levels)
 
     def reader(self, key: str, level: int | None = None) -> ChunkReader:
         """An open, header-checked reader; `CorruptChunkError` when missing or damaged."""

@@ -59,6 +59,20 @@ def test_text_costs_its_recompute_once_fusions_were_measured():
     assert slow.from_text == (0, 1, 2, 3) and slow.ttft_s == pytest.approx(4.2)
 
 
+def test_a_prefill_from_the_text_is_taken_when_sooner_than_any_loaded_plan():
+    ctl = LoadController()
+    assert ctl.prefill_s(SHAPE) is None  # no plain prefill measured yet
+    tl = SHAPE.token_layers(0.0, ())
+    ctl.record("reuse", 0.15, SHAPE, (), tl, 0.2, 400, 0.01)  # fusions take 0.2 s
+    ctl.observe_prefill(SHAPE, 0.6)  # a full answer of the same prompt took 0.6 s
+    assert ctl.prefill_s(SHAPE) == pytest.approx(0.6)
+    slow = ctl.stream("reuse", 0.15, SHAPE, 2.5, SIZES, 2, 2e3)  # loading (2, 1, 1, 1) would take 2.45 s
+    assert slow.from_text == (0, 1, 2, 3) and slow.levels == (None,) * 4
+    assert slow.ttft_s == pytest.approx(0.6) and "from the text" in slow.reason
+    fast = ctl.stream("reuse", 0.15, SHAPE, 2.5, SIZES, 2, 1e5)  # every chunk at level 3 in 0.28 s: loading wins
+    assert fast.levels == (3, 3, 3, 3) and fast.ttft_s == pytest.approx(0.28)
+
+
 def test_before_any_read_was_measured_every_chunk_loads_at_the_own_level():
     plan = LoadController().stream("reuse", 0.15, SHAPE, 0.5, SIZES, 2, None)
     assert plan.levels == (2, 2, 2, 2) and plan.from_text == () and math.isnan(plan.ttft_s)
@@ -101,8 +115,8 @@ def test_the_answer_of_each_plan_is_the_one_its_caches_give(streamed):
     inner = rag.kvstore.store
     slow = ThrottledStore(inner, bytes_per_s=1e9)
     rag.kvstore.store = slow
+    rag.controller = LoadController()  # no plain prefill measured yet in this process
     try:
-        full = rag.answer(Q, chunks=chunks, mode="full", max_new_tokens=6)
         seen = []
         # the link's bandwidth drops: every level fits, then only the smaller ones, then none
         for rate in (top / 0.05, top / 0.6, top / 1.2, 1.0):
@@ -123,7 +137,15 @@ def test_the_answer_of_each_plan_is_the_one_its_caches_give(streamed):
         assert seen[3].levels == (None,) * 4 and seen[3].from_text == (0, 1, 2, 3)
         # every chunk from its text: the full prefill's answer
         text = rag.answer(Q, chunks=chunks, max_new_tokens=6, fuse_config=FuseConfig(mode="reuse", ttft_slo=0.5))
+        full = rag.answer(Q, chunks=chunks, mode="full", max_new_tokens=6)
         assert text.load_plan.from_text == (0, 1, 2, 3) and text.token_ids == full.token_ids
+        # once a full answer was measured (milliseconds for this model), it is taken over half a second of loading
+        slow.bytes_per_s = top / 0.5
+        slow.meter.reset()
+        slow.meter.record(10_000, 10_000 / slow.bytes_per_s)
+        sooner = rag.answer(Q, chunks=chunks, max_new_tokens=6, fuse_config=FuseConfig(mode="reuse", ttft_slo=0.5))
+        assert sooner.load_plan.from_text == (0, 1, 2, 3) and "from the text" in sooner.load_plan.reason
+        assert sooner.token_ids == full.token_ids
     finally:
         rag.kvstore.store = inner
 

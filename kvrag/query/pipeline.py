@@ -201,11 +201,14 @@ def prepare(ctx: QueryContext, question: str, k: int, chunks: Sequence[str | Ret
                plan.levels if plan is not None else None)
     t2 = time.perf_counter()
     fused = fuse(ctx.lm, inp, config, selector)
-    if isinstance(inp.chunk_kv, StoreFeed) and selector is None:
-        if ctx.lm.device.type == "cuda":  # the fusion's kernels, finished, for its measured time
-            torch.cuda.synchronize(ctx.lm.device)
+    measured = selector is None and (isinstance(inp.chunk_kv, StoreFeed) or (config.mode == "full" and caches is None))
+    if measured and ctx.lm.device.type == "cuda":  # the fusion's kernels, finished, for its measured time
+        torch.cuda.synchronize(ctx.lm.device)
+    if measured and isinstance(inp.chunk_kv, StoreFeed):
         ctx.controller.observe(config, shape, from_text, fused.n_selected,
                                time.perf_counter() - t2 - fused.load_wait_s, inp.chunk_kv.decode_s)
+    elif measured:  # a plain prefill: what recomputing every chunk from its text costs (`LoadController.stream`)
+        ctx.controller.observe_prefill(shape, time.perf_counter() - t2)
     # Layers load while fusion runs: load_s is opening the chunk files plus the time fusion waited
     # for a layer (loading that recompute did not hide); fuse_s is the rest.
     timings = {"retrieve_s": t1 - t0, "load_s": t2 - t1 + fused.load_wait_s,

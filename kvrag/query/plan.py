@@ -31,8 +31,11 @@ bytes per second of recent reads; a remote store's blobs are fetched before fusi
 added to the recompute, not hidden by it) plus the recompute as fitted above — meets the target. Plans are
 tried best first: every chunk at its best stored level, then one chunk at a time one level lower, the last
 chunks first, until all are at their lowest; then the last chunks from their text. The first plan within the
-target is taken; when none is, the fastest. Before any read was measured every chunk loads at the index's
-own level. `LoadPlan.chunks` says per chunk what was chosen (a level, or text) with its bytes and transfer.
+target is taken; when none is, the fastest. A prefill of every chunk from its text is exact, so it is taken
+instead whenever it is estimated sooner than that plan. Its time comes from this process's measured ``full``
+answers (`observe_prefill`, kept apart from the fusions): they run dense, and so cost less per token-layer than
+a fusion's scattered recompute. Before any read was measured every chunk loads at the index's own level.
+`LoadPlan.chunks` says per chunk what was chosen (a level, or text) with its bytes and transfer.
 """
 
 from __future__ import annotations
@@ -191,6 +194,7 @@ class LoadController:
         self._load_rates: deque[float] = deque(maxlen=window)  # tokens per second of loading
         self._fusions: deque[tuple[str, float, float]] = deque(maxlen=window)  # (mode, units, seconds)
         self._work: dict[str, float] = {}  # mode -> token-layers per stale loaded token per layer (/ ratio)
+        self._prefills: deque[tuple[float, float]] = deque(maxlen=window)  # plain prefills: (units, seconds)
 
     def record(self, mode: str, ratio: float, shape: FusionShape, from_text: Sequence[int],
                token_layers: float, recompute_s: float, loaded_tokens: int, load_busy_s: float) -> None:
@@ -218,13 +222,7 @@ class LoadController:
         """``(a, c)`` of ``seconds = a + c · units``, or None before any fusion was measured."""
         if not self._fusions:
             return None
-        xs = [x for _, x, _ in self._fusions]
-        ys = [y for _, _, y in self._fusions]
-        if len(self._fusions) >= 2 and max(xs) > 1.25 * min(xs):
-            c, a = statistics.linear_regression(xs, ys)
-            if c > 0 and a >= 0:
-                return a, c
-        return 0.0, sum(ys) / sum(xs)
+        return _fit([x for _, x, _ in self._fusions], [y for _, _, y in self._fusions])
 
     def mode_factor(self, mode: str) -> float:
         """``mode``'s measured recompute seconds over what `recompute_model` gives for the same fusions
@@ -254,6 +252,20 @@ class LoadController:
             return config, None
         plan = self.plan(config.mode, config.ratio, shape)
         return replace(config, ratio=plan.ratio), plan
+
+    def observe_prefill(self, shape: FusionShape, seconds: float) -> None:
+        """Take in a plain prefill of every chunk and the suffix (a ``full`` answer) that took ``seconds``."""
+        if seconds > 0:
+            self._prefills.append((shape.units(0.0, range(len(shape.chunk_tokens))), float(seconds)))
+
+    def prefill_s(self, shape: FusionShape) -> float | None:
+        """The estimated seconds of a plain prefill of ``shape``'s chunks and suffix, or None before this process
+        measured one (`observe_prefill`).
+        """
+        if not self._prefills:
+            return None
+        a, c = _fit([x for x, _ in self._prefills], [y for _, y in self._prefills])
+        return a + c * shape.units(0.0, range(len(shape.chunk_tokens)))
 
     def observe(self, config: FuseConfig, shape: FusionShape, from_text: Sequence[int], n_selected: Sequence[int],
                 recompute_s: float, load_busy_s: float) -> None:
@@ -309,7 +321,11 @@ class LoadController:
         factor = self._factor(mode, model)
         per = (work or 0.0) * (ratio if _scales_with_ratio(mode) else 1.0)
 
+        prefill_s = self.prefill_s(shape)
+
         def compute_s(text: tuple[int, ...]) -> float:  # 0 until a fusion was measured: only transfers count
+            if prefill_s is not None and len(text) == n:  # nothing loaded: a plain prefill
+                return prefill_s
             return 0.0 if model is None else factor * (model[0] + model[1] * shape.units(per, text))
 
         def plan_of(pick: list[int | None]) -> tuple[float, float, tuple[int, ...]]:
@@ -336,12 +352,26 @@ class LoadController:
         (ttft, load_s, text), best = within[0] if within else min(scored, key=lambda ps: ps[0][0])
         reason = (f"the best plan estimated within {ttft_slo:g} s" if within else
                   f"no plan is estimated within {ttft_slo:g} s: the fastest")
+        if n and prefill_s is not None and prefill_s < ttft and any(lv is not None for lv in best):
+            (ttft, load_s, text), best = scored[-1]  # every chunk from its text: sooner, and exact
+            reason = f"a prefill from the text is estimated sooner ({ttft:.3g} s) than loading any level"
         reason += f" at {throughput / 1e6:.3g} MB/s measured"
         choices = tuple(ChunkChoice(lv, int(sizes[j][lv]) if lv is not None else 0,
                                     sizes[j][lv] / throughput if lv is not None else 0.0)
                         for j, lv in enumerate(best))
         recompute_s = ttft - load_s if model is not None else float("nan")
         return LoadPlan(ratio, text, load_s, recompute_s, choices, ttft_slo, throughput, ttft, reason)
+
+
+def _fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """``(a, c)`` of ``y = a + c · x`` by least squares when the ``xs`` spread enough for it to be meaningful
+    (and give ``a >= 0 < c``), else ``(0, sum(ys) / sum(xs))``.
+    """
+    if len(xs) >= 2 and max(xs) > 1.25 * min(xs):
+        c, a = statistics.linear_regression(xs, ys)
+        if c > 0 and a >= 0:
+            return a, c
+    return 0.0, sum(ys) / sum(xs)
 
 
 def fusion_shape(chunk_tokens: Sequence[int], suffix_tokens: int, n_layers: int, first_exact: bool = True,

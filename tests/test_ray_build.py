@@ -6,7 +6,9 @@ when Ray cannot start.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +22,7 @@ import pytest
 import torch
 
 from kvrag import KVRag, KVRagError, SplitConfig
+from kvrag.indexing.build import FIT_CHUNKS
 from kvrag.storage.verify import verify_index
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,18 +115,22 @@ def _rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((x.float() - y.float()).norm() / x.float().norm())
 
 
-def test_a_ray_build_stores_every_stream_level(tiny_lm, ray_address, tmp_path):
-    # the streaming loader's levels come from Ray workers as from a local build: the same stored keys, and each
-    # level decodes close to the exact cache, coarser levels further from it
-    docs = DOCS[:4]
+def test_a_fitted_codec_and_its_stream_levels_on_ray(tiny_lm, ray_address, reference, tmp_path, caplog):
+    # more chunks than the codec is fitted on: while one worker fits `cachegen`, the other prefills ahead and
+    # encodes once the state reaches it. Every level comes from the workers as from a local build: the same
+    # stored keys, each level close to the exact cache, coarser levels further from it
+    docs = MANY
+    exact = KVRag.open(reference, model=tiny_lm)
     with one_thread():
-        exact = KVRag.build(docs, tmp_path / "raw", model=tiny_lm, split=FIXED, codec="raw", show_progress=False)
         local = KVRag.build(docs, tmp_path / "local", model=tiny_lm, split=FIXED, codec="cachegen",
                             stream_levels=(0, 3), show_progress=False)
-    on_ray = KVRag.build(docs, tmp_path / "ray", model=tiny_lm, split=FIXED, codec="cachegen", stream_levels=(0, 3),
-                         show_progress=False, engine="ray", workers=2)
+    with caplog.at_level(logging.DEBUG, logger="kvrag.indexing.ray_build"):
+        on_ray = KVRag.build(docs, tmp_path / "ray", model=tiny_lm, split=FIXED, codec="cachegen",
+                             stream_levels=(0, 3), show_progress=False, engine="ray", workers=2)
     keys = on_ray.index.keys()
-    assert keys == local.index.keys() and len(keys) >= 4
+    assert keys == local.index.keys() == exact.index.keys() and len(keys) > FIT_CHUNKS
+    ahead = re.search(r"(\d+) chunks prefilled ahead while the codec was fitted", caplog.text)
+    assert ahead and 0 < int(ahead.group(1)) <= FIT_CHUNKS, caplog.text[-2000:]
     assert _stored(on_ray.path) == _stored(local.path) and len(_stored(on_ray.path)) == 3 * len(keys)
     for key in keys:
         want = exact.kvstore.load(key)

@@ -119,11 +119,21 @@ class WorkerPool:
     def broadcast(self, method: str, value: Any) -> None:
         """Call ``method(value)`` on every live worker and wait (a worker that died meanwhile is dropped)."""
         ref = self.ray.put(value)  # one copy in the object store, whatever the number of workers
-        for actor, call in [(a, getattr(a, method).remote(ref)) for a in self.actors]:
+        self.on_each(method, [(a, ref) for a in self.actors])
+
+    def on_each(self, method: str, calls: Sequence[tuple[Any, Any]]) -> list[Any]:
+        """Call ``method(value)`` on each ``(worker, value)`` of ``calls`` whose worker lives, and wait; the
+        results of those that answered (a worker that died meanwhile is dropped, its result missing).
+        """
+        refs = [(a, getattr(a, method).remote(v)) for a, v in calls if any(a is b for b in self.actors)]
+        out = []
+        for actor, ref in refs:
             try:
-                self.ray.get(call)
+                out.append(self.ray.get(ref))
             except (self.ray.exceptions.RayActorError, self.ray.exceptions.WorkerCrashedError):
-                self.actors.remove(actor)
+                if actor in self.actors:
+                    self.actors.remove(actor)
+        return out
 
     def close(self) -> None:
         for actor in self.actors if hasattr(self, "actors") else []:
@@ -186,6 +196,20 @@ def stream_levels(rag: Any) -> tuple[int, ...]:
     return tuple(level for level in rag.manifest.get("stream_levels", ()) if level != own)
 
 
+def _ahead(batches: list[Any], chunks: int) -> tuple[list[Any], list[Any]]:
+    """The first batches, up to ``chunks`` chunks in all, that other workers prefill while the codec is being
+    fitted (as many as the fit itself prefills, per worker); and the rest.
+    """
+    k = 0
+    while k < len(batches) and sum(len(b) for b in batches[: k + 1]) <= chunks:
+        k += 1
+    return batches[:k], batches[k:]
+
+
+def _ignore(_: Any) -> None:
+    return None
+
+
 def _codec_ready(codec: Any, state_dir: Path) -> bool:
     """As `Builder.codec_ready`: the codec needs no fitting, or its state is fitted (or marked so)."""
     return not codec.needs_fit or bool(getattr(codec, "fitted", (state_dir / "fitted").is_file()))
@@ -218,10 +242,27 @@ class _Run:
             while sum(len(b) for b in batches[:k]) < n_fit:
                 k += 1
             fit_batches, batches = batches[:k], batches[k:]
+            ahead, batches = _ahead(batches, n_fit * (len(self.pool.actors) - 1) if caches else 0)
+            owners: dict[int, Any] = {}  # ahead batch -> the worker holding its caches
+
+            def hold(i: int) -> Callable[[Any], Any]:
+                def submit(actor: Any) -> Any:
+                    owners[i] = actor  # the last worker it went to (another one when the first died)
+                    return actor.hold.remote([ahead[i]])
+                return submit
+
             self.pool.run([((lambda a: a.fit.remote(fit_batches, n_fit)), lambda r: self._fitted(r, caches)),
-                           *tasks])
+                           *[(hold(i), _ignore) for i in range(len(ahead))], *tasks])
             tasks = []
             self.pool.broadcast("load_state", self._files)
+            workers = {id(a): a for a in owners.values()}
+            keys = {w: [key for i, a in owners.items() if id(a) == w for key, _ in ahead[i]] for w in workers}
+            released = self.pool.on_each("release", [(workers[w], keys[w]) for w in workers])
+            for blobs in released:
+                self._store(blobs, caches)
+            log.debug("%d chunks prefilled ahead while the codec was fitted", sum(len(b) for b in released))
+            lost = [b for b in ahead if not all(kvstore.contains_levels(key, self.levels) for key, _ in b)]
+            batches = lost + batches  # held by a worker that died: computed again
         self.pool.run([*[((lambda a, b=b: a.caches.remote([b])), lambda r: self._store(r, caches))
                          for b in (batches if caches else [])], *tasks])
         if not caches:

@@ -5,9 +5,10 @@ embedder; the codec, with the driver's fitted state when there is one) and then,
 embeds texts, or prefills whole batches of chunks and encodes each cache into the blobs the driver stores:
 ``(store key, container bytes)`` at the codec's own level under the chunk key, and at each of
 ``WorkerSetup.stream_levels`` under its derived key (`kvrag.storage.kvstore.level_key`), as
-`KVStore.put_levels` writes them in a local build. Nothing here writes to the index or its store; torch,
-transformers and the embedder are imported inside the worker process only. `kvrag.indexing.ray_build` is the
-driver.
+`KVStore.put_levels` writes them in a local build. While one worker fits the codec, the others prefill ahead
+and hold the raw caches (`hold`) until the fitted state reaches them (`release`). Nothing here writes to the
+index or its store; torch, transformers and the embedder are imported inside the worker process only.
+`kvrag.indexing.ray_build` is the driver.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class KVBuildWorker:
         if setup.codec_state:
             load_codec_state(self.codec, setup.codec_state)
         self.setup = setup
+        self._held: dict[str, tuple[Any, int]] = {}  # caches prefilled while another worker fits (`hold`)
 
     def ready(self) -> str:  # noqa: D102  (the device, once the actor started)
         return str(self.lm.device)
@@ -116,6 +118,21 @@ class KVBuildWorker:
         computed = list(self._prefill(batches))
         self.codec.fit([kv for _, kv, _ in computed[:n_fit]], computed[0][1][0].shape[0])
         return codec_state_files(self.codec), [(key, self._encode(key, kv), n) for key, kv, n in computed]
+
+    def hold(self, batches: list[list[tuple[str, list[int]]]]) -> int:
+        """Prefill ``batches`` while another worker fits the codec, keeping their caches here unencoded until
+        `release`; how many chunks this worker now holds.
+        """
+        for key, kv, n in self._prefill(batches):
+            self._held[key] = (kv, n)
+        return len(self._held)
+
+    def release(self, keys: list[str]) -> list[tuple[str, Blobs, int]]:
+        """``(key, blobs, tokens)`` of the held caches among ``keys``, encoded with the codec state now loaded,
+        and dropped from here.
+        """
+        held = [(key, *self._held.pop(key)) for key in keys if key in self._held]
+        return [(key, self._encode(key, kv), n) for key, kv, n in held]
 
     def load_state(self, files: dict[str, bytes]) -> None:
         """Take the codec state another worker fitted."""

@@ -13,7 +13,8 @@ import torch
 from kvrag import FuseConfig, KVRag, SplitConfig
 from kvrag.bench.common import parse_mode
 from kvrag.codec.base import make_codec
-from kvrag.query.plan import LoadController, LoadPlan, fusion_shape, half_cost_keys, prompt_shape
+from kvrag.query.plan import LoadController, LoadPlan
+from kvrag.query.shape import fusion_shape, half_cost_keys, prompt_shape
 from kvrag.storage.kvstore import KVStore
 from kvrag.storage.stores import MemoryStore, ThrottledStore
 

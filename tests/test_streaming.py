@@ -12,7 +12,8 @@ import pytest
 from kvrag import FuseConfig, KVRag, SplitConfig
 from kvrag.cli import main
 from kvrag.errors import IndexMismatchError
-from kvrag.query.plan import LoadController, fusion_shape
+from kvrag.query.plan import LoadController
+from kvrag.query.shape import fusion_shape
 from kvrag.storage.kvstore import level_key
 from kvrag.storage.stores import ThrottledStore
 

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvrag.bench import common
-from kvrag.query.plan import LoadController, prompt_shape
+from kvrag.query.plan import LoadController
+from kvrag.query.shape import prompt_shape
 
 PREFIX_TOKENS = 32  # stands in for the chat-template head + instruction
 

@@ -27,7 +27,8 @@ from kvrag.loading.feed import StoreFeed
 from kvrag.model import LoadedModel, hf_compat
 from kvrag.prompt import PromptLayout, chunk_token_ids, suffix_token_ids
 from kvrag.query.answer import Answer, RetrievedChunk, decode_into
-from kvrag.query.plan import LoadController, LoadPlan, prompt_shape
+from kvrag.query.plan import LoadController, LoadPlan
+from kvrag.query.shape import prompt_shape
 from kvrag.storage.chunk_index import ChunkIndex
 from kvrag.storage.kvstore import KVStore
 

@@ -44,6 +44,7 @@ from kvrag.indexing.kvgen import (
     lead_key,
     placed_prefix,
 )
+from kvrag.indexing.manifest import stored_stream_levels
 from kvrag.indexing.split import KVSplitter
 from kvrag.model import LoadedModel
 from kvrag.prompt import PromptLayout, chunk_token_ids
@@ -202,8 +203,7 @@ class Builder:
         self.lm, self.index, self.kvstore, self.embedder = lm, index, kvstore, embedder
         self.prefix, self.codec_state_dir, self.batch_tokens = prefix, codec_state_dir, batch_tokens
         self.context_chunks, self.neighbour_kv = context_chunks, check_neighbour_kv(neighbour_kv)
-        own = kvstore.codec.level  # the levels stored besides the codec's own, for the streaming loader
-        self.stream_levels = tuple(lv for lv in index.manifest.get("stream_levels", ()) if lv != own)
+        self.stream_levels = stored_stream_levels(index.manifest, kvstore.codec)  # for the streaming loader
 
     @property
     def codec_ready(self) -> bool:

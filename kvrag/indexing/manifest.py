@@ -47,6 +47,11 @@ def library_versions() -> dict[str, str]:
     return installed_versions(("kvrag", "torch", "transformers", "faiss-cpu", "sentence-transformers"))
 
 
+def stored_stream_levels(manifest: dict[str, Any], codec: Codec) -> tuple[int, ...]:
+    """The levels an index stores each cache at besides ``codec``'s own (its manifest's ``stream_levels``)."""
+    return tuple(level for level in manifest.get("stream_levels", ()) if level != codec.level)
+
+
 def check_stream_levels(codec: Codec, levels: Iterable[int] | None) -> tuple[int, ...]:
     """``levels`` sorted without repeats and without the codec's own level, if the codec offers each one.
 

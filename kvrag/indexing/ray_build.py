@@ -38,6 +38,7 @@ from kvrag.config import SplitConfig
 from kvrag.errors import InputError, KVRagError
 from kvrag.indexing.build import FIT_CHUNKS, GROUP_CHUNKS, BuildStats, Candidate
 from kvrag.indexing.documents import Loaded
+from kvrag.indexing.manifest import stored_stream_levels
 from kvrag.indexing.ray_worker import Blobs, KVBuildWorker, WorkerSetup, codec_state_files, load_codec_state
 from kvrag.storage.chunk_index import ChunkRecord
 from kvrag.storage.verify import writer_lock
@@ -190,18 +191,13 @@ def _batches(chunks: list[Candidate], batch_tokens: int) -> list[list[tuple[str,
     return [[(chunks[i].record.key, chunks[i].ids) for i in batch] for batch in batch_order(lengths, batch_tokens)]
 
 
-def stream_levels(rag: Any) -> tuple[int, ...]:
-    """The levels an index stores each cache at besides its codec's own (its manifest's ``stream_levels``)."""
-    own = rag.kvstore.codec.level
-    return tuple(level for level in rag.manifest.get("stream_levels", ()) if level != own)
-
-
 def _ahead(batches: list[Any], chunks: int) -> tuple[list[Any], list[Any]]:
     """The first batches, up to ``chunks`` chunks in all, that other workers prefill while the codec is being
     fitted (as many as the fit itself prefills, per worker); and the rest.
     """
-    k = 0
-    while k < len(batches) and sum(len(b) for b in batches[: k + 1]) <= chunks:
+    k = taken = 0
+    while k < len(batches) and taken + len(batches[k]) <= chunks:
+        taken += len(batches[k])
         k += 1
     return batches[:k], batches[k:]
 
@@ -220,10 +216,9 @@ class _Run:
     the store lacks (fitting the codec first when it needs it), then commit the group (`Builder.run`).
     """
 
-    def __init__(self, pool: WorkerPool, rag: Any, stats: BuildStats, bar: Any) -> None:
-        self.pool, self.rag, self.stats, self.bar = pool, rag, stats, bar
+    def __init__(self, pool: WorkerPool, rag: Any, stats: BuildStats, bar: Any, levels: tuple[int, ...]) -> None:
+        self.pool, self.rag, self.stats, self.bar, self.levels = pool, rag, stats, bar, levels
         self.codec, self.state_dir = rag.kvstore.codec, Path(rag.path) / "codec"
-        self.levels = stream_levels(rag)
 
     def group(self, group: list[Candidate], caches: bool) -> None:
         kvstore, texts, t0 = self.rag.kvstore, [c.record.text for c in group], time.perf_counter()
@@ -255,14 +250,15 @@ class _Run:
                            *[(hold(i), _ignore) for i in range(len(ahead))], *tasks])
             tasks = []
             self.pool.broadcast("load_state", self._files)
-            workers = {id(a): a for a in owners.values()}
-            keys = {w: [key for i, a in owners.items() if id(a) == w for key, _ in ahead[i]] for w in workers}
-            released = self.pool.on_each("release", [(workers[w], keys[w]) for w in workers])
+            held: dict[int, tuple[Any, list[str]]] = {}  # by worker: (worker, keys of the caches it holds)
+            for i, actor in owners.items():
+                held.setdefault(id(actor), (actor, []))[1].extend(key for key, _ in ahead[i])
+            released = self.pool.on_each("release", list(held.values()))
             for blobs in released:
                 self._store(blobs, caches)
-            log.debug("%d chunks prefilled ahead while the codec was fitted", sum(len(b) for b in released))
-            lost = [b for b in ahead if not all(kvstore.contains_levels(key, self.levels) for key, _ in b)]
-            batches = lost + batches  # held by a worker that died: computed again
+            done = {key for blobs in released for key, _, _ in blobs}
+            log.debug("%d chunks prefilled ahead while the codec was fitted", len(done))
+            batches = [b for b in ahead if any(key not in done for key, _ in b)] + batches  # a holder died
         self.pool.run([*[((lambda a, b=b: a.caches.remote([b])), lambda r: self._store(r, caches))
                          for b in (batches if caches else [])], *tasks])
         if not caches:
@@ -317,23 +313,24 @@ def add_on_ray(rag: Any, loaded: Loaded, stats: BuildStats, show_progress: bool 
     ray = import_ray()
     t0 = time.perf_counter()
     split, codec = SplitConfig(**rag.manifest["split"]), rag.kvstore.codec
+    levels = stored_stream_levels(rag.manifest, codec)
     state = codec_state_files(codec) if codec.needs_fit and _codec_ready(codec, Path(rag.path) / "codec") else None
     source = str(Path(rag.lm.source).resolve()) if Path(rag.lm.source).exists() else rag.lm.source  # any cwd
     setup = WorkerSetup(source, rag.lm.spec.dtype, rag.lm.fingerprint, rag.embedder.name,
                         tuple(rag.layout.prefix_ids), codec.name, codec.level, state, split,
-                        _punkt(loaded, rag.lm, split), rag.batch_tokens, 1, stream_levels(rag))
+                        _punkt(loaded, rag.lm, split), rag.batch_tokens, 1, levels)
     pool = WorkerPool(ray, setup, address, workers)
     try:
         with writer_lock(Path(rag.path)):  # one writer at a time, as for the local build
             candidates = _split(pool, loaded)
             new = [c for c in candidates if c.record.key not in rag.index]
-            levels, stored = stream_levels(rag), rag.kvstore.contains_levels
+            stored = rag.kvstore.contains_levels
             todo = [c for c in candidates
                     if c.record.key not in rag.index or (caches and not stored(c.record.key, levels))]
             stats.chunks, stats.new_chunks = len(candidates), len(new)
             bar = tqdm(total=sum(len(c.ids) for c in todo), unit="tok", dynamic_ncols=True, disable=not show_progress,
                        desc=f"{'computing caches' if caches else 'embedding'} on {len(pool.actors)} Ray workers")
-            run = _Run(pool, rag, stats, bar)
+            run = _Run(pool, rag, stats, bar, levels)
             for start in range(0, len(todo), GROUP_CHUNKS):
                 run.group(list(todo[start : start + GROUP_CHUNKS]), caches)
             bar.close()

@@ -119,13 +119,12 @@ class KVBuildWorker:
         self.codec.fit([kv for _, kv, _ in computed[:n_fit]], computed[0][1][0].shape[0])
         return codec_state_files(self.codec), [(key, self._encode(key, kv), n) for key, kv, n in computed]
 
-    def hold(self, batches: list[list[tuple[str, list[int]]]]) -> int:
+    def hold(self, batches: list[list[tuple[str, list[int]]]]) -> None:
         """Prefill ``batches`` while another worker fits the codec, keeping their caches here unencoded until
-        `release`; how many chunks this worker now holds.
+        `release`.
         """
         for key, kv, n in self._prefill(batches):
             self._held[key] = (kv, n)
-        return len(self._held)
 
     def release(self, keys: list[str]) -> list[tuple[str, Blobs, int]]:
         """``(key, blobs, tokens)`` of the held caches among ``keys``, encoded with the codec state now loaded,

@@ -204,6 +204,9 @@ def run_decoder_layer(
     (``rope``: their `position_embeddings`).
     """
     layer = decoder_layers(model)[idx]
+    if _grouped_masked(model, layer, mask, hidden):
+        assert mask is not None
+        return _run_grouped_masked(layer, idx, hidden, mask, rope, cache)
     out = layer(
         hidden,
         attention_mask=mask,
@@ -213,3 +216,35 @@ def run_decoder_layer(
         position_embeddings=rope,
     )
     return out[0] if isinstance(out, tuple) else out
+
+
+# Decoder layers whose forward is: pre-norm attention with q/k/v/o projections (and optional per-head q/k norms) plus
+# a residual, then pre-norm MLP plus a residual; the layers `_run_grouped_masked` may run from their parts.
+PLAIN_DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
+
+
+def _grouped_masked(model: Any, layer: Any, mask: torch.Tensor | None, hidden: torch.Tensor) -> bool:
+    """Whether layer ``idx`` runs under a dense mask with grouped keys on the CPU, where transformers would copy
+    every key/value head once per query head it serves before SDPA (it passes ``enable_gqa`` only without a mask)
+    and CPU SDPA takes the grouped heads with a mask as they are.
+    """
+    return (type(mask) is torch.Tensor and hidden.device.type == "cpu"
+            and getattr(model.config, "_attn_implementation", None) == "sdpa"
+            and type(layer).__name__ in PLAIN_DECODER_LAYERS
+            and getattr(layer.self_attn, "num_key_value_groups", 1) > 1)
+
+
+def _run_grouped_masked(layer: Any, idx: int, hidden: torch.Tensor, mask: torch.Tensor,
+                        rope: tuple[torch.Tensor, torch.Tensor], cache: ScatterCache) -> torch.Tensor:
+    """A `PLAIN_DECODER_LAYERS` layer from its parts, its attention one SDPA call over the grouped key/value heads
+    (the same operations and results as the layer's own forward under SDPA, without the copies of the keys).
+    """
+    attn = layer.self_attn
+    h = layer.input_layernorm(hidden)
+    queries = apply_rope(_heads(attn, attn.q_proj, getattr(attn, "q_norm", None), h), *rope)
+    keys = apply_rope(_heads(attn, attn.k_proj, getattr(attn, "k_norm", None), h), *rope)
+    keys, values = cache.layer(idx).update(keys, _heads(attn, attn.v_proj, None, h))
+    out = torch.nn.functional.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=attn.scaling,
+                                                           enable_gqa=True)
+    hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:-1], -1))
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))

@@ -13,8 +13,9 @@ The constants below are read at call time, so tests can patch them on this modul
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch.nn.attention.bias import causal_lower_right
 
 from kvrag.fusion import scatter_attention
 from kvrag.model import LoadedModel, hf_compat
@@ -44,6 +45,15 @@ def attention_mask(sel: torch.Tensor, total: int, dtype: torch.dtype, window: in
     mask = torch.zeros(allowed.shape, dtype=dtype, device=sel.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
+
+
+def causal_lower_right(n: int, total: int) -> Any:
+    """SDPA's lower-right causal bias for ``n`` queries over ``total`` keys (its module, which imports torch's
+    compiler, loads on the first call).
+    """
+    from torch.nn.attention.bias import causal_lower_right as bias
+
+    return bias(n, total)
 
 
 def layer_blocks(lm: LoadedModel, sel: torch.Tensor, total: int, dtype: torch.dtype, window: int | None,

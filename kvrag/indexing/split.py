@@ -27,12 +27,15 @@ import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from nltk.tokenize.punkt import PunktSentenceTokenizer, PunktTokenizer, PunktTrainer
 
 from kvrag.config import SplitConfig
 from kvrag.errors import InputError
+
+if TYPE_CHECKING:  # nltk (and the scipy it imports) loads only when a document is split
+    from nltk.tokenize.punkt import PunktSentenceTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +70,8 @@ class _Unit:
 
 def load_pretrained_punkt() -> PunktSentenceTokenizer | None:
     """Load the pretrained English Punkt model (``punkt_tab``); ``None`` when it is not installed."""
+    from nltk.tokenize.punkt import PunktTokenizer
+
     try:
         return PunktTokenizer("english")
     except LookupError:
@@ -75,6 +80,8 @@ def load_pretrained_punkt() -> PunktSentenceTokenizer | None:
 
 def train_punkt(texts: Sequence[str]) -> PunktSentenceTokenizer:
     """Train Punkt unsupervised on ``texts`` (abbreviations, collocations, sentence starters)."""
+    from nltk.tokenize.punkt import PunktSentenceTokenizer, PunktTrainer
+
     trainer = PunktTrainer()
     for text in texts:
         trainer.train(text, finalize=False)

@@ -199,6 +199,9 @@ def plot(summary: dict[str, Any], path: Path) -> None:
             ax.plot([x for x, _ in pts], [y for _, y in pts], style, marker="o", label=task)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    lengths = [e["prompt_tokens"] for e in summary["lengths"]]
+    ax.set_xticks(lengths, [f"{n:,}" for n in lengths])  # the measured lengths, not log-axis minor labels
+    ax.minorticks_off()
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel(f"TTFT ms (min of {summary['repeats']}, {summary['threads']} threads)")
     title = "kvrag and llama.cpp, SmolLM2-135M-Instruct, same token ids"

@@ -224,9 +224,9 @@ PLAIN_DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Q
 
 
 def _grouped_masked(model: Any, layer: Any, mask: torch.Tensor | None, hidden: torch.Tensor) -> bool:
-    """Whether layer ``idx`` runs under a dense mask with grouped keys on the CPU, where transformers would copy
-    every key/value head once per query head it serves before SDPA (it passes ``enable_gqa`` only without a mask)
-    and CPU SDPA takes the grouped heads with a mask as they are.
+    """Whether ``layer`` runs under a dense mask over grouped key/value heads on the CPU: there transformers would
+    copy every key/value head once per query head it serves before SDPA (it passes ``enable_gqa`` only without a
+    mask), while CPU SDPA takes the grouped heads and the mask as they are.
     """
     return (type(mask) is torch.Tensor and hidden.device.type == "cpu"
             and getattr(model.config, "_attn_implementation", None) == "sdpa"

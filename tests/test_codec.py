@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -531,3 +532,18 @@ def test_codec_bench_rows_and_markdown() -> None:
                and r["ratio_vs_bf16"] == pytest.approx(16 / r["bits_per_element"]) for r in rows)
     table = to_markdown(rows)
     assert table.count("\n| ") == 3 and "cachegen | 2*" in table  # 3 rows after the header
+
+
+def test_cachegen_clamping_a_value_beyond_its_range_is_logged(fitted: CacheGenCodec, caplog) -> None:
+    """A coefficient beyond ±32767 steps cannot be coded: it is clamped, and the log says so (the bound breaks)."""
+    keys, values = synthetic_kv(104)
+    with caplog.at_level(logging.WARNING, logger="kvrag.codec.cachegen"):
+        fitted.encode_layer(keys[2], values[2], 2)
+    assert not caplog.records  # in range: silent
+    keys[2, 1, 7, 4] = 1e9
+    with caplog.at_level(logging.WARNING, logger="kvrag.codec.cachegen"):
+        blob = fitted.encode_layer(keys[2], values[2], 2)
+    assert any("layer 2 (keys)" in r.getMessage() and "clamped" in r.getMessage() for r in caplog.records)
+    k, _ = fitted.decode_layer(blob, 2, tuple(keys[2].shape), torch.float32)
+    assert k.shape == keys[2].shape and bool(torch.isfinite(k).all())
+    assert float((k - keys[2]).abs().max()) > 1e6  # the clamped value is far off: why the warning is there

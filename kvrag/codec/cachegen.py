@@ -15,7 +15,7 @@ Per layer, separately for pre-RoPE K and for V, on the ``C = kv_heads * head_dim
 3. *Layer-wise quantisation.* One uniform step ``Δ = steps[level][kind][group] * rms(layer, kind)``
    on every coded component; steps grow over three layer groups, early layers finer, as in CacheGen.
    Both transforms are orthonormal, so every token's error is at most ``Δ/2 * sqrt(C)`` in L2 norm,
-   unless a coefficient exceeds ``32767 Δ`` (clamped).
+   unless a coefficient exceeds ``32767 Δ`` (clamped, with a logged warning naming the layer).
 4. *Entropy coding.* Components are cut into segments by their ``sigma/Δ`` band; each (kind, band)
    has one fitted distribution over codes ``-E..E`` plus an escape (escaped codes follow the blob
    header as int16). ``k <= 4`` codes share one symbol of a product model over
@@ -46,6 +46,7 @@ The blob format lives in `kvrag.codec.cachegen_format`, the per-level tables in
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -59,6 +60,8 @@ from kvrag.codec.base import Codec, CodecNotFittedError, register_codec
 from kvrag.codec.cachegen_format import BLOB_FORMAT, MAX_SEQ, Q_MAX, layer_symbols, pack_blob, parse_blob
 from kvrag.codec.cachegen_state import MIX_DIMS, CacheGenState, fit_state, layer_group
 from kvrag.codec.cachegen_tables import DEFAULT_STEPS, LevelTables, SharedState, Steps
+
+log = logging.getLogger(__name__)
 
 __all__ = ["BLOB_FORMAT", "DEFAULT_STEPS", "CacheGenCodec", "Steps"]
 
@@ -155,7 +158,13 @@ class CacheGenCodec(Codec):
         m = tables.mix.shape[-1] // h
         top = comps[:, :, :m].transpose(0, 1).reshape(s, h * m) @ tables.mix[kind, layer]  # [S, H*m]
         coded = torch.cat([top, comps[:, :, m:].transpose(0, 1).reshape(s, h * (d - m))], dim=1)  # [S, C]
-        return coded.round_().clamp_(-Q_MAX, Q_MAX).to(torch.int32).numpy()
+        coded.round_()
+        beyond = int((coded.abs() > Q_MAX).sum())
+        if beyond:  # the error bound does not hold for these: say so rather than clamp in silence
+            log.warning("cachegen: %d coded value%s of layer %d (%s) beyond %d steps clamped; those tokens' error "
+                        "exceeds the codec's bound (the raw codec stores them exactly)", beyond,
+                        "s" if beyond > 1 else "", layer, ("keys", "values")[kind], Q_MAX)
+        return coded.clamp_(-Q_MAX, Q_MAX).to(torch.int32).numpy()
 
     def encode_layer(self, keys: torch.Tensor, values: torch.Tensor, layer: int) -> bytes:
         shared = self._require_fit("encode_layer")

@@ -115,10 +115,11 @@ class Embedder:
     @property
     def model(self) -> Any:
         """The sentence-transformers model, loaded (with ``sentence_transformers``) the first time it is needed."""
-        with self._loading:
-            if self._model is None:
-                logger.info("loading embedder %s from %s", self.name, self._location)
-                self._model = _load_sentence_transformer(self._location, self._device)
+        if self._model is None:  # the lock only for the first load: every query reads this
+            with self._loading:
+                if self._model is None:
+                    logger.info("loading embedder %s from %s", self.name, self._location)
+                    self._model = _load_sentence_transformer(self._location, self._device)
         return self._model
 
     @property

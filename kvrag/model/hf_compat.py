@@ -166,8 +166,7 @@ def layer_queries(model: Any, idx: int, hidden: torch.Tensor, rope: tuple[torch.
     applied where the model has one).
     """
     layer = decoder_layers(model)[idx]
-    attn = layer.self_attn
-    return apply_rope(_heads(attn, attn.q_proj, getattr(attn, "q_norm", None), layer.input_layernorm(hidden)), *rope)
+    return _queries(layer.self_attn, layer.input_layernorm(hidden), rope)
 
 
 def layer_keys_values(
@@ -178,8 +177,17 @@ def layer_keys_values(
     running the rest of the layer.
     """
     layer = decoder_layers(model)[idx]
-    attn = layer.self_attn
-    h = layer.input_layernorm(hidden)
+    return _keys_values(layer.self_attn, layer.input_layernorm(hidden), rope)
+
+
+def _queries(attn: Any, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotated queries ``[1, n_heads, n, D]`` of attention module ``attn`` for its normed input ``h``."""
+    return apply_rope(_heads(attn, attn.q_proj, getattr(attn, "q_norm", None), h), *rope)
+
+
+def _keys_values(attn: Any, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated keys and values ``[1, n_kv_heads, n, D]`` of attention module ``attn`` for its normed input ``h``."""
     keys = apply_rope(_heads(attn, attn.k_proj, getattr(attn, "k_norm", None), h), *rope)
     return keys, _heads(attn, attn.v_proj, None, h)
 
@@ -241,9 +249,8 @@ def _run_grouped_masked(layer: Any, idx: int, hidden: torch.Tensor, mask: torch.
     """
     attn = layer.self_attn
     h = layer.input_layernorm(hidden)
-    queries = apply_rope(_heads(attn, attn.q_proj, getattr(attn, "q_norm", None), h), *rope)
-    keys = apply_rope(_heads(attn, attn.k_proj, getattr(attn, "k_norm", None), h), *rope)
-    keys, values = cache.layer(idx).update(keys, _heads(attn, attn.v_proj, None, h))
+    queries = _queries(attn, h, rope)
+    keys, values = cache.layer(idx).update(*_keys_values(attn, h, rope))
     out = torch.nn.functional.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=attn.scaling,
                                                            enable_gqa=True)
     hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:-1], -1))

@@ -121,6 +121,20 @@ def test_bench_speed_tiny_gpu(tmp_path: Path) -> None:
     assert payload["device"].startswith("cuda") and payload["dtype"] == "bfloat16"
 
 
+def test_bench_decode_checks_the_triton_decoder_and_reports_throughput(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Tiny shapes (on the CPU the decoder runs in Triton's interpreter); on CUDA the real kernel."""
+    args = ["bench", "decode", "--heads", "2", "--head-dim", "16", "--layers", "1", "--chunk-tokens", "16",
+            "--distinct", "1", "--chunks", "1,3", "--repeats", "1", "--out", str(tmp_path)]
+    assert main(args) == 0
+    result = json.loads((tmp_path / "decode.json").read_text())
+    assert result["bit_exact"] is True
+    assert [(r["chunks"], r["blobs"], r["tokens"]) for r in result["rows"]] == [(1, 1, 16), (3, 3, 48)]
+    assert [r["decoded_MB"] for r in result["rows"]] == [2 * 2 * 16 * 16 * 2 / 1e6, 3 * 2 * 2 * 16 * 16 * 2 / 1e6]
+    assert all(r["kernel_GBps"] > 0 and r["decode_region_ms"] > 0 for r in result["rows"])
+    assert "| 3 | 3 | 48 |" in capsys.readouterr().out
+
+
 def test_bench_speed_skips_lengths_over_the_window(tmp_path: Path) -> None:
     rc = main(
         [

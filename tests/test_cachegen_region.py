@@ -16,6 +16,8 @@ from kvrag.codec import rans
 from kvrag.codec.cachegen import CacheGenCodec
 
 LENGTHS = [37, 0, 3, 1, 70]
+# where the Triton decoder runs: CUDA, or the CPU in Triton's interpreter (conftest sets it up without CUDA)
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +98,11 @@ def test_triton_decoder_reports_corrupt_streams(codec: CacheGenCodec) -> None:
     flipped = bytearray(blobs[0][0])
     flipped[-7] ^= 0x5A  # a word of the stream
     with pytest.raises(ValueError, match="blob 0 of the region does not decode"):
-        codec.decode_region([[bytes(flipped), blobs[0][1]]], layers, [30, 25], torch.float32, kernel=True)
+        codec.decode_region([[bytes(flipped), blobs[0][1]]], layers, [30, 25], torch.float32, KERNEL_DEVICE,
+                            kernel=True)
     short = _with_header(blobs[0][1], -1)  # one escape too few: the stream asks for more than the list holds
     with pytest.raises(ValueError, match=rf"blob 1 .*status {rans_decode.TOO_MANY_ESCAPES}"):
-        codec.decode_region([[blobs[0][0], short]], layers, [30, 25], torch.float32, kernel=True)
+        codec.decode_region([[blobs[0][0], short]], layers, [30, 25], torch.float32, KERNEL_DEVICE, kernel=True)
     with pytest.raises(ValueError, match="blob 1"):
         codec.decode_region([[blobs[0][0], short]], layers, [30, 25], torch.float32, kernel=False)
 
@@ -109,9 +112,9 @@ def test_region_checks_its_inputs(codec: CacheGenCodec) -> None:
     with pytest.raises(ValueError, match="need as many blobs"):
         codec.decode_region(blobs, [0, 1], [5, 6], torch.float32)
     with pytest.raises(ValueError, match="holds 5 tokens"):
-        codec.decode_region(blobs, [0], [6, 6], torch.float32, kernel=True)
+        codec.decode_region(blobs, [0], [6, 6], torch.float32, KERNEL_DEVICE, kernel=True)
     with pytest.raises(ValueError, match="outside the fitted"):
-        codec.decode_region(blobs, [L], [5, 6], torch.float32, kernel=True)
+        codec.decode_region(blobs, [L], [5, 6], torch.float32, KERNEL_DEVICE, kernel=True)
     batch = region.build_batch(codec, blobs, [0], [5, 6])
     sizes = [len(b) for b in blobs[0]]
     at, _ = region.aligned(sizes)

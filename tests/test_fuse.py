@@ -210,7 +210,7 @@ def test_kv_deviation_from_full_shrinks_as_ratio_grows():
         inp = FusionInput(prefix, chunks, kv, suffix)
         for i, r in enumerate(ratios):
             totals[i] += _deviation(lm, inp, FuseConfig(mode="cacheblend", ratio=r), ref)
-    assert all(a >= b for a, b in zip(totals, totals[1:])), totals
+    assert all(a >= b - 1e-9 for a, b in zip(totals, totals[1:])), totals  # (equal up to float rounding at the end)
     assert totals[-1] <= 1e-6 < totals[0]
 
 
@@ -518,22 +518,3 @@ def test_cacheblend_narrowing_before_a_check_layers_body_changes_no_result(arch,
     # layer 0 runs every candidate; check layer 1's body already runs on the first cut only
     assert result.n_selected[:3] == [chunk_tokens - chunks[0].numel() + suffix.numel(),
                                      first + suffix.numel(), math.ceil(0.2 * chunk_tokens) + suffix.numel()]
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("config", [FuseConfig(mode="cacheblend", ratio=0.3), FuseConfig(mode="probe", ratio=0.3)])
-def test_masked_blocks_over_grouped_heads_give_what_the_transformers_layer_gives(monkeypatch, arch, config):
-    """On the CPU a masked block runs its layer from the layer's parts with one grouped-heads SDPA call, and that
-    gives what the layer's own forward gives (which copies the key/value heads per query head first)."""
-    lm, prefix, chunks, kv, suffix = _setup(arch, seed=7)
-    calls = []
-    grouped = hf_compat._run_grouped_masked
-    monkeypatch.setattr(hf_compat, "_run_grouped_masked", lambda *a: calls.append(a[1]) or grouped(*a))
-    fast = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
-    assert len(set(calls)) == lm.spec.n_layers  # every layer ran its masked blocks this way
-    monkeypatch.setattr(hf_compat, "_grouped_masked", lambda *a: False)
-    reference = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
-    assert torch.equal(fast.selected, reference.selected)
-    assert (fast.logits - reference.logits).abs().max().item() <= 1e-5
-    for (k, v), (rk, rv) in zip(hf_compat.cache_layers(fast.cache), hf_compat.cache_layers(reference.cache)):
-        assert (k - rk).abs().max().item() <= 1e-5 and (v - rv).abs().max().item() <= 1e-5

@@ -11,6 +11,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
+from kvrag.model import plain_layer
+
 
 def rope_parameters(config: Any) -> dict[str, Any]:
     """The config's RoPE parameters as a plain dict (transformers 5 ``rope_parameters``, or 4.x)."""
@@ -108,8 +110,8 @@ class ScatterLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values, rows = self.full()
         assert rows is not None and key_states.shape[-2] == rows.numel()
-        keys[:, :, rows] = key_states.to(self.dtype)
-        values[:, :, rows] = value_states.to(self.dtype)
+        keys.index_copy_(2, rows, key_states.to(self.dtype))
+        values.index_copy_(2, rows, value_states.to(self.dtype))
         if self.limit is not None and self.limit < keys.shape[2]:
             return keys[:, :, : self.limit], values[:, :, : self.limit]
         return keys, values
@@ -152,14 +154,6 @@ def apply_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((out, k_pass), dim=-1) if k_pass.shape[-1] else out
 
 
-def _heads(attn: Any, proj: Any, norm: Any, h: torch.Tensor) -> torch.Tensor:
-    """A projection of the normed layer input ``h`` ``[1, n, hidden]`` split into heads ``[1, heads, n, D]``
-    (the per-head norm applied where the model has one).
-    """
-    x = proj(h).view(1, h.shape[1], -1, attn.head_dim)  # [1, n, heads, D]
-    return (x if norm is None else norm(x)).transpose(1, 2)
-
-
 def layer_queries(model: Any, idx: int, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Rotated queries ``[1, n_heads, n, D]`` that decoder layer ``idx`` computes for ``hidden``
     (its input, ``[1, n, hidden]``) whose positions have the `position_embeddings` ``rope`` (q-norm
@@ -182,14 +176,14 @@ def layer_keys_values(
 
 def _queries(attn: Any, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Rotated queries ``[1, n_heads, n, D]`` of attention module ``attn`` for its normed input ``h``."""
-    return apply_rope(_heads(attn, attn.q_proj, getattr(attn, "q_norm", None), h), *rope)
+    return apply_rope(plain_layer.heads(attn.q_proj, getattr(attn, "q_norm", None), h, attn.head_dim), *rope)
 
 
 def _keys_values(attn: Any, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated keys and values ``[1, n_kv_heads, n, D]`` of attention module ``attn`` for its normed input ``h``."""
-    keys = apply_rope(_heads(attn, attn.k_proj, getattr(attn, "k_norm", None), h), *rope)
-    return keys, _heads(attn, attn.v_proj, None, h)
+    keys = apply_rope(plain_layer.heads(attn.k_proj, getattr(attn, "k_norm", None), h, attn.head_dim), *rope)
+    return keys, plain_layer.heads(attn.v_proj, None, h, attn.head_dim)
 
 
 def position_embeddings(model: Any, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,9 +206,8 @@ def run_decoder_layer(
     (``rope``: their `position_embeddings`).
     """
     layer = decoder_layers(model)[idx]
-    if _grouped_masked(model, layer, mask, hidden):
-        assert mask is not None
-        return _run_grouped_masked(layer, idx, hidden, mask, rope, cache)
+    if plain_layer.runs_plain(layer):
+        return plain_layer.run(layer, hidden, mask, rope, cache.layer(idx))
     out = layer(
         hidden,
         attention_mask=mask,
@@ -224,34 +217,3 @@ def run_decoder_layer(
         position_embeddings=rope,
     )
     return out[0] if isinstance(out, tuple) else out
-
-
-# Decoder layers whose forward is: pre-norm attention with q/k/v/o projections (and optional per-head q/k norms) plus
-# a residual, then pre-norm MLP plus a residual; the layers `_run_grouped_masked` may run from their parts.
-PLAIN_DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
-
-
-def _grouped_masked(model: Any, layer: Any, mask: torch.Tensor | None, hidden: torch.Tensor) -> bool:
-    """Whether ``layer`` runs under a dense mask over grouped key/value heads on the CPU: there transformers would
-    copy every key/value head once per query head it serves before SDPA (it passes ``enable_gqa`` only without a
-    mask), while CPU SDPA takes the grouped heads and the mask as they are.
-    """
-    return (type(mask) is torch.Tensor and hidden.device.type == "cpu"
-            and getattr(model.config, "_attn_implementation", None) == "sdpa"
-            and type(layer).__name__ in PLAIN_DECODER_LAYERS
-            and getattr(layer.self_attn, "num_key_value_groups", 1) > 1)
-
-
-def _run_grouped_masked(layer: Any, idx: int, hidden: torch.Tensor, mask: torch.Tensor,
-                        rope: tuple[torch.Tensor, torch.Tensor], cache: ScatterCache) -> torch.Tensor:
-    """A `PLAIN_DECODER_LAYERS` layer from its parts, its attention one SDPA call over the grouped key/value heads
-    (the same operations and results as the layer's own forward under SDPA, without the copies of the keys).
-    """
-    attn = layer.self_attn
-    h = layer.input_layernorm(hidden)
-    queries = _queries(attn, h, rope)
-    keys, values = cache.layer(idx).update(*_keys_values(attn, h, rope))
-    out = torch.nn.functional.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=attn.scaling,
-                                                           enable_gqa=True)
-    hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:-1], -1))
-    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))

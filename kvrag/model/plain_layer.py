@@ -1,0 +1,138 @@
+"""Decoder layers of the Llama family run from their parts, with fewer kernels than their own forward.
+
+A selective recompute runs every decoder layer once per pass over a few selected tokens, so on a GPU
+a layer costs mostly its kernel launches and the Python around them, not its arithmetic. A layer of
+`PLAIN_DECODER_LAYERS` (pre-norm attention with q/k/v/o projections and optional per-head q/k norms,
+a residual, pre-norm gated MLP, a residual) is run here from its own weights:
+
+- RMS norms as one ``rms_norm`` call (the layer's: six elementwise kernels);
+- rotary embeddings as ``x * cos + roll(x) * sin±`` (the layer's: five kernels per tensor), with the
+  signed sine computed once per block;
+- the fresh key/value rows written into the cache with ``index_copy_``;
+- attention over the grouped key/value heads without copying them per query head, where the kernel
+  takes them (no mask, a lower-right causal bias, a `ScatterBias`, a dense mask on the CPU); on CUDA
+  a dense mask keeps the copies, since the kernel that takes a dense mask has no grouped heads;
+- the gated MLP through ``F.linear`` and ``F.silu``.
+
+The operations and their order are the layer's own, so the results agree with it to float rounding
+(checked for every tiny architecture in ``tests/test_plain_layer.py``). Layers of other classes, and
+layers whose norm or activation is not the plain one or that carry accelerate's hooks, run their own forward
+(`runs_plain`).
+
+Layout: hidden states ``[1, n, hidden]``; heads ``[1, heads, n, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from kvrag.model.hf_compat import ScatterLayer
+
+# Decoder layers whose forward is: pre-norm attention with q/k/v/o projections (and optional per-head q/k norms) plus
+# a residual, then pre-norm MLP plus a residual.
+PLAIN_DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
+_SILU = frozenset({"SiLU", "SiLUActivation"})  # torch's and transformers' module for ``x * sigmoid(x)``
+_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+
+
+def runs_plain(layer: Any) -> bool:
+    """Whether `run` takes ``layer`` (checked once per layer and remembered on it)."""
+    known = getattr(layer, "_kvrag_runs_plain", None)
+    if known is None:
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = [layer.input_layernorm, layer.post_attention_layernorm,
+                 *(n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n is not None)]
+        known = (type(layer).__name__ in PLAIN_DECODER_LAYERS
+                 and all(type(n).__name__ in _RMS_NORMS for n in norms)
+                 and type(getattr(mlp, "act_fn", None)).__name__ in _SILU
+                 and getattr(attn.config, "_attn_implementation", None) == "sdpa"
+                 # accelerate's hooks (device maps, offloading) move weights in before a module's forward
+                 and not any(hasattr(m, "_hf_hook") for m in layer.modules()))
+        layer._kvrag_runs_plain = known
+    return bool(known)
+
+
+def rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
+    """A model's RMS norm module applied to ``x``: normalised in float32, cast back, scaled by its weight."""
+    y = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon)
+    return norm.weight * y.to(x.dtype)
+
+
+class Rope:
+    """A block's rotary ``(cos, sin)`` ``[1, n, D]`` in the form `rotate` applies: ``sin±`` is the sine with its
+    first half negated, so that ``rotate_half(x) * sin == roll(x, D/2) * sin±`` exactly.
+    """
+
+    def __init__(self, rope: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> None:
+        cos, sin = rope
+        half = sin.shape[-1] // 2
+        self.source = rope
+        self.cos = cos[:, None].to(dtype)  # [1, 1, n, D]
+        self.sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, None].to(dtype)
+        self.half = half
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[1, heads, n, D]`` rotated (what the layer's ``apply_rotary_pos_emb`` gives); with partial
+        rotary embeddings (``R < D``) its last ``D - R`` features pass unrotated.
+        """
+        rot = self.cos.shape[-1]
+        if rot != x.shape[-1]:
+            return torch.cat((self.rotate(x[..., :rot]), x[..., rot:]), dim=-1)
+        return torch.addcmul(x * self.cos, torch.roll(x, self.half, dims=-1), self.sin)
+
+
+_latest = threading.local()  # per thread, the `Rope` of the block last run, reused by every layer that runs it
+
+
+def _rope_for(rope: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> Rope:
+    made = getattr(_latest, "rope", None)
+    if made is None or made.source is not rope or made.cos.dtype != dtype:
+        made = _latest.rope = Rope(rope, dtype)
+    return made
+
+
+def heads(proj: Any, norm: Any, h: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Projection ``proj`` of the normed layer input ``h`` ``[1, n, hidden]`` split into heads ``[1, heads, n, D]``
+    (the per-head ``norm`` applied where the model has one).
+    """
+    x = F.linear(h, proj.weight, proj.bias).view(1, h.shape[1], -1, head_dim)  # [1, n, heads, D]
+    if norm is not None:
+        x = rms_norm(norm, x) if type(norm).__name__ in _RMS_NORMS else norm(x)
+    return x.transpose(1, 2)
+
+
+def _attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Any, scale: float) -> torch.Tensor:
+    """SDPA of ``queries`` over the grouped ``keys``/``values`` under ``mask`` (None: causal over all of them)."""
+    groups = queries.shape[1] // keys.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(queries, keys, values, is_causal=queries.shape[2] > 1, scale=scale,
+                                              enable_gqa=groups > 1)
+    if groups > 1 and type(mask) is torch.Tensor and queries.device.type == "cuda":
+        keys, values = (t.repeat_interleave(groups, dim=1) for t in (keys, values))
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
+
+
+def run(layer: Any, hidden: torch.Tensor, mask: Any, rope: tuple[torch.Tensor, torch.Tensor],
+        scatter: ScatterLayer) -> torch.Tensor:
+    """Decoder layer ``layer`` (`runs_plain`) on ``hidden`` ``[1, n, hidden]`` at the positions whose rotary
+    embeddings are ``rope``; their fresh key/value rows go into ``scatter`` (its ``rows`` set by the caller).
+    """
+    attn, mlp = layer.self_attn, layer.mlp
+    h = rms_norm(layer.input_layernorm, hidden)
+    rot = _rope_for(rope, h.dtype)
+    d = attn.head_dim
+    queries = rot.rotate(heads(attn.q_proj, getattr(attn, "q_norm", None), h, d))
+    keys = rot.rotate(heads(attn.k_proj, getattr(attn, "k_norm", None), h, d))
+    keys, values = scatter.update(keys, heads(attn.v_proj, None, h, d))
+    out = _attend(queries, keys, values, mask, attn.scaling).transpose(1, 2).reshape(*hidden.shape[:-1], -1)
+    hidden = hidden + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+    h = rms_norm(layer.post_attention_layernorm, hidden)
+    gated = F.silu(F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)) * F.linear(h, mlp.up_proj.weight,
+                                                                                    mlp.up_proj.bias)
+    return hidden + F.linear(gated, mlp.down_proj.weight, mlp.down_proj.bias)

@@ -14,7 +14,7 @@ import torch
 from kvrag.fusion.inputs import FusionInput, Segments
 from kvrag.indexing.kvgen import KV
 from kvrag.loading.feed import ChunkFeed, TensorFeed
-from kvrag.model import LoadedModel, apply_rope, hf_compat
+from kvrag.model import LoadedModel, hf_compat, plain_layer
 
 
 def prefixed_layers(lm: LoadedModel, inp: FusionInput, seg: Segments) -> list[KV]:
@@ -48,5 +48,5 @@ def place_layer(layer: hf_compat.ScatterLayer, kv: tuple[torch.Tensor, torch.Ten
     """Write one layer's stored chunk K/V (``[H, n, D]`` pre-RoPE) into the full cache, keys rotated."""
     keys, values, _ = layer.full()
     start, stop = seg.prefix_len, seg.suffix_start
-    keys[0, :, start:stop] = apply_rope(kv[0][None].to(keys.dtype), cos, sin)[0]
+    plain_layer.rotation(cos, sin, keys.dtype).rotate(kv[0][None].to(keys.dtype), out=keys[:, :, start:stop])
     values[0, :, start:stop] = kv[1].to(values.dtype)

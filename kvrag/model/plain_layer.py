@@ -1,11 +1,13 @@
 """Decoder layers of the Llama family run from their parts, with fewer kernels than their own forward.
 
 A selective recompute runs every decoder layer once per pass over a few selected tokens, so on a GPU
-a layer costs mostly its kernel launches and the Python around them, not its arithmetic. A layer of
+a layer costs mostly its kernel launches and the Python around them, not its arithmetic. (Counted on the
+CPU for a tiny Llama, a fusion runs about as many tensor operations either way; the saving is mostly the
+Python of the layer's own forward, and on CUDA the rotary and norm kernels and the copies of grouped keys.) A layer of
 `PLAIN_DECODER_LAYERS` (pre-norm attention with q/k/v/o projections and optional per-head q/k norms,
 a residual, pre-norm gated MLP, a residual) is run here from its own weights:
 
-- RMS norms as one ``rms_norm`` call (the layer's: six elementwise kernels);
+- RMS norms through ``F.rms_norm`` (fused where torch has a kernel for it; the layer's: six elementwise ops);
 - rotary embeddings as ``x * cos + roll(x) * sin±`` (the layer's: five kernels per tensor), with the
   signed sine computed once per block;
 - the fresh key/value rows written into the cache with ``index_copy_``;
@@ -76,23 +78,32 @@ class Rope:
         self.sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, None].to(dtype)
         self.half = half
 
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[1, heads, n, D]`` rotated (what the layer's ``apply_rotary_pos_emb`` gives); with partial
-        rotary embeddings (``R < D``) its last ``D - R`` features pass unrotated.
+    def rotate(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``[1, heads, n, D]`` rotated (what the layer's ``apply_rotary_pos_emb`` gives), into ``out``
+        when given (e.g. the rows of a cache); with partial rotary embeddings (``R < D``) its last ``D - R``
+        features pass unrotated.
         """
         rot = self.cos.shape[-1]
         if rot != x.shape[-1]:
-            return torch.cat((self.rotate(x[..., :rot]), x[..., rot:]), dim=-1)
-        return torch.addcmul(x * self.cos, torch.roll(x, self.half, dims=-1), self.sin)
+            whole = torch.cat((self.rotate(x[..., :rot]), x[..., rot:]), dim=-1)
+            return whole if out is None else out.copy_(whole)
+        return torch.addcmul(x * self.cos, torch.roll(x, self.half, dims=-1), self.sin, out=out)
 
 
-_latest = threading.local()  # per thread, the `Rope` of the block last run, reused by every layer that runs it
+_latest = threading.local()  # per thread, the few `Rope`s last asked for (`rotation`)
+_KEPT_ROPES = 4
 
 
-def _rope_for(rope: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> Rope:
-    made = getattr(_latest, "rope", None)
-    if made is None or made.source is not rope or made.cos.dtype != dtype:
-        made = _latest.rope = Rope(rope, dtype)
+def rotation(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> Rope:
+    """The `Rope` of ``(cos, sin)`` in ``dtype``, built once while the same tensors come back: a fusion asks for
+    its placed chunks' and each block's every layer.
+    """
+    kept: list[Rope] = getattr(_latest, "ropes", None) or []
+    for made in kept:
+        if made.source[0] is cos and made.source[1] is sin and made.cos.dtype == dtype:
+            return made
+    made = Rope((cos, sin), dtype)
+    _latest.ropes = [made, *kept[: _KEPT_ROPES - 1]]
     return made
 
 
@@ -125,7 +136,7 @@ def run(layer: Any, hidden: torch.Tensor, mask: Any, rope: tuple[torch.Tensor, t
     """
     attn, mlp = layer.self_attn, layer.mlp
     h = rms_norm(layer.input_layernorm, hidden)
-    rot = _rope_for(rope, h.dtype)
+    rot = rotation(*rope, h.dtype)
     d = attn.head_dim
     queries = rot.rotate(heads(attn.q_proj, getattr(attn, "q_norm", None), h, d))
     keys = rot.rotate(heads(attn.k_proj, getattr(attn, "k_norm", None), h, d))

@@ -1,4 +1,5 @@
-"""Every call into version-sensitive transformers internals lives here.
+"""Every call into version-sensitive transformers internals lives here, and in `kvrag.model.plain_layer`, which
+runs Llama-family decoder layers from their parts (`run_decoder_layer` chooses it).
 
 Layout: ``[batch, kv_heads, seq, head_dim]``.
 """

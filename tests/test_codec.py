@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvrag.bench.decode import synthetic_chunk
 from kvrag.codec import make_codec, rans
 from kvrag.codec.base import Codec, CodecNotFittedError
 from kvrag.codec.cachegen import BLOB_FORMAT, CacheGenCodec
@@ -23,17 +24,8 @@ L, H, D = 4, 2, 16
 
 def synthetic_kv(seed: int, seq: int = 37, layers: int = L, heads: int = H, dim: int = D,
                  scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """KV with the structure of real caches: channel offsets, low-rank token content, noise."""
-    g = torch.Generator().manual_seed(seed)
-    c = heads * dim
-    offsets = torch.linspace(-2, 2, c)[torch.randperm(c, generator=torch.Generator().manual_seed(99))]
-    mix = torch.randn(6, c, generator=torch.Generator().manual_seed(98))
-
-    def one() -> torch.Tensor:
-        z = torch.randn(layers, seq, 6, generator=g) @ mix + 0.1 * torch.randn(layers, seq, c, generator=g)
-        return (scale * (z + offsets)).view(layers, seq, heads, dim).permute(0, 2, 1, 3).contiguous()
-
-    return one(), one()
+    """KV with the structure of real caches (`kvrag.bench.decode.synthetic_chunk`) in this file's tiny shape."""
+    return synthetic_chunk(seed, layers, heads, seq, dim, scale)
 
 
 @pytest.fixture(scope="module")

@@ -134,6 +134,7 @@ def test_fusion_runs_every_layer_from_its_parts_with_the_same_result(monkeypatch
     monkeypatch.setattr(plain_layer, "run", lambda layer, *a: calls.append(id(layer)) or run(layer, *a))
     fast = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
     assert len(set(calls)) == lm.spec.n_layers
+    assert not plain_layer._latest.ropes  # the rotations it kept are dropped when it ends
     monkeypatch.setattr(plain_layer, "runs_plain", lambda layer: False)
     reference = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
     assert torch.equal(fast.selected, reference.selected)

@@ -30,9 +30,10 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-def synthetic_chunk(seed: int, layers: int, heads: int, tokens: int, head_dim: int) -> tuple[Any, Any]:
+def synthetic_chunk(seed: int, layers: int, heads: int, tokens: int, head_dim: int,
+                    scale: float = 1.0) -> tuple[Any, Any]:
     """Keys and values ``[layers, heads, tokens, head_dim]`` (float32) shaped like real caches: per-channel
-    offsets, six shared directions of token content, and noise.
+    offsets, six shared directions of token content, and noise, all times ``scale``.
     """
     import torch
 
@@ -44,7 +45,7 @@ def synthetic_chunk(seed: int, layers: int, heads: int, tokens: int, head_dim: i
     def one() -> Any:
         z = torch.randn(layers, tokens, 6, generator=gen) @ mix + 0.1 * torch.randn(layers, tokens, channels,
                                                                                    generator=gen)
-        return (z + offsets).view(layers, tokens, heads, head_dim).permute(0, 2, 1, 3).contiguous()
+        return (scale * (z + offsets)).view(layers, tokens, heads, head_dim).permute(0, 2, 1, 3).contiguous()
 
     return one(), one()
 
@@ -65,15 +66,14 @@ def _timed(fn: Callable[[], Any], device: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _region_row(codec: Any, encoded: list[list[bytes]], n_chunks: int, chunk_tokens: int, dev: Any,
-                repeats: int) -> dict[str, Any]:
+def _region_row(codec: Any, encoded: list[list[bytes]], n_chunks: int, chunk_tokens: int, heads: int,
+                head_dim: int, dev: Any, repeats: int) -> dict[str, Any]:
     """Time one region of ``n_chunks`` chunks (``encoded[layer][j]``, repeated) decoded on ``dev``."""
     import torch
 
     from kvrag.codec import cachegen_region as region
     from kvrag.kernels import rans_decode
 
-    state = codec._require_fit("decode_region").state
     ids = list(range(len(encoded)))
     blobs = [[row[j % len(row)] for j in range(n_chunks)] for row in encoded]
     lengths = [chunk_tokens] * n_chunks
@@ -83,7 +83,7 @@ def _region_row(codec: Any, encoded: list[list[bytes]], n_chunks: int, chunk_tok
     codes = torch.empty(batch.rows, batch.total, device=dev)
     kernel_s = _timed(lambda: rans_decode.decode(data, meta, runs, tables, codes, batch.max_starts), dev, repeats)
     whole_s = _timed(lambda: codec.decode_region(blobs, ids, lengths, torch.bfloat16, dev, kernel=True), dev, repeats)
-    kv_bytes = len(ids) * n_chunks * 2 * state.n_heads * chunk_tokens * state.head_dim * 2
+    kv_bytes = len(ids) * n_chunks * 2 * heads * chunk_tokens * head_dim * 2
     log.info("%d blobs: kernel %.2f ms (%.1f GB/s), decode_region %.2f ms", len(ids) * n_chunks, kernel_s * 1e3,
              kv_bytes / kernel_s / 1e9, whole_s * 1e3)
     return {"chunks": n_chunks, "blobs": len(ids) * n_chunks, "tokens": n_chunks * chunk_tokens,
@@ -121,7 +121,7 @@ def run_decode_bench(heads: int = 8, head_dim: int = 128, layers: int = 4, chunk
         codec.decode_region(encoded, ids, [chunk_tokens] * distinct, torch.bfloat16, dev, kernel=False))
     if not exact:
         raise RuntimeError(f"the Triton decoder's region differs from the host decoder's on {dev}")
-    rows = [_region_row(codec, encoded, n_chunks, chunk_tokens, dev, repeats) for n_chunks in chunks]
+    rows = [_region_row(codec, encoded, n, chunk_tokens, heads, head_dim, dev, repeats) for n in chunks]
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)"
     return {"device": name, "heads": heads, "head_dim": head_dim, "layers": layers, "chunk_tokens": chunk_tokens,
             "level": codec.level, "bit_exact": exact, "rows": rows}

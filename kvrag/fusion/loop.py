@@ -23,7 +23,7 @@ from kvrag.fusion.inputs import FusionInput, FusionResult, Segments, segments
 from kvrag.fusion.scores import question_attention, token_scores
 from kvrag.fusion.selectors import Selector, make_selector
 from kvrag.loading.feed import ChunkFeed
-from kvrag.model import LoadedModel, hf_compat, rope_at
+from kvrag.model import LoadedModel, hf_compat, plain_layer, rope_at
 
 
 def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig, selector: Selector | None = None) -> FusionResult:
@@ -73,6 +73,7 @@ def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig, selector: Select
                 n_selected = [a + b for a, b in zip(probe_counts, n_selected)]
             logits = hf_compat.final_logits(lm.model, hidden[:, -1:])[0, -1]
     finally:
+        plain_layer.forget_rotations()
         if feed is not None:
             feed.close()
     return FusionResult(cache.to_dynamic(), logits, seg.total, n_selected,

@@ -107,6 +107,11 @@ def rotation(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> Rope:
     return made
 
 
+def forget_rotations() -> None:
+    """Drop this thread's kept `Rope`s (and the tensors they hold), e.g. when a fusion ends."""
+    _latest.ropes = []
+
+
 def heads(proj: Any, norm: Any, h: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Projection ``proj`` of the normed layer input ``h`` ``[1, n, hidden]`` split into heads ``[1, heads, n, D]``
     (the per-head ``norm`` applied where the model has one).

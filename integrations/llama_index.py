@@ -45,6 +45,7 @@ except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the
     ) from exc
 
 from kvrag.config import DEFAULT_MODE
+from kvrag.lazy import lazy_exports
 from kvrag.query.flat import chat_prompt, stream_flat_prompt
 
 # The chat classes are defined in `kvrag.integrations.llama_index_chat` and loaded on first use (`__getattr__`).
@@ -224,10 +225,6 @@ def _trimmed(pieces: Iterable[str]) -> Iterator[str]:
             pending += piece
 
 
-def __getattr__(name: str) -> Any:
-    # The chat classes live in `kvrag.integrations.llama_index_chat`, which imports this module.
-    if name in ("KVRagChatEngine", "KVRagChatLLM"):
-        from kvrag.integrations import llama_index_chat
-
-        return getattr(llama_index_chat, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The chat classes live in `kvrag.integrations.llama_index_chat`, which imports this module.
+__getattr__ = lazy_exports(__name__, dict.fromkeys(("KVRagChatEngine", "KVRagChatLLM"),
+                                                   "kvrag.integrations.llama_index_chat"))

@@ -12,7 +12,7 @@ Heavy dependencies (torch, transformers, faiss) load on first use of `KVRag`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvrag.config import (
     CodecConfig,
@@ -33,6 +33,7 @@ from kvrag.errors import (
     ModelNotFoundError,
     UnsupportedModelError,
 )
+from kvrag.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -49,12 +50,7 @@ _LAZY = {"KVRag": "kvrag.rag", "Answer": "kvrag.query.answer", "RetrievedChunk":
          "RepairReport": "kvrag.repair"}
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'kvrag' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [

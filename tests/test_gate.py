@@ -65,6 +65,17 @@ def test_a_failed_check_climbs_the_ladder_then_prefills_in_full(rag: KVRag):
     assert gated.timings["gate_s"] == pytest.approx(sum(a["seconds"] for a in gated.gate.attempts[:-1]))
 
 
+def test_a_gated_answer_tokenises_each_passage_once(rag: KVRag, monkeypatch):
+    from kvrag import prompt
+
+    texts = []
+    laid_out = prompt.chunk_text_for_prompt  # what every tokenisation of a passage starts with
+    monkeypatch.setattr(prompt, "chunk_text_for_prompt", lambda text: texts.append(text) or laid_out(text))
+    rag.context.tokenized.clear()
+    rag.answer("Who designed the alpha reactor?", k=3, gate=GateConfig(**ALWAYS_FUSE), max_new_tokens=2)
+    assert texts and len(texts) == len(set(texts))  # the gate's count and the prompt share one tokenisation
+
+
 def test_strict_skips_the_ladder(rag: KVRag):
     strict = GateConfig(full_below_tokens=0, min_margin=1e9, ladder=(0.5,), strict=True)
     gated = rag.answer(Q, k=3, gate=strict, max_new_tokens=3)

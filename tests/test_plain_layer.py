@@ -10,6 +10,7 @@ from kvrag.config import FuseConfig
 from kvrag.fusion import FusionInput, fuse
 from kvrag.fusion import attention as attn
 from kvrag.fusion.scatter_attention import ScatterBias, ScatterPlan
+from kvrag.fusion.tiled_attention import SortedCausalBias
 from kvrag.model import hf_compat, plain_layer
 
 TOTAL = 96
@@ -23,6 +24,8 @@ def _masks(sel: torch.Tensor, kind: str, dtype: torch.dtype):
         return attn.attention_mask(sel, TOTAL, dtype, None)
     if kind == "lower-right":
         return attn.causal_lower_right(int(sel.numel()), TOTAL)
+    if kind == "tiled":
+        return SortedCausalBias(sel)
     return ScatterBias(ScatterPlan.build(sel, TOTAL))
 
 
@@ -75,7 +78,7 @@ def _largest_difference(a, b) -> float:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("kind", ["causal", "dense", "lower-right", "scatter"])
+@pytest.mark.parametrize("kind", ["causal", "dense", "lower-right", "scatter", "tiled"])
 def test_every_layer_from_its_parts_gives_what_its_own_forward_gives(arch, kind):
     plain, own = _both(tiny_model(arch), kind, torch.float32, "cpu")
     assert _largest_difference(plain, own) <= 1e-5

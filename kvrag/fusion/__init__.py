@@ -7,8 +7,10 @@ Modules, one responsibility each:
   (`register_selector`, `make_selector`, `available_modes`); `FixedSelector` for positions chosen
   outside fusion;
 - `placement`: the full cache, prefix and stored chunk rows placed at their positions;
-- `attention`: how the selection attends in a layer (blocks, masks, kernel choice);
-  `scatter_attention`: the FlexAttention path;
+- `attention`: how the selection attends in a layer (blocks, masks, kernel choice), through
+  `sdpa_standin` masks that run their own kernel: `scatter_attention` (FlexAttention, CUDA),
+  `tiled_attention` (unmasked and masked tiles, CPU), `reading_attention` (a probe pass's layer output and
+  the question's reading from the same products);
 - `scores`: K/V deviation and the question's attention, which selectors rank by;
 - `loop`: `fuse`, the layer loop that runs the model's decoder layers on the selected positions only.
 
@@ -18,8 +20,9 @@ registry without importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvrag.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kvrag.fusion.inputs import FusionInput, FusionResult
@@ -46,10 +49,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'kvrag.fusion' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [

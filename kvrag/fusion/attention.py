@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvrag.fusion import scatter_attention
+from kvrag.fusion import reading_attention, scatter_attention, tiled_attention
 from kvrag.model import LoadedModel, hf_compat
 
 ATTENTION_BLOCKS = 4  # selected tokens run through a layer in up to this many position-ordered blocks
@@ -26,6 +26,12 @@ MIN_BLOCK_TOKENS_CUDA = 1024  # on a GPU each block launches the layer's kernels
 # where a selection of the last positions runs as one block with a lower-right causal bias instead of masked blocks;
 # on the CPU SDPA would build that mask anyway, and the blocks halve the keys read
 LOWER_RIGHT_DEVICES = {"cuda"}
+# where a scattered selection runs as one block under a `SortedCausalBias` (tiles of unmasked and masked attention,
+# `kvrag.fusion.tiled_attention`): SDPA's CPU flash kernel; a CUDA kernel takes FlexAttention or masked blocks
+TILED_DEVICES = {"cpu"}
+# where a probe pass's question writes its attention out once for the layer and for its reading (`ReadingBias`);
+# elsewhere the layer's kernel runs and `scores.question_attention` reads the question's attention apart
+READING_DEVICES = {"cpu"}
 # (part of the selection, keys it attends to, mask, the model's (cos, sin) for its positions)
 Block = tuple[slice, int, "torch.Tensor | None", tuple[torch.Tensor, torch.Tensor]]  # mask: additive or a CausalBias
 
@@ -65,9 +71,11 @@ def layer_blocks(lm: LoadedModel, sel: torch.Tensor, total: int, dtype: torch.dt
     positions all selected (cacheblend before its first check, `prefix`): one block under a
     lower-right causal bias, which SDPA also runs with its flash kernel. A selection spread over the
     prompt runs as one block under a `ScatterBias` (FlexAttention) when it attends to at least
-    ``flex_from`` keys (`attention_kernel`; None: never). Otherwise it is cut into position-ordered
-    blocks run in order; a block attends only to the positions up to its last token, so the attention
-    reads about half the keys it would with one block over all of them. Exact: a block sees the fresh
+    ``flex_from`` keys (`attention_kernel`; None: never); on the CPU, under a `SortedCausalBias`
+    (tiles of unmasked and masked attention), so its projections and MLP run as one matrix product
+    each. Otherwise (a kernel that needs a dense mask) it is cut into position-ordered blocks run in
+    order; a block attends only to the positions up to its last token, so the attention reads about
+    half the keys it would with one block over all of them. Exact: a block sees the fresh
     rows written by the blocks before it, and no row after it. Each block's rotary embeddings are
     computed here, once per pass.
     """
@@ -90,6 +98,8 @@ def layer_blocks(lm: LoadedModel, sel: torch.Tensor, total: int, dtype: torch.dt
     if flex_from is not None and last >= flex_from and causal_ok:  # (SDPA, and a window that masks nothing)
         plan = scatter_attention.ScatterPlan.build(sel, last)
         return [block(slice(0, n), last, scatter_attention.ScatterBias(plan))]
+    if causal_ok and sel.device.type in TILED_DEVICES:
+        return [block(slice(0, n), last, tiled_attention.SortedCausalBias(sel))]
     min_tokens = MIN_BLOCK_TOKENS_CUDA if sel.device.type == "cuda" else MIN_BLOCK_TOKENS
     count = max(1, min(ATTENTION_BLOCKS, n // min_tokens))
     bounds = [round(i * n / count) for i in range(count + 1)]
@@ -100,6 +110,19 @@ def layer_blocks(lm: LoadedModel, sel: torch.Tensor, total: int, dtype: torch.dt
         within = window if window is not None and limit > window else None
         blocks.append(block(slice(a, b), limit, attention_mask(sel[a:b], limit, dtype, within)))
     return blocks
+
+
+def reading_blocks(lm: LoadedModel, blocks: list[Block], sel: torch.Tensor, window: int | None, causal_ok: bool,
+                   readers: int, sink: torch.Tensor) -> list[Block] | None:
+    """``blocks`` as one block under a `ReadingBias` that adds the attention of the selection's last ``readers``
+    tokens to ``sink`` ``[N]``, where it applies (a kernel that masks causally by itself, a window that masks
+    nothing, `READING_DEVICES`, few enough weights to write out); None where it does not.
+    """
+    last = int(sel[-1]) + 1
+    if not (causal_ok and (window is None or last <= window) and sel.device.type in READING_DEVICES
+            and reading_attention.fits(int(sel.numel()), lm.spec.n_heads, last)):
+        return None
+    return [(slice(0, int(sel.numel())), last, reading_attention.ReadingBias(sel, readers, sink), rope_of(blocks))]
 
 
 def rope_of(blocks: list[Block]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -122,6 +122,7 @@ class _LayerLoop:
         n_suffix = seg.total - seg.suffix_start
         if attention is not None:  # the question's rotary embeddings, for its queries at every layer
             q_rope = hf_compat.position_embeddings(lm.model, hidden, sel[-n_suffix:])
+        reading = self.reading(blocks, sel, n_suffix, attention)
         n_selected = []
         for layer_idx in range(lm.spec.n_layers):
             scatter = self.cache.layer(layer_idx)
@@ -133,13 +134,23 @@ class _LayerLoop:
                 if keep is not None:
                     sel, hidden = sel[keep], hidden[:, keep]
                     blocks = self.blocks(sel, hidden.dtype)
+                    reading = self.reading(blocks, sel, n_suffix, attention)
             n_selected.append(int(sel.numel()))
             hidden_in = hidden
-            hidden = run_layer(lm, layer_idx, hidden, sel, blocks, self.cache)
-            if attention is not None and layer_idx >= attention_from:
+            reads = attention is not None and layer_idx >= attention_from
+            hidden = run_layer(lm, layer_idx, hidden, sel, reading if reads and reading else blocks, self.cache)
+            if reads and not reading:
+                assert attention is not None
                 attention += question_attention(lm, layer_idx, hidden_in[:, -n_suffix:], sel[-n_suffix:],
                                                 q_rope, None, scatter)
         return hidden, sel, n_selected
+
+    def reading(self, blocks: list[attn.Block], sel: torch.Tensor, readers: int,
+                attention: torch.Tensor | None) -> list[attn.Block] | None:
+        """`attn.reading_blocks` for this pass (None without an ``attention`` to accumulate)."""
+        if attention is None:
+            return None
+        return attn.reading_blocks(self.lm, blocks, sel, self.window, self.causal_ok, readers, attention)
 
     def narrow(self, layer_idx: int, sel: torch.Tensor, hidden_in: torch.Tensor,
                scatter: hf_compat.ScatterLayer, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:

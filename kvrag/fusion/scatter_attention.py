@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvrag.fusion.sdpa_standin import SdpaStandIn
+
 log = logging.getLogger(__name__)
 
 
@@ -49,31 +51,20 @@ class ScatterPlan:
         return cls(positions, keys, mask)
 
 
-class ScatterBias(torch.Tensor):
+class ScatterBias(SdpaStandIn):
     """Passed as a decoder layer's ``attention_mask``: its SDPA call runs `scatter_attention`."""
 
     plan: ScatterPlan
 
     def __new__(cls, plan: ScatterPlan) -> ScatterBias:
-        return torch.Tensor._make_subclass(cls, torch.empty(0, device=plan.positions.device), False)
+        return super().__new__(cls, plan.positions.device)
 
     def __init__(self, plan: ScatterPlan) -> None:
         self.plan = plan
 
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return _intercept(*args, **kwargs)
-        return super().__torch_function__(func, types, args, kwargs)
-
-
-def _intercept(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: ScatterBias,
-               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-               enable_gqa: bool = False) -> torch.Tensor:
-    if dropout_p or is_causal:
-        raise ValueError("a ScatterBias stands for the whole mask: dropout and is_causal must be off")
-    return scatter_attention(query, key, value, attn_mask.plan, scale)
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """`scatter_attention` under this stand-in's plan."""
+        return scatter_attention(query, key, value, self.plan, scale)
 
 
 def scatter_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: ScatterPlan,

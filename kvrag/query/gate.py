@@ -28,7 +28,6 @@ import torch
 from kvrag.config import DEFAULT_MODE, FuseConfig, GateConfig
 from kvrag.fusion import FusionResult, Selector
 from kvrag.indexing.kvgen import KV
-from kvrag.prompt import chunk_token_ids
 from kvrag.query import pipeline
 from kvrag.query.answer import RetrievedChunk
 from kvrag.query.pipeline import FusedPrompt, QueryContext
@@ -109,7 +108,7 @@ def gate_settings(gate: GateConfig | bool) -> GateConfig | None:
 
 def stale_tokens(ctx: QueryContext, chunks: Sequence[RetrievedChunk], first_exact: bool = True) -> int:
     """Chunk tokens whose stored caches are approximate in this prompt: all but the first chunk's."""
-    lengths = [len(chunk_token_ids(ctx.lm.tokenizer, c.text)) for c in chunks]
+    lengths = [len(ctx.chunk_ids(c.text)) for c in chunks]
     return sum(lengths[1:] if first_exact else lengths)
 
 

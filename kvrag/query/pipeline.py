@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,8 @@ from kvrag.storage.kvstore import KVStore
 
 log = logging.getLogger(__name__)
 
+TOKENIZED_TEXTS = 256  # chunk texts whose token ids a `QueryContext` keeps
+
 
 @dataclass
 class QueryContext:
@@ -50,6 +53,20 @@ class QueryContext:
     recover: Callable[[RetrievedChunk, bool], KV]  # recompute a chunk's cache (bool: its plain cache)
     prefix_exact: bool = True  # the chunk caches were computed after this very prefix (False in a conversation)
     reuse_prefix: bool = False  # the prefix is a conversation's kept KV: no mode recomputes it
+    tokenized: OrderedDict[str, list[int]] = field(default_factory=OrderedDict)  # `chunk_ids`' last texts
+
+    def chunk_ids(self, text: str) -> list[int]:
+        """`chunk_token_ids` of ``text`` under this model's tokenizer, remembered for the last
+        `TOKENIZED_TEXTS` texts: the gate counts a prompt's tokens before the pipeline lays it out.
+        """
+        ids = self.tokenized.get(text)
+        if ids is None:
+            ids = self.tokenized[text] = chunk_token_ids(self.lm.tokenizer, text)
+            while len(self.tokenized) > TOKENIZED_TEXTS:
+                self.tokenized.popitem(last=False)
+        else:
+            self.tokenized.move_to_end(text)
+        return ids
 
 
 def check_question(question: str) -> None:
@@ -80,7 +97,7 @@ def prompt_ids(ctx: QueryContext, question: str, chunks: list[RetrievedChunk],
                ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The chunks' and the question suffix's token ids, checked against the context window."""
     suffix = suffix_token_ids(ctx.lm.tokenizer, ctx.layout, question)
-    chunk_ids = [torch.tensor(chunk_token_ids(ctx.lm.tokenizer, c.text)) for c in chunks]
+    chunk_ids = [torch.tensor(ctx.chunk_ids(c.text)) for c in chunks]
     total = ctx.prefix.length + sum(int(c.numel()) for c in chunk_ids) + len(suffix)
     if total >= ctx.lm.spec.max_position:
         raise InputError(

@@ -11,7 +11,9 @@ format), `kvrag.serve.scheduler` (the worker thread that owns the model), `kvrag
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvrag.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kvrag.serve.app import ServeOptions, create_app, run_server
@@ -31,7 +33,4 @@ def check_installed() -> None:
             raise ImportError(f"{INSTALL_HINT} ({name} is missing)") from exc
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("ServeOptions", "create_app", "run_server"):
-        return getattr(importlib.import_module("kvrag.serve.app"), name)
-    raise AttributeError(f"module 'kvrag.serve' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, dict.fromkeys(("ServeOptions", "create_app", "run_server"), "kvrag.serve.app"))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 SplitMode = Literal["semantic", "fixed", "document"]
-ATTENTION_KERNELS: tuple[str, ...] = ("auto", "blocks", "flex")
+ATTENTION_KERNELS: tuple[str, ...] = ("auto", "blocks", "flex", "tiles")
 # The mode an answer fuses with when none is named: at the same ratio `probe` agreed with `full` more than
 # `cacheblend` on every data set measured (benchmarks/README.md, "`probe` against `cacheblend`").
 DEFAULT_MODE = "probe"
@@ -156,10 +156,13 @@ class FuseConfig:
         attention: how tokens selected at scattered positions attend to the cache: ``"blocks"``
             (the decoder layer runs once per position-ordered block, each under a dense mask),
             ``"flex"`` (one decoder call per layer, its attention FlexAttention under a block mask;
-            compiled on CUDA, an unfused reference elsewhere) or ``"auto"`` (the default: on CUDA,
-            where it compiles and runs, ``flex`` for selections attending to at least
-            ``kvrag.fusion.attention.FLEX_MIN_KEYS`` keys; ``blocks`` otherwise). Both are exact. FlexAttention
-            is compiled by the first fusion that uses it in a process, which is then slow.
+            compiled on CUDA, an unfused reference elsewhere), ``"tiles"`` (on the CPU: one decoder call
+            per layer, its attention in tiles of unmasked and masked keys, `kvrag.fusion.tiled_attention`, and
+            a probe pass reading the question's attention from the layer's own products; elsewhere
+            ``blocks``) or ``"auto"`` (the default: ``tiles`` on the CPU; on CUDA, where it compiles and
+            runs, ``flex`` for selections attending to at least ``kvrag.fusion.attention.FLEX_MIN_KEYS``
+            keys, ``blocks`` otherwise). All are exact. FlexAttention is compiled by the first fusion that
+            uses it in a process, which is then slow.
         adaptive: let the loading controller (`kvrag.query.plan`) plan fusions that load from the
             store: recompute the last chunks from their text when loading them would take longer
             than recomputing them, and raise ``cacheblend``'s ratio (up to its

@@ -31,6 +31,12 @@ def test_parse_modes() -> None:
     specs = parse_modes("cacheblend@0.05,attnlink@4,reuse")
     assert [s.label for s in specs] == ["full", "cacheblend@0.05", "attnlink@4", "reuse"]
     assert specs[1].config.ratio == 0.05 and specs[2].config.link_tokens == 4
+    # one mode under two attention kernels, side by side
+    tiles, blocks = parse_modes("probe@0.2,probe@0.2+blocks")[1:]
+    assert (tiles.config.attention, blocks.config.attention) == ("auto", "blocks")
+    assert blocks.label == "probe@0.2+blocks" and blocks.config.ratio == 0.2
+    with pytest.raises(ValueError, match="attention kernel"):
+        parse_modes("probe+dense")
     with pytest.raises(ValueError, match="unknown mode"):
         parse_modes("full,blend@0.1")
     with pytest.raises(ValueError, match="takes no"):

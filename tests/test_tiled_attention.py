@@ -63,15 +63,22 @@ def test_bad_shapes_are_refused():
                                 torch.tensor([1, 4, 9]))
 
 
-def test_a_scattered_selection_on_the_cpu_runs_as_one_tiled_block(monkeypatch):
+def test_tiles_are_the_cpu_default_and_blocks_stay_on_request(monkeypatch):
+    cpu = torch.device("cpu")
+    assert attn.tiles_on("auto", cpu) and attn.tiles_on("tiles", cpu)
+    assert not attn.tiles_on("blocks", cpu) and not attn.tiles_on("flex", cpu)
+    assert not attn.tiles_on("auto", torch.device("cuda")) and not attn.tiles_on("tiles", torch.device("cuda"))
     lm = wrap_model(tiny_model("llama"), None, "llama")
     sel = torch.tensor([3, 9, 10, 40, 41, 44])
-    (only,) = attn.layer_blocks(lm, sel, 45, torch.float32, None, True)
+    (only,) = attn.layer_blocks(lm, sel, 45, torch.float32, None, True, tiled=True)
     assert isinstance(only[2], SortedCausalBias) and only[1] == 45 and only[0] == slice(0, 6)
-    monkeypatch.setattr(attn, "TILED_DEVICES", set())
     monkeypatch.setattr(attn, "MIN_BLOCK_TOKENS", 2)
     assert all(type(b[2]) is torch.Tensor for b in attn.layer_blocks(lm, sel, 45, torch.float32, None, True))
-    assert all(type(b[2]) is torch.Tensor for b in attn.layer_blocks(lm, sel, 45, torch.float32, None, False))
+    # a kernel that needs a dense mask (eager attention) gets masked blocks even when tiles are on
+    eager = attn.layer_blocks(lm, sel, 45, torch.float32, None, False, tiled=True)
+    assert all(type(b[2]) is torch.Tensor for b in eager)
+    with pytest.raises(ValueError, match="attention"):
+        FuseConfig(attention="tile")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -84,11 +91,16 @@ def test_fusion_with_tiles_gives_what_masked_blocks_give(monkeypatch, arch, plai
     lm, prefix, chunks, kv, suffix = _setup(arch, seed=5)
     if not plain:  # the layers' own forward, which hands the stand-in to its SDPA call
         monkeypatch.setattr(plain_layer, "runs_plain", lambda layer: False)
-    config = FuseConfig(mode="probe", ratio=0.3)
-    tiled = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
-    monkeypatch.setattr(attn, "TILED_DEVICES", set())
+    spy = []
+    real = attn.layer_blocks
+    monkeypatch.setattr(attn, "layer_blocks", lambda *a, **k: spy.append(real(*a, **k)) or spy[-1])
     monkeypatch.setattr(attn, "MIN_BLOCK_TOKENS", 4)
-    blocks = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
+    tiled = fuse(lm, FusionInput(prefix, chunks, kv, suffix), FuseConfig(mode="probe", ratio=0.3))
+    assert any(isinstance(b[2], SortedCausalBias) for made in spy for b in made)
+    spy.clear()
+    blocks = fuse(lm, FusionInput(prefix, chunks, kv, suffix), FuseConfig(mode="probe", ratio=0.3, attention="blocks"))
+    assert not any(isinstance(b[2], SortedCausalBias) for made in spy for b in made)
+    assert max(len(made) for made in spy) > 1  # the masked blocks it is compared with
     assert torch.equal(tiled.selected, blocks.selected)
     assert (tiled.logits - blocks.logits).abs().max().item() <= 1e-5
     for (k, v), (rk, rv) in zip(hf_compat.cache_layers(tiled.cache), hf_compat.cache_layers(blocks.cache)):
@@ -125,10 +137,8 @@ def test_a_probe_reading_its_attention_in_the_layer_reads_what_it_read_apart(mon
     calls = []
     attend = ReadingBias.attend
     monkeypatch.setattr(ReadingBias, "attend", lambda self, *a: calls.append(1) or attend(self, *a))
-    config = FuseConfig(mode="probe", ratio=0.3)
     results = []
-    for devices in ({"cpu"}, set()):
-        monkeypatch.setattr(attn, "READING_DEVICES", devices)
+    for config in (FuseConfig(mode="probe", ratio=0.3), FuseConfig(mode="probe", ratio=0.3, attention="blocks")):
         selector = ProbeSelector(config)
         results.append((fuse(lm, FusionInput(prefix, chunks, kv, suffix), config, selector), selector.attention))
     (together, read), (apart, reference) = results

@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kvrag.config import FuseConfig
+from kvrag.config import ATTENTION_KERNELS, FuseConfig
 from kvrag.fusion.selectors.base import available_modes, selector_class
 
 DEFAULT_SPEED_MODES = "full,prefix,reuse,cacheblend@0.15,probe@0.15,attnlink@16"
@@ -53,7 +53,8 @@ def parse_mode(text: str) -> ModeSpec:
     ``attention`` or ``kv_attention``); ``probe@0.2`` -> ratio 0.2 (``probe@0.2/0.75`` also sets
     ``probe_from``); ``attnlink@16`` -> 16 link tokens; ``full@bfloat16`` -> full prefill with the
     model in bfloat16 (how far precision alone moves the answer); bare names use defaults.
-    ``+adaptive`` lets the loading controller plan; ``+gate`` answers under the correctness gate.
+    ``+adaptive`` lets the loading controller plan; ``+gate`` answers under the correctness gate;
+    ``+blocks`` (any of `ATTENTION_KERNELS`) sets `FuseConfig.attention`, so two kernels run side by side.
     """
     body, plus, extra = text.strip().partition("+")
     if plus and extra == "gate":
@@ -61,9 +62,14 @@ def parse_mode(text: str) -> ModeSpec:
         if base.config.mode == "full" or base.oracle or base.dtype:
             raise ValueError(f"+gate checks a fused cache; {body!r} fuses none")
         return dataclasses.replace(base, label=text.strip(), gate=True)
+    if plus and extra in ATTENTION_KERNELS:
+        base = parse_mode(body)
+        return dataclasses.replace(base, label=text.strip(),
+                                   config=dataclasses.replace(base.config, attention=extra))
     if plus:
         if extra != "adaptive":
-            raise ValueError(f"a mode takes only '+adaptive' or '+gate' after it, got {text!r}")
+            raise ValueError(f"a mode takes only '+adaptive', '+gate' or an attention kernel "
+                             f"({', '.join(ATTENTION_KERNELS)}) after it, got {text!r}")
         base = parse_mode(body)
         if base.config.mode == "full" or base.oracle:
             raise ValueError(f"+adaptive plans loading from the store; {body!r} loads nothing")

@@ -112,8 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "pinned on CUDA), gpu (resident in GPU memory); comma list")
     parser.add_argument("--codec", default="raw", help="codec of the stored caches: raw, int8, cachegen "
                         "(fitted on the first length's chunks)")
-    parser.add_argument("--attention", default="auto", choices=ATTENTION_KERNELS,
-                        help="kernel for selections spread over the prompt (FuseConfig.attention), every mode")
+    parser.add_argument("--attention", default=None, choices=ATTENTION_KERNELS,
+                        help="kernel for selections spread over the prompt (FuseConfig.attention), every mode "
+                        "(default: each mode's own, auto unless it ends in +KERNEL, e.g. probe@0.15+blocks)")
     common.add_schedule_flags(parser)
     parser.add_argument("--store-mbps", type=float, default=None, metavar="MB/S",
                         help="read the disk tier through one link of this many MB/s (a remote store; "

@@ -26,12 +26,10 @@ MIN_BLOCK_TOKENS_CUDA = 1024  # on a GPU each block launches the layer's kernels
 # where a selection of the last positions runs as one block with a lower-right causal bias instead of masked blocks;
 # on the CPU SDPA would build that mask anyway, and the blocks halve the keys read
 LOWER_RIGHT_DEVICES = {"cuda"}
-# where a scattered selection runs as one block under a `SortedCausalBias` (tiles of unmasked and masked attention,
-# `kvrag.fusion.tiled_attention`): SDPA's CPU flash kernel; a CUDA kernel takes FlexAttention or masked blocks
+# where `FuseConfig.attention` "tiles" (and "auto") runs a scattered selection as one block under a `SortedCausalBias`
+# (`kvrag.fusion.tiled_attention`, on SDPA's CPU flash kernel) and a probe pass reads the question's attention from the
+# layer's own products (`ReadingBias`); a CUDA kernel takes FlexAttention or masked blocks instead
 TILED_DEVICES = {"cpu"}
-# where a probe pass's question writes its attention out once for the layer and for its reading (`ReadingBias`);
-# elsewhere the layer's kernel runs and `scores.question_attention` reads the question's attention apart
-READING_DEVICES = {"cpu"}
 # (part of the selection, keys it attends to, mask, the model's (cos, sin) for its positions)
 Block = tuple[slice, int, "torch.Tensor | None", tuple[torch.Tensor, torch.Tensor]]  # mask: additive or a CausalBias
 
@@ -63,7 +61,7 @@ def causal_lower_right(n: int, total: int) -> Any:
 
 
 def layer_blocks(lm: LoadedModel, sel: torch.Tensor, total: int, dtype: torch.dtype, window: int | None,
-                 causal_ok: bool, flex_from: int | None = None) -> list[Block]:
+                 causal_ok: bool, flex_from: int | None = None, tiled: bool = False) -> list[Block]:
     """How the selected tokens run through each layer.
 
     Every position selected and a kernel that masks causally by itself (``causal_ok``): one block,
@@ -71,9 +69,9 @@ def layer_blocks(lm: LoadedModel, sel: torch.Tensor, total: int, dtype: torch.dt
     positions all selected (cacheblend before its first check, `prefix`): one block under a
     lower-right causal bias, which SDPA also runs with its flash kernel. A selection spread over the
     prompt runs as one block under a `ScatterBias` (FlexAttention) when it attends to at least
-    ``flex_from`` keys (`attention_kernel`; None: never); on the CPU, under a `SortedCausalBias`
-    (tiles of unmasked and masked attention), so its projections and MLP run as one matrix product
-    each. Otherwise (a kernel that needs a dense mask) it is cut into position-ordered blocks run in
+    ``flex_from`` keys (`attention_kernel`; None: never); with ``tiled`` (`tiles_on`), under a
+    `SortedCausalBias` (tiles of unmasked and masked attention), so its projections and MLP run as one
+    matrix product each. Otherwise (a kernel that needs a dense mask) it is cut into position-ordered blocks run in
     order; a block attends only to the positions up to its last token, so the attention reads about
     half the keys it would with one block over all of them. Exact: a block sees the fresh
     rows written by the blocks before it, and no row after it. Each block's rotary embeddings are
@@ -98,7 +96,7 @@ def layer_blocks(lm: LoadedModel, sel: torch.Tensor, total: int, dtype: torch.dt
     if flex_from is not None and last >= flex_from and causal_ok:  # (SDPA, and a window that masks nothing)
         plan = scatter_attention.ScatterPlan.build(sel, last)
         return [block(slice(0, n), last, scatter_attention.ScatterBias(plan))]
-    if causal_ok and sel.device.type in TILED_DEVICES:
+    if causal_ok and tiled:
         return [block(slice(0, n), last, tiled_attention.SortedCausalBias(sel))]
     min_tokens = MIN_BLOCK_TOKENS_CUDA if sel.device.type == "cuda" else MIN_BLOCK_TOKENS
     count = max(1, min(ATTENTION_BLOCKS, n // min_tokens))
@@ -116,10 +114,10 @@ def reading_blocks(lm: LoadedModel, blocks: list[Block], sel: torch.Tensor, wind
                    readers: int, sink: torch.Tensor) -> list[Block] | None:
     """``blocks`` as one block under a `ReadingBias` that adds the attention of the selection's last ``readers``
     tokens to ``sink`` ``[N]``, where it applies (a kernel that masks causally by itself, a window that masks
-    nothing, `READING_DEVICES`, few enough weights to write out); None where it does not.
+    nothing, few enough weights to write out); None where it does not. The loop asks for it where `tiles_on`.
     """
     last = int(sel[-1]) + 1
-    if not (causal_ok and (window is None or last <= window) and sel.device.type in READING_DEVICES
+    if not (causal_ok and (window is None or last <= window)
             and reading_attention.fits(int(sel.numel()), lm.spec.n_heads, last)):
         return None
     return [(slice(0, int(sel.numel())), last, reading_attention.ReadingBias(sel, readers, sink), rope_of(blocks))]
@@ -138,9 +136,14 @@ def attention_kernel(choice: str, device: torch.device) -> int | None:
     """
     if choice == "flex":
         return 0
-    if choice == "blocks" or device.type != "cuda":
+    if choice in ("blocks", "tiles") or device.type != "cuda":
         return None
     return FLEX_MIN_KEYS if scatter_attention.flex_works(device) else None
+
+
+def tiles_on(choice: str, device: torch.device) -> bool:
+    """Whether `FuseConfig.attention` ``choice`` runs scattered selections in tiles on ``device`` (`layer_blocks`)."""
+    return choice in ("auto", "tiles") and device.type in TILED_DEVICES
 
 
 def causal_kernel(lm: LoadedModel) -> bool:

@@ -52,7 +52,8 @@ def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig, selector: Select
     layers = placement.prefixed_layers(lm, inp, seg)
     cache = hf_compat.ScatterCache(layers)
     feed = placement.open_feed(lm, inp, seg, layers[0][0].dtype)
-    loop = _LayerLoop(lm, ids, seg, cache, selector, config.score, attn.attention_kernel(config.attention, device))
+    loop = _LayerLoop(lm, ids, seg, cache, selector, config.score, attn.attention_kernel(config.attention, device),
+                      attn.tiles_on(config.attention, device))
     sel = selector.initial(seg).nonzero().squeeze(1).to(device)  # [n_sel] sorted positions
     try:
         with torch.no_grad():
@@ -96,14 +97,15 @@ class _LayerLoop:
     """One pass of the selected tokens through every decoder layer, writing their rows into the cache."""
 
     def __init__(self, lm: LoadedModel, ids: torch.Tensor, seg: Segments, cache: hf_compat.ScatterCache,
-                 selector: Selector, score: str, flex_from: int | None = None) -> None:
+                 selector: Selector, score: str, flex_from: int | None = None, tiled: bool = False) -> None:
         self.lm, self.ids, self.seg, self.cache = lm, ids, seg, cache
-        self.selector, self.score, self.flex_from = selector, score, flex_from
+        self.selector, self.score, self.flex_from, self.tiled = selector, score, flex_from, tiled
         self.window, self.causal_ok = lm.spec.sliding_window, attn.causal_kernel(lm)
 
     def blocks(self, sel: torch.Tensor, dtype: torch.dtype) -> list[attn.Block]:
         """`attn.layer_blocks` for ``sel`` under this loop's model, window and kernel."""
-        return attn.layer_blocks(self.lm, sel, self.seg.total, dtype, self.window, self.causal_ok, self.flex_from)
+        return attn.layer_blocks(self.lm, sel, self.seg.total, dtype, self.window, self.causal_ok, self.flex_from,
+                                 self.tiled)
 
     def run(
         self, sel: torch.Tensor, placing: tuple[ChunkFeed, torch.Tensor, torch.Tensor] | None,
@@ -147,8 +149,8 @@ class _LayerLoop:
 
     def reading(self, blocks: list[attn.Block], sel: torch.Tensor, readers: int,
                 attention: torch.Tensor | None) -> list[attn.Block] | None:
-        """`attn.reading_blocks` for this pass (None without an ``attention`` to accumulate)."""
-        if attention is None:
+        """`attn.reading_blocks` for this pass (None without an ``attention`` to accumulate, or without tiles)."""
+        if attention is None or not self.tiled:
             return None
         return attn.reading_blocks(self.lm, blocks, sel, self.window, self.causal_ok, readers, attention)
 

@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from kvrag.fusion.scores import causal_weights
 from kvrag.fusion.sdpa_standin import SdpaStandIn
 
 # The most attention weights (queries x query heads x keys) written out at once: 32 MB of float32.
@@ -47,16 +48,11 @@ def reading_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if q_heads % kv_heads:
         raise ValueError(f"{q_heads} query heads do not group over {kv_heads} key/value heads")
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    groups, limit = q_heads // kv_heads, int(positions[-1]) + 1
+    limit = int(positions[-1]) + 1
     keys, values = key[:, :, :limit], value[:, :, :limit]
-    rows = query.reshape(1, kv_heads, groups * n, dim).to(keys.dtype)  # query head h = kv * groups + g
-    scores = (rows @ keys.transpose(-1, -2)).float().mul_(scale).view(1, kv_heads, groups, n, limit)
-    first = int(positions[0])  # every query sees the keys before it: only the later ones need the mask
-    hidden = torch.arange(first, limit, device=positions.device)[None, :] > positions[:, None]  # [n, limit - first]
-    scores[..., first:].masked_fill_(hidden, -math.inf)
-    weights = scores.softmax(-1)
+    weights = causal_weights(query, keys, positions, None, scale)  # [1, H, groups, n, limit]
     sink[:limit] += weights[:, :, :, n - readers :].sum(dim=(0, 1, 2, 3))
-    out = weights.view(1, kv_heads, groups * n, limit).to(values.dtype) @ values
+    out = weights.view(1, kv_heads, -1, limit).to(values.dtype) @ values
     return out.view(1, q_heads, n, dim)
 
 

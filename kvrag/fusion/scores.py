@@ -75,18 +75,34 @@ def question_attention(
     """
     q = hf_compat.layer_queries(lm.model, layer_idx, hidden_q, q_rope)  # [1, H_q, n_q, D]
     keys, values, _ = layer.full()
+    if key_pos is not None:
+        keys = keys[:, :, key_pos]  # [1, H_kv, n_keys, D]
+    weights = causal_weights(q, keys, q_pos, key_pos, 1 / math.sqrt(q.shape[-1]), lm.spec.sliding_window)
+    if weigh_values:
+        chosen = values if key_pos is None else values[:, :, key_pos]
+        weights = weights * chosen.float().norm(dim=-1)[:, :, None, None]
+    return weights.sum(dim=(0, 1, 2, 3))
+
+
+def causal_weights(query: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, key_pos: torch.Tensor | None,
+                   scale: float, window: int | None = None) -> torch.Tensor:
+    """Attention weights ``[1, H_kv, groups, n_q, n_keys]`` (float32) of queries ``[1, H_q, n_q, D]`` at sorted
+    ``q_pos`` over ``keys`` ``[1, H_kv, n_keys, D]`` at ``key_pos`` (None: positions ``0..n_keys-1``), each query
+    seeing the keys at or before its position (and within ``window``). The products run in the keys' dtype, the
+    softmax in float32.
+    """
+    kv_heads, n_q = keys.shape[1], q_pos.numel()
+    groups = query.shape[1] // kv_heads
+    rows = query.reshape(1, kv_heads, groups * n_q, -1).to(keys.dtype)  # heads of one KV group side by side
+    scores = (rows @ keys.transpose(-1, -2)).float().mul_(scale).view(1, kv_heads, groups, n_q, -1)
+    if key_pos is None and window is None:  # every query sees the keys before the first: mask only the rest
+        first = int(q_pos[0])
+        later = torch.arange(first, keys.shape[2], device=keys.device)
+        scores[..., first:].masked_fill_(later[None, :] > q_pos[:, None], float("-inf"))
+        return scores.softmax(-1)
     if key_pos is None:
         key_pos = torch.arange(keys.shape[2], device=keys.device)
-    else:
-        keys = keys[:, :, key_pos]  # [1, H_kv, n_keys, D]
-    n_q, groups = q_pos.numel(), q.shape[1] // keys.shape[1]
-    q = q.reshape(1, keys.shape[1], groups * n_q, -1).to(keys.dtype)  # heads of one KV group side by side
-    scores = (q @ keys.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])
     hidden = key_pos[None, :] > q_pos[:, None]  # [n_q, n_keys]
-    window = lm.spec.sliding_window
     if window is not None:
         hidden |= key_pos[None, :] <= q_pos[:, None] - window
-    weights = scores.view(1, keys.shape[1], groups, n_q, -1).masked_fill(hidden, float("-inf")).softmax(-1)
-    if weigh_values:
-        weights = weights * values[:, :, key_pos].float().norm(dim=-1)[:, :, None, None]
-    return weights.sum(dim=(0, 1, 2, 3))
+    return scores.masked_fill_(hidden, float("-inf")).softmax(-1)

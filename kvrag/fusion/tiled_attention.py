@@ -42,10 +42,32 @@ def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     return out, lse
 
 
+# A tile: its queries ``a:b``, the keys ``first:last`` its mask covers, that mask ``[1, 1, groups * t, last - first]``.
+Tile = tuple[int, int, int, int, torch.Tensor]
+
+
+def plan_tiles(positions: torch.Tensor, groups: int, dtype: torch.dtype, tile: int | None = None) -> list[Tile]:
+    """The tiles of queries at sorted ``positions`` with ``groups`` query heads per key/value head, each with its
+    additive mask in ``dtype`` (the same for every layer, so built once per selection).
+    """
+    tile = tile or -(-TILE_ROWS // groups)
+    bounds, n = positions.tolist(), int(positions.numel())
+    tiles = []
+    for a in range(0, n, tile):
+        b = min(n, a + tile)
+        first, last = bounds[a], bounds[b - 1] + 1
+        hidden = torch.arange(first, last, device=positions.device)[None, :] > positions[a:b, None]  # [t, keys]
+        mask = torch.zeros(hidden.shape, dtype=dtype, device=positions.device).masked_fill_(hidden, -math.inf)
+        tiles.append((a, b, first, last, mask.repeat(groups, 1)[None, None]))
+    return tiles
+
+
 def sorted_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
-                            scale: float | None = None, tile: int | None = None) -> torch.Tensor:
+                            scale: float | None = None, tile: int | None = None,
+                            tiles: list[Tile] | None = None) -> torch.Tensor:
     """Attention ``[1, Hq, n, D]`` of ``query`` (at sorted ``positions`` ``[n]``) over ``key``/``value``
-    ``[1, H, >= positions[-1] + 1, D]`` (``H`` divides ``Hq``), query ``i`` seeing keys ``0..positions[i]``.
+    ``[1, H, >= positions[-1] + 1, D]`` (``H`` divides ``Hq``), query ``i`` seeing keys ``0..positions[i]``;
+    ``tiles``: `plan_tiles` of these positions, when already made (``tile`` is then unused).
     """
     _, q_heads, n, dim = query.shape
     kv_heads = key.shape[1]
@@ -55,18 +77,10 @@ def sorted_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         raise ValueError(f"{q_heads} query heads do not group over {kv_heads} key/value heads")
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
     groups = q_heads // kv_heads
-    tile = tile or -(-TILE_ROWS // groups)
-    bounds = positions.tolist()
     out = torch.empty(1, n, q_heads, dim, dtype=query.dtype, device=query.device)  # the layer's next layout
-    for a in range(0, n, tile):
-        b = min(n, a + tile)
-        first, last = bounds[a], bounds[b - 1] + 1
+    for a, b, first, last, mask in tiles or plan_tiles(positions, groups, query.dtype, tile):
         rows = query[:, :, a:b].reshape(1, kv_heads, groups * (b - a), dim)  # query head h = kv * groups + g
-        cols = torch.arange(first, last, device=query.device)
-        hidden = cols[None, :] > positions[a:b, None]  # [t, last - first]
-        mask = torch.zeros(hidden.shape, dtype=query.dtype, device=query.device).masked_fill_(hidden, -math.inf)
-        tail, tail_lse = _flash(rows, key[:, :, first:last], value[:, :, first:last],
-                                mask.repeat(groups, 1)[None, None], scale)
+        tail, tail_lse = _flash(rows, key[:, :, first:last], value[:, :, first:last], mask, scale)
         if first > 0:
             head, head_lse = _flash(rows, key[:, :, :first], value[:, :, :first], None, scale)
             lse = torch.logaddexp(head_lse, tail_lse)
@@ -88,7 +102,12 @@ class SortedCausalBias(SdpaStandIn):
 
     def __init__(self, positions: torch.Tensor) -> None:
         self.positions = positions
+        self._tiles: dict[tuple[int, torch.dtype], list[Tile]] = {}  # every layer of a pass shares its tiles
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
-        """`sorted_causal_attention` at this stand-in's positions."""
-        return sorted_causal_attention(query, key, value, self.positions, scale)
+        """`sorted_causal_attention` at this stand-in's positions, its tiles planned on the first call."""
+        groups = query.shape[1] // key.shape[1]
+        tiles = self._tiles.get((groups, query.dtype))
+        if tiles is None:
+            tiles = self._tiles[groups, query.dtype] = plan_tiles(self.positions, groups, query.dtype)
+        return sorted_causal_attention(query, key, value, self.positions, scale, tiles=tiles)

@@ -539,3 +539,18 @@ def test_cachegen_clamping_a_value_beyond_its_range_is_logged(fitted: CacheGenCo
     k, _ = fitted.decode_layer(blob, 2, tuple(keys[2].shape), torch.float32)
     assert k.shape == keys[2].shape and bool(torch.isfinite(k).all())
     assert float((k - keys[2]).abs().max()) > 1e6  # the clamped value is far off: why the warning is there
+
+
+def test_a_fitted_cachegen_codec_loads_without_numba_until_it_codes(fitted: CacheGenCodec, tmp_path: Path) -> None:
+    """numba (about 50 MB resident) is imported by the first encode or decode, not by opening the codec and its
+    fitted state: a process that opens an index and prefills in full never loads it."""
+    import subprocess
+    import sys
+
+    fitted.save_state(tmp_path)
+    code = ("import sys; import kvrag.rag; from kvrag.codec import make_codec, rans; "
+            f"codec = make_codec('cachegen', 1); codec.load_state({str(tmp_path)!r}); "
+            "codec._require_fit('test').tables(codec.level); "
+            "assert 'numba' not in sys.modules, 'numba imported before any encode or decode'; "
+            "rans.decode; assert 'numba' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])

@@ -229,6 +229,33 @@ def test_generation_from_fused_cache_matches_hf_generate(setup):
     assert ours == ref[0, ids.numel():].tolist()
 
 
+def test_the_fused_cache_holds_the_layers_fusion_wrote_not_copies(monkeypatch):
+    """`FusionResult.cache` hands transformers the per-layer K/V the layer loop wrote, not copies of them (one
+    full-size cache at the end of a fusion, not two); decoding after it concatenates, so they are never written."""
+    from kvrag.config import GenerateConfig
+    from kvrag.fusion import placement
+    from kvrag.generation.decode import decode_tokens
+
+    lm, prefix, chunks, kv, suffix = _setup("llama")
+    written: list[tuple[torch.Tensor, torch.Tensor]] = []
+    prefixed_layers = placement.prefixed_layers
+
+    def keep(*args):
+        written.extend(prefixed_layers(*args))
+        return written
+
+    monkeypatch.setattr(placement, "prefixed_layers", keep)
+    result = fuse(lm, FusionInput(prefix, chunks, kv, suffix), FuseConfig(mode="cacheblend"))
+    held = hf_compat.cache_layers(result.cache)
+    assert len(held) == len(written) == lm.spec.n_layers
+    assert all(k is wk and v is wv for (k, v), (wk, wv) in zip(held, written))
+    before = [(k.clone(), v.clone()) for k, v in written]
+    list(decode_tokens(lm.model, result.cache, result.logits, result.n_tokens, GenerateConfig(max_new_tokens=4),
+                       set()))
+    assert all(torch.equal(k, bk) and torch.equal(v, bv) for (k, v), (bk, bv) in zip(written, before))
+    assert hf_compat.cache_layers(result.cache)[0][0].shape[2] > result.n_tokens  # the decoded tokens' rows
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_suffix_attention_matches_the_models_attention_weights(arch):
     from kvrag.fusion.inputs import segments

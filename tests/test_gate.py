@@ -65,6 +65,29 @@ def test_a_failed_check_climbs_the_ladder_then_prefills_in_full(rag: KVRag):
     assert gated.timings["gate_s"] == pytest.approx(sum(a["seconds"] for a in gated.gate.attempts[:-1]))
 
 
+def test_a_failed_attempt_is_freed_before_the_next_one_is_built(rag: KVRag, monkeypatch):
+    import gc
+    import weakref
+
+    from kvrag.query import gate, pipeline
+
+    made: list[weakref.ref] = []
+    alive_at_start: list[int] = []
+    prepare = pipeline.prepare
+
+    def tracked(*args, **kwargs):
+        gc.collect()
+        alive_at_start.append(sum(ref() is not None for ref in made))
+        fused = prepare(*args, **kwargs)
+        made.append(weakref.ref(fused))
+        return fused
+
+    monkeypatch.setattr(gate.pipeline, "prepare", tracked)
+    never = GateConfig(full_below_tokens=0, min_margin=1e9, ladder=(0.5,))
+    gated = rag.answer(Q, k=3, gate=never, max_new_tokens=2)
+    assert gated.gate.escalations == 2 and alive_at_start == [0, 0, 0]  # never two caches at once
+
+
 def test_a_gated_answer_tokenises_each_passage_once(rag: KVRag, monkeypatch):
     from kvrag import prompt
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import ARCHS, tiny_config, tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from kvrag.config import FuseConfig
 from kvrag.fusion import FusionInput, fuse
@@ -144,3 +146,45 @@ def test_fusion_runs_every_layer_from_its_parts_with_the_same_result(monkeypatch
     assert (fast.logits - reference.logits).abs().max().item() <= 1e-5
     for (k, v), (rk, rv) in zip(hf_compat.cache_layers(fast.cache), hf_compat.cache_layers(reference.cache)):
         assert (k - rk).abs().max().item() <= 1e-5 and (v - rv).abs().max().item() <= 1e-5
+
+
+class _Created(TorchDispatchMode):
+    """Records the element count of every tensor whose memory an operator allocates: not views of its inputs, and
+    nothing for operators that write into a tensor they were given (``silu_``, ``mul_``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numels: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        self.numels += [t.numel() for t in tree_leaves(out)
+                        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given]
+        return out
+
+
+def test_a_layer_allocates_two_intermediate_tensors_of_its_mlp_not_four():
+    """The gated MLP runs its activation and its product in place: of its ``[1, n, intermediate]`` tensors only the
+    gate's and the up projection's outputs are allocated (a long prefill's largest tensors), and the layer's output
+    is its own forward's."""
+    model = tiny_model("llama")
+    layer, spec = hf_compat.decoder_layers(model)[0], model.config
+    n, head_dim = TOTAL, spec.hidden_size // spec.num_attention_heads
+    sel = torch.arange(n)
+    hidden = torch.randn(1, n, spec.hidden_size, generator=torch.Generator().manual_seed(5))
+    rope = hf_compat.position_embeddings(model, hidden, sel)
+    outs = []
+    for plain in (True, False):
+        cache = hf_compat.ScatterCache([tuple(torch.zeros(1, spec.num_key_value_heads, n, head_dim) for _ in "kv")])
+        cache.layer(0).rows = sel
+        with torch.no_grad(), _Created() as created:
+            if plain:
+                outs.append(plain_layer.run(layer, hidden, None, rope, cache.layer(0)))
+            else:
+                outs.append(layer(hidden, attention_mask=None, position_ids=sel[None], past_key_values=cache,
+                                  use_cache=True, position_embeddings=rope))
+        if plain:
+            assert created.numels.count(n * spec.intermediate_size) == 2
+    own = outs[1][0] if isinstance(outs[1], tuple) else outs[1]
+    assert (outs[0] - own).abs().max().item() <= 1e-5

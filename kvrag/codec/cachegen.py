@@ -55,9 +55,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvrag.codec import rans
+from kvrag.codec import cachegen_format, rans
 from kvrag.codec.base import Codec, CodecNotFittedError, register_codec
-from kvrag.codec.cachegen_format import BLOB_FORMAT, MAX_SEQ, Q_MAX, layer_symbols, pack_blob, parse_blob
+from kvrag.codec.cachegen_format import BLOB_FORMAT, MAX_SEQ, Q_MAX, pack_blob, parse_blob
 from kvrag.codec.cachegen_state import MIX_DIMS, CacheGenState, fit_state, layer_group
 from kvrag.codec.cachegen_tables import DEFAULT_STEPS, LevelTables, SharedState, Steps
 
@@ -174,7 +174,7 @@ class CacheGenCodec(Codec):
         tables = shared.tables(self.level)
         plan = tables.plans[layer]
         codes = [self._quantise(x, kind, layer, tables) for kind, x in enumerate((keys, values))]
-        symbols, run_len, escaped = layer_symbols(  # type: ignore[call-arg]  # numba's Dispatcher stub
+        symbols, run_len, escaped = cachegen_format.layer_symbols(  # type: ignore[call-arg]  # numba's Dispatcher stub
             *codes, plan.kind, plan.col0, plan.width, plan.radius, plan.k)
         run_dist = np.stack([plan.dist, plan.dist + 1], axis=1).ravel()  # tuples, then singles, per segment
         words, states, status = rans.encode(symbols, run_len, run_dist, tables.models.freq, tables.models.start)

@@ -15,7 +15,8 @@ damaged. Three paths, chosen once per feed:
 - Region (``cachegen`` on CUDA with Triton, or when asked): blobs read whole and decoded on the device
   for several layers of the whole region at once (`CacheGenCodec.decode_region`: one launch of the
   Triton rANS decoder, two batched matmuls).
-- Host: chunk by chunk into a buffer that is then put side by side (on the GPU when the feed targets it).
+- Host: chunk by chunk, on the CPU straight into each chunk's columns of the layer; for CUDA into a buffer of
+  the chunks one after another, which the GPU then puts side by side.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ class StoreFeed(ChunkFeed):
             pass
 
     def _region(self, flat: torch.Tensor, j: int) -> torch.Tensor:
-        """Chunk ``j``'s part ``[2, H, n_j, D]`` of a layer's staging buffer on the host-decoding path
+        """Chunk ``j``'s part ``[2, H, n_j, D]`` of a layer's staging buffer on the host-decoding path for CUDA
         (codecs without planes, or chunks stored with different layouts), which holds the chunks one
         after another, each decoded as keys then values (a ``raw`` layer is read straight into it).
         """
@@ -184,25 +185,27 @@ class StoreFeed(ChunkFeed):
         assert self._shape is not None
         t0 = time.perf_counter()
         h, d = self._shape
-        if self._copier is not None:
-            flat = self._copier.buffer(i)
-        else:
-            flat = torch.empty(2 * h * self.total * d, dtype=self.dtype)
+        # on CUDA the chunks are staged one after another and put side by side on the GPU; on the CPU each
+        # chunk is decoded straight into its columns of the layer, so the layer is never held twice
+        staged = (self._copier.buffer(i) if self._copier is not None
+                  else torch.empty((2, h, self.total, d), dtype=self.dtype))
 
         def fill(j: int) -> None:
-            region = self._region(flat, j)
+            region = self._region(staged, j) if self._copier is not None else staged[:, :, self._columns(j)]
             if not self.available[j]:
                 region.zero_()
-            elif not self._read(j, lambda reader: reader.decode_layer_into(i, region)):
+            elif not self._read(j, lambda reader: _decode_into(reader, i, region)):
                 kv = self._recovered[j]
                 region[0].copy_(kv[0][i])
                 region[1].copy_(kv[1][i])
 
         self._each_chunk(fill)
-        # on the CPU this thread also puts the chunks side by side; on CUDA that happens on the GPU
-        staged = flat if self._copier is not None else self._side_by_side(flat)
         self.decode_s += time.perf_counter() - t0
-        return self._copier.upload(i, flat) if self._copier is not None else (staged, None)
+        return self._copier.upload(i, staged) if self._copier is not None else (staged, None)
+
+    def _columns(self, j: int) -> slice:
+        """Chunk ``j``'s token columns in the region."""
+        return slice(self.offsets[j], self.offsets[j] + self.lengths[j])
 
     def _side_by_side(self, flat: torch.Tensor) -> torch.Tensor:
         """``[2, H, total, D]``: the staged chunks' keys and values side by side."""
@@ -369,3 +372,15 @@ class StoreFeed(ChunkFeed):
             if reader is not None:
                 reader.close()
         self._readers = [None] * len(self.keys)
+
+
+def _decode_into(reader: Any, i: int, region: torch.Tensor) -> None:
+    """Layer ``i`` of ``reader``'s chunk decoded into ``region`` ``[2, H, n, D]``; through a buffer of the chunk's
+    own size when ``region`` is columns of a wider layer (the readers decode into contiguous tensors).
+    """
+    if region.is_contiguous():
+        reader.decode_layer_into(i, region)
+        return
+    part = torch.empty(region.shape, dtype=region.dtype)
+    reader.decode_layer_into(i, part)
+    region.copy_(part)

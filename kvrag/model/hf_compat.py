@@ -75,10 +75,21 @@ def crop_cache(cache: Any, length: int) -> None:
 
 
 def dynamic_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    """A `DynamicCache` holding the given per-layer ``(keys, values)`` (``[B, H, S, D]``)."""
+    """A `DynamicCache` holding the given per-layer ``(keys, values)`` (``[B, H, S, D]``) themselves, not copies.
+
+    ``update`` would concatenate them onto an empty layer: a second copy of the whole cache while the first is
+    still held. A dynamic layer only ever concatenates onto its tensors (new tensors), so the given ones are
+    never written through it.
+    """
     cache = DynamicCache()
     for i, (k, v) in enumerate(kv):
-        cache.update(k, v, i)
+        cache.update(k[..., :0, :], v[..., :0, :], i)  # the layer made and initialised as this version does it
+        held: Any = cache.layers[i] if hasattr(cache, "layers") else None
+        if held is not None:
+            held.keys, held.values = k, v
+        else:  # transformers' per-layer lists (before its cache layers)
+            lists: Any = cache
+            lists.key_cache[i], lists.value_cache[i] = k, v
     return cache
 
 

@@ -14,7 +14,8 @@ a residual, pre-norm gated MLP, a residual) is run here from its own weights:
 - attention over the grouped key/value heads without copying them per query head, where the kernel
   takes them (no mask, a lower-right causal bias, a `ScatterBias`, a dense mask on the CPU); on CUDA
   a dense mask keeps the copies, since the kernel that takes a dense mask has no grouped heads;
-- the gated MLP through ``F.linear`` and ``F.silu``.
+- the gated MLP through ``F.linear`` and ``F.silu``, its activation and product in place (a long prefill's
+  largest tensors are the MLP's ``[1, n, intermediate]``: two of them live at once, not three).
 
 The operations and their order are the layer's own, so the results agree with it to float rounding
 (checked for every tiny architecture in ``tests/test_plain_layer.py``). Layers of other classes, and
@@ -139,16 +140,29 @@ def run(layer: Any, hidden: torch.Tensor, mask: Any, rope: tuple[torch.Tensor, t
     """Decoder layer ``layer`` (`runs_plain`) on ``hidden`` ``[1, n, hidden]`` at the positions whose rotary
     embeddings are ``rope``; their fresh key/value rows go into ``scatter`` (its ``rows`` set by the caller).
     """
-    attn, mlp = layer.self_attn, layer.mlp
-    h = rms_norm(layer.input_layernorm, hidden)
+    hidden = hidden + _attention(layer, rms_norm(layer.input_layernorm, hidden), mask, rope, scatter)
+    return hidden + _mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, hidden))
+
+
+def _attention(layer: Any, h: torch.Tensor, mask: Any, rope: tuple[torch.Tensor, torch.Tensor],
+               scatter: ScatterLayer) -> torch.Tensor:
+    """The attention block's output ``[1, n, hidden]`` for the normed input ``h`` (its queries and heads' output
+    freed when it returns, before the MLP allocates).
+    """
+    attn = layer.self_attn
     rot = rotation(*rope, h.dtype)
     d = attn.head_dim
     queries = rot.rotate(heads(attn.q_proj, getattr(attn, "q_norm", None), h, d))
     keys = rot.rotate(heads(attn.k_proj, getattr(attn, "k_norm", None), h, d))
     keys, values = scatter.update(keys, heads(attn.v_proj, None, h, d))
-    out = _attend(queries, keys, values, mask, attn.scaling).transpose(1, 2).reshape(*hidden.shape[:-1], -1)
-    hidden = hidden + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
-    h = rms_norm(layer.post_attention_layernorm, hidden)
-    gated = F.silu(F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)) * F.linear(h, mlp.up_proj.weight,
-                                                                                    mlp.up_proj.bias)
-    return hidden + F.linear(gated, mlp.down_proj.weight, mlp.down_proj.bias)
+    out = _attend(queries, keys, values, mask, attn.scaling).transpose(1, 2).reshape(*h.shape[:-1], -1)
+    return F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+
+
+def _mlp(mlp: Any, h: torch.Tensor) -> torch.Tensor:
+    """The gated MLP of the normed input ``h`` ``[1, n, hidden]``: ``down(silu(gate(h)) * up(h))``, the activation
+    and the product in place, so that two ``[1, n, intermediate]`` tensors are live at once instead of three.
+    """
+    gated = F.silu(F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias), inplace=True)
+    gated.mul_(F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias))
+    return F.linear(gated, mlp.down_proj.weight, mlp.down_proj.bias)

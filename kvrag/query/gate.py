@@ -127,8 +127,10 @@ def gated_prepare(ctx: QueryContext, question: str, k: int, chunks: Sequence[str
     else:
         ladder = () if gate.strict else tuple(r for r in gate.ladder if r > config.ratio)
         attempts = [config, *(replace(config, ratio=r) for r in ladder), replace(config, mode="full")]
+    fused: FusedPrompt | None = None
     for i, attempt in enumerate(attempts):
         t = time.perf_counter()
+        fused = None  # a failed attempt's cache goes before the next attempt builds its own
         fused = pipeline.prepare(ctx, question, k, used, attempt, caches, selector, first_exact)
         signals = read_signals(fused.fused)
         ok, why = (True, "") if attempt.mode == "full" else passes(signals, gate)
@@ -138,6 +140,7 @@ def gated_prepare(ctx: QueryContext, question: str, k: int, chunks: Sequence[str
             if i > 0:
                 report.decision = "escalated"
             break
+    assert fused is not None  # the last attempt, a full prefill, always passes
     fused.t0 = t0  # the answer's time to first token counts every attempt
     fused.timings["retrieve_s"] += retrieve_s
     fused.timings["gate_s"] = sum(a["seconds"] for a in report.attempts[:-1])

@@ -104,6 +104,10 @@ def main() -> None:
     p.add_argument("--probe-must-agree", type=int, choices=[0, 1], required=True)
     p.add_argument("--sure-margin", type=float, required=True)
     p.add_argument("--ladder", default="", help="comma list of ratios")
+    p.add_argument("--neighbour-context", type=int, default=None,
+                   help="KVRag.build neighbour_context (default: kvrag's)")
+    p.add_argument("--neighbour-kv", default=None, help="KVRag.build neighbour_kv (default: kvrag's)")
+    p.add_argument("--question-tail", default="", help="KVRag.build question_tail (default none)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -116,7 +120,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvrag-gate-") as tmp:
-        rag, build_s = build_index(args, items, Path(tmp) / "index")
+        rag, build_s = build_index(args, items, Path(tmp) / "index", args.neighbour_context, args.neighbour_kv,
+                                   question_tail=args.question_tail)
         with rag:
             for item in items[: args.warmup]:
                 run_question(rag, item, labels, 0, gate, args.max_new_tokens)

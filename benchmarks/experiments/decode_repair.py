@@ -25,7 +25,6 @@ from typing import Any
 
 from kvrag.bench import common, metrics
 from kvrag.bench.qa_data import build_index, load_questions, passage_keys
-from kvrag.config import GenerateConfig
 
 THRESHOLDS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
 
@@ -86,7 +85,6 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     common.set_threads(args.threads)
-    GenerateConfig(max_new_tokens=args.max_new_tokens)  # validates
     items = load_questions(Path(args.data), args.start - 1 + args.n)[args.start - 1:]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvrag-repair-") as tmp:

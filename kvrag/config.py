@@ -214,6 +214,9 @@ class FuseConfig:
             raise ValueError(f"ttft_slo must be a number of seconds > 0, got {self.ttft_slo!r}")
 
 
+SHORT_MODES = ("prefix", "full")  # `GateConfig.short_mode`
+
+
 @dataclass(frozen=True)
 class GateConfig:
     """When an answer trusts its fused cache, and what it does when it does not (`kvrag.query.gate`).
@@ -224,12 +227,18 @@ class GateConfig:
 
     The defaults were chosen on held-out data (benchmarks/quality-gate): with SmolLM2-135M the first-token
     signals did not tell drifting answers from faithful ones (fused answers part from ``full``'s after the
-    first token), and an escalation costs more than it saves, so by default the gate prefills short prompts
-    in full and trusts the fused cache elsewhere. ``strict`` trades speed for agreement.
+    first token), and an escalation costs more than it saves, so by default the gate recomputes every stale
+    token of a short prompt and trusts the fused cache elsewhere. ``strict`` trades speed for agreement.
 
     Attributes:
         full_below_tokens: prompts whose stale chunk tokens (all but the first chunk, whose cache is
-            exact) number fewer than this are prefilled in full outright: fusion saves little there.
+            exact) number fewer than this have all of them recomputed (``short_mode``): fusion saves
+            little there.
+        short_mode: how such a short prompt is answered. ``"prefix"`` reads the first chunk's stored cache,
+            computed right after the prompt prefix, and recomputes every token after it: the full
+            prefill's answer but for the codec's rounding of that one chunk (none with ``raw``).
+            ``"full"`` prefills the whole prompt. In a conversation, where no chunk cache is exact,
+            and under ``strict``, short prompts are prefilled in full.
         min_margin: the fused first token's log-probability lead over the runner-up, below which the
             cache is not trusted (0 turns the margin check off).
         probe_must_agree: distrust a fused pass whose first token differs from the one its probe pass
@@ -244,6 +253,7 @@ class GateConfig:
     """
 
     full_below_tokens: int = 512
+    short_mode: str = "prefix"
     min_margin: float = 0.0
     probe_must_agree: bool = False
     sure_margin: float = float("inf")
@@ -254,6 +264,8 @@ class GateConfig:
     def __post_init__(self) -> None:
         if self.full_below_tokens < 0:
             raise ValueError(f"full_below_tokens must be >= 0, got {self.full_below_tokens}")
+        if self.short_mode not in SHORT_MODES:
+            raise ValueError(f"short_mode must be one of {', '.join(SHORT_MODES)}, got {self.short_mode!r}")
         if min(self.min_margin, self.sure_margin, self.strict_margin) < 0:
             raise ValueError(f"margins must be >= 0, got {self.min_margin}, {self.sure_margin}, {self.strict_margin}")
         if any(not 0 < r <= 1 for r in self.ladder) or list(self.ladder) != sorted(set(self.ladder)):

@@ -320,7 +320,7 @@ class KVRag:
                 ``mode`` names (e.g. `kvrag.fusion.FixedSelector`); ``mode`` still decides which caches load.
             gate: the correctness gate (`GateConfig`; `kvrag.query.gate`): checks the fused first token
                 and escalates to more recompute or a full prefill when the cache cannot be trusted, and
-                prefills short prompts in full outright. None (the default) runs it when no mode, ratio,
+                recomputes every stale token of a short prompt outright. None (the default) runs it when no mode, ratio,
                 fusion settings, selector or caches are given; True runs the default `GateConfig`,
                 False turns it off. `Answer.gate` says what it did.
 

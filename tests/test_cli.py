@@ -51,8 +51,8 @@ def test_index_then_ask_json(built: Path, capsys):
     assert len(out["chunks"]) == 2 and out["ttft_s"] > 0 and isinstance(out["answer"], str)
     assert out["load_model_s"] > 0 and "warmup" not in out
     assert main(["ask", str(built), "Who designed the reactor?", "--k", "2", "--max-new-tokens", "2", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)  # the default: probe under the gate, which prefills a prompt
-    assert out["gate"]["decision"] == "full" and out["mode"] == "full"  # this short in full
+    out = json.loads(capsys.readouterr().out)  # the default: probe under the gate, which recomputes a prompt
+    assert out["gate"]["decision"] == "short" and out["mode"] == "prefix"  # this short after its first chunk
     assert main(["info", str(built), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["chunks"] >= 2
 
@@ -63,7 +63,7 @@ def test_ask_prints_the_answer_then_one_timing_line(built: Path, capsys):
     out, err = capsys.readouterr()
     assert len(out.splitlines()) == 1
     (line,) = err.strip().splitlines()
-    assert line.startswith("[full; gate: short prompt") and "first answer, includes warm-up" in line
+    assert line.startswith("[prefix; gate: short prompt") and "first answer, includes warm-up" in line
     assert "model load" in line and "not in the TTFT" in line
     assert main(["ask", str(built), "Who designed the reactor?", "--k", "1", "--max-new-tokens", "2", "--stream",
                  "--warmup", "1"]) == 0
@@ -192,7 +192,7 @@ def test_cli_subprocess_prints_no_library_noise(tiny_model_dir: Path, tmp_path: 
     asked = subprocess.run([*run, "ask", idx, "Who designed the reactor?", "--k", "1", "--max-new-tokens", "2"],
                            capture_output=True, text=True, env=env, timeout=300)
     assert asked.returncode == 0, asked.stderr
-    assert len(asked.stderr.strip().splitlines()) == 1 and asked.stderr.startswith("[full; gate: short prompt")
+    assert len(asked.stderr.strip().splitlines()) == 1 and asked.stderr.startswith("[prefix; gate: short prompt")
 
 
 def test_info_splits_the_bytes_on_disk(built: Path, capsys):

@@ -1,4 +1,4 @@
-"""The correctness gate on a tiny random model: short prompts go full, failed checks escalate, reports."""
+"""The correctness gate on a tiny random model: short prompts are recomputed, failed checks escalate, reports."""
 
 from __future__ import annotations
 
@@ -33,12 +33,39 @@ def test_the_default_answer_runs_the_gate_and_an_explicit_mode_does_not(rag: KVR
     assert "gate" in default.to_json() and default.to_json()["gate"]["decision"] == default.gate.decision
 
 
-def test_a_short_prompt_is_prefilled_in_full(rag: KVRag):
-    full = rag.answer(Q, k=3, mode="full", max_new_tokens=5)
+def test_a_short_prompt_recomputes_every_token_after_the_first_chunk(rag: KVRag):
+    prefix = rag.answer(Q, k=3, mode="prefix", max_new_tokens=5)
     gated = rag.answer(Q, k=3, gate=GateConfig(full_below_tokens=10_000), max_new_tokens=5)
-    assert gated.gate.decision == "full" and gated.mode == "full" and gated.recompute_fraction == 1.0
+    assert gated.gate.decision == "short" and gated.mode == "prefix" and gated.token_ids == prefix.token_ids
+    assert 0 < gated.recompute_fraction < 1  # the first chunk is read, not recomputed
+    assert gated.gate.stale_tokens > 0 and [a["mode"] for a in gated.gate.attempts] == ["prefix"]
+    assert gated.gate.attempts[0]["passed"]
+    # a selector given for the fused mode does not choose the short path's positions
+    from kvrag.fusion import FixedSelector
+
+    chosen = rag.answer(Q, k=3, gate=GateConfig(full_below_tokens=10_000), selector=FixedSelector([0]),
+                        max_new_tokens=5)
+    assert chosen.mode == "prefix" and chosen.token_ids == prefix.token_ids
+    assert chosen.recompute_fraction == gated.recompute_fraction
+
+
+@pytest.mark.parametrize("gate", [GateConfig(full_below_tokens=10_000, short_mode="full"),
+                                  GateConfig(full_below_tokens=10_000, strict=True)])
+def test_a_short_prompt_is_prefilled_in_full_when_asked_or_strict(rag: KVRag, gate: GateConfig):
+    full = rag.answer(Q, k=3, mode="full", max_new_tokens=5)
+    gated = rag.answer(Q, k=3, gate=gate, max_new_tokens=5)
+    assert gated.gate.decision == "short" and gated.mode == "full" and gated.recompute_fraction == 1.0
     assert gated.token_ids == full.token_ids
-    assert gated.gate.stale_tokens > 0 and [a["mode"] for a in gated.gate.attempts] == ["full"]
+
+
+def test_the_short_path_gives_the_full_prefill_over_lossless_caches(tiny_model_dir: Path, tmp_path: Path):
+    raw = KVRag.build(DOCS, tmp_path / "raw", model=str(tiny_model_dir), codec="raw",
+                      split=SplitConfig(mode="document", max_tokens=256), show_progress=False)
+    full = raw.prepare(Q, k=3, mode="full")
+    short = raw.prepare(Q, k=3, gate=GateConfig(full_below_tokens=10_000))
+    assert short.gate.decision == "short" and short.fused.n_tokens == full.fused.n_tokens
+    assert (short.fused.logits - full.fused.logits).abs().max().item() <= 1e-4
+    raw.close()
 
 
 def test_a_passing_check_keeps_the_fused_answer(rag: KVRag):
@@ -126,6 +153,8 @@ def test_gate_settings_are_checked():
         GateConfig(ladder=(0.5, 0.3))
     with pytest.raises(ValueError, match="full_below_tokens"):
         GateConfig(full_below_tokens=-1)
+    with pytest.raises(ValueError, match="short_mode"):
+        GateConfig(short_mode="reuse")
 
 
 def test_kvrag_ask_reports_the_gate_and_can_turn_it_off(rag: KVRag, capsys):
@@ -137,7 +166,7 @@ def test_kvrag_ask_reports_the_gate_and_can_turn_it_off(rag: KVRag, capsys):
     rag.close()
     capsys.readouterr()
     assert main(["ask", path, q, "--k", "3", "--max-new-tokens", "2", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["gate"]["decision"] == "full"  # a short prompt
+    assert json.loads(capsys.readouterr().out)["gate"]["decision"] == "short"
     for extra in (["--gate", "off"], ["--mode", "reuse"]):
         assert main(["ask", path, q, "--k", "3", "--max-new-tokens", "2", "--json", *extra]) == 0
         assert "gate" not in json.loads(capsys.readouterr().out)

@@ -55,6 +55,20 @@ def test_every_mode_answers_and_recompute_everything_matches_full(built):
     assert full.recompute_fraction == 1.0
 
 
+def test_answering_and_scoring_raise_no_library_deprecation_warning(built):
+    import warnings
+
+    rag, _ = built
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fused = rag.prepare("Who commands beta station?", k=2)
+        fused.generate(GenerateConfig(max_new_tokens=3))
+        fused.nll([1, 2, 3])
+        rag.answer("Who commands beta station?", k=2, mode="full", max_new_tokens=2)
+    noisy = [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    assert not noisy, noisy
+
+
 def test_stream_yields_the_answer_text(built):
     rag, _ = built
     pieces = list(rag.stream("What are gamma rays?", k=2, mode="attnlink", max_new_tokens=6))

@@ -179,8 +179,10 @@ def markdown(summary: dict[str, Any]) -> str:
 def _ran(task: dict[str, Any]) -> str:
     """What kvrag's default mode ran: the mode and ratio, or the full prefill the gate chose."""
     gate = task.get("gate") or {}
+    if gate.get("decision") in ("short", "full"):  # "full": older results
+        return f"{task['mode']} (gate, short prompt)"
     if task["mode"] == "full":
-        return "full (gate)" if gate.get("decision") == "full" else "full"
+        return "full"
     ratio = f"@{task['ratio']:g}" if task["mode"] in ("probe", "cacheblend") else ""
     escalated = f", {gate['escalations']} escalations" if gate.get("escalations") else ""
     return f"{task['mode']}{ratio}{escalated}"

@@ -24,7 +24,7 @@ from kvrag.bench import common, metrics
 from kvrag.bench.qa_data import build_index, load_questions, passage_keys
 from kvrag.config import GateConfig
 
-FIXED = {"probe@0.15": ("probe", 0.15), "cacheblend@0.15": ("cacheblend", 0.15)}
+FIXED = {"probe@0.15": ("probe", 0.15), "cacheblend@0.15": ("cacheblend", 0.15), "prefix": ("prefix", None)}
 
 
 def right(answer: str, golds: list[str]) -> bool:
@@ -82,7 +82,7 @@ def summarise(rows: list[dict[str, Any]], labels: list[str]) -> list[dict[str, A
         if gates:
             s["gate_escalation_rate"] = sum(g["decision"] == "escalated" for g in gates) / len(gates)
             s["gate_full_rate"] = sum(g["attempts"][-1]["mode"] == "full" for g in gates) / len(gates)
-            s["gate_short_full_rate"] = sum(g["decision"] == "full" for g in gates) / len(gates)
+            s["gate_short_rate"] = sum(g["decision"] in ("short", "full") for g in gates) / len(gates)
         out.append(s)
     return out
 
@@ -108,20 +108,23 @@ def main() -> None:
                    help="KVRag.build neighbour_context (default: kvrag's)")
     p.add_argument("--neighbour-kv", default=None, help="KVRag.build neighbour_kv (default: kvrag's)")
     p.add_argument("--question-tail", default="", help="KVRag.build question_tail (default none)")
+    p.add_argument("--short-mode", default=GateConfig.short_mode, help="GateConfig.short_mode (default: kvrag's)")
+    p.add_argument("--codec", default="raw",
+                   help="the caches' codec (default raw: lossless, so that only fusion moves the answers)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
     common.set_threads(args.threads)
     gate = GateConfig(full_below_tokens=args.full_below_tokens, min_margin=args.min_margin,
                       probe_must_agree=bool(args.probe_must_agree), sure_margin=args.sure_margin,
-                      ladder=tuple(float(r) for r in args.ladder.split(",") if r))
+                      ladder=tuple(float(r) for r in args.ladder.split(",") if r), short_mode=args.short_mode)
     labels = ["full", *[m for m in args.modes.split(",") if m and m != "full"]]
     items = load_questions(Path(args.data), args.start - 1 + args.n)[args.start - 1:]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvrag-gate-") as tmp:
         rag, build_s = build_index(args, items, Path(tmp) / "index", args.neighbour_context, args.neighbour_kv,
-                                   question_tail=args.question_tail)
+                                   question_tail=args.question_tail, codec=args.codec)
         with rag:
             for item in items[: args.warmup]:
                 run_question(rag, item, labels, 0, gate, args.max_new_tokens)
@@ -129,7 +132,8 @@ def main() -> None:
             for turn, item in enumerate(items):
                 t = time.perf_counter()
                 rows += run_question(rag, item, labels, turn, gate, args.max_new_tokens)
-                payload = {**common.stamp(args), "data": args.data, "questions": f"{args.start}-{args.start + args.n - 1}",
+                payload = {**common.stamp(args), "codec": args.codec,
+                           "data": args.data, "questions": f"{args.start}-{args.start + args.n - 1}",
                            "n_questions": turn + 1, "n_planned": len(items), "index_build_s": build_s,
                            "gate_config": {**vars(gate), "sure_margin": None if math.isinf(gate.sure_margin)
                                            else gate.sure_margin, "ladder": list(gate.ladder)},

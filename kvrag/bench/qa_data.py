@@ -83,8 +83,12 @@ def passage_keys(rag: Any, item: dict[str, Any]) -> list[str]:
 
 def build_index(args: argparse.Namespace, items: list[dict[str, Any]], index_dir: Path,
                 neighbour_context: int | None = None, neighbour_kv: str | None = None,
-                pool: Sequence[Path] = (), question_tail: str = "") -> tuple[Any, float]:
-    """The index over the questions' passages (with caches), after the ``pool`` passages (without)."""
+                pool: Sequence[Path] = (), question_tail: str = "", codec: str = "raw") -> tuple[Any, float]:
+    """The index over the questions' passages (with caches), after the ``pool`` passages (without).
+
+    The caches are lossless by default: the quality benches measure fusion, and `kvrag bench codec` a codec's
+    effect; ``codec`` builds them as a user's index would store them instead.
+    """
     from kvrag.config import SplitConfig
     from kvrag.rag import KVRag
 
@@ -92,8 +96,7 @@ def build_index(args: argparse.Namespace, items: list[dict[str, Any]], index_dir
     split = SplitConfig(mode="document", max_tokens=args.max_chunk_tokens, min_tokens=0)
     docs = passage_documents(items)
     first = pool_documents(pool, {text for _, text in docs}) if pool else docs
-    # lossless caches: the quality benches measure fusion; `kvrag bench codec` measures a codec's effect
-    rag = KVRag.build(first, index_dir, model=args.model, split=split, device=args.device, codec="raw",
+    rag = KVRag.build(first, index_dir, model=args.model, split=split, device=args.device, codec=codec,
                       neighbour_context=neighbour_context, neighbour_kv=neighbour_kv, show_progress=False,
                       caches=not pool, question_tail=question_tail)
     if pool:

@@ -55,7 +55,7 @@ def summarise(rows: list[dict[str, Any]], specs: list[common.ModeSpec]) -> list[
 
 def _gate_rates(rows: list[dict[str, Any]]) -> dict[str, float]:
     """For rows answered under the correctness gate: how often it escalated, and how often it ended in
-    a full prefill (short prompts and failed checks alike).
+    a full prefill (failed checks, and short prompts where the gate prefills them in full).
     """
     gated = [r["gate"] for r in rows if "gate" in r]
     if not gated:

@@ -89,9 +89,9 @@ def extend(lm: LoadedModel, history: HistoryKV | None, pieces: Sequence[tuple[in
         past = hf_compat.dynamic_cache([(history.keys[i][None].to(device), history.values[i][None].to(device))
                                         for i in range(history.keys.shape[0])])
     with torch.no_grad():
-        out = hf_compat.base_model(lm.model)(input_ids=ids, position_ids=positions, past_key_values=past,
-                                             use_cache=True)
-    layers = hf_compat.cache_layers(out.past_key_values)
+        base = hf_compat.base_model(lm.model)
+        out = base(input_ids=ids, position_ids=positions, **hf_compat.with_cache(base, past), use_cache=True)
+    layers = hf_compat.cache_layers(hf_compat.returned_cache(out))
     keys = torch.stack([k[0] for k, _ in layers])
     values = torch.stack([v[0] for _, v in layers])
     spans = [] if history is None else list(history.spans)

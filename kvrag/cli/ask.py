@@ -148,8 +148,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _gate_text(report: Any) -> str:
     """What the correctness gate did, in a few words."""
-    if report.decision == "full":
-        return f"short prompt ({report.stale_tokens} stale tokens), full prefill"
+    if report.decision == "short":
+        how = "full prefill" if report.attempts[-1]["mode"] == "full" else "first chunk read, the rest recomputed"
+        return f"short prompt ({report.stale_tokens} stale tokens), {how}"
     if report.decision == "fused":
         return "check passed"
     last = report.attempts[-1]

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from kvrag.config import GenerateConfig
+from kvrag.model import hf_compat
 
 
 def eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -63,7 +64,7 @@ def decode_tokens(
             out = model(
                 input_ids=torch.tensor([[token]], device=device),
                 position_ids=torch.tensor([[pos]], device=device),
-                past_key_values=cache, use_cache=True,
+                **hf_compat.with_cache(model, cache), use_cache=True,
             )
         logits, pos = out.logits[0, -1].float(), pos + 1
 

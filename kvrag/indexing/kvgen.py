@@ -39,7 +39,7 @@ def prefix_cache(lm: LoadedModel, prefix_ids: Sequence[int]) -> PrefixCache:
     ids = torch.tensor(list(prefix_ids), dtype=torch.long, device=lm.device)
     with torch.no_grad():
         out = hf_compat.base_model(lm.model)(input_ids=ids[None], use_cache=True)
-    kv = [(k.clone(), v.clone()) for k, v in hf_compat.cache_layers(out.past_key_values)]
+    kv = [(k.clone(), v.clone()) for k, v in hf_compat.cache_layers(hf_compat.returned_cache(out))]
     return PrefixCache(ids, kv)
 
 
@@ -70,10 +70,9 @@ def _forward(lm: LoadedModel, prefix: PrefixCache, chunks: list[list[int]]) -> t
          for k, v in prefix.kv]
     )
     with torch.no_grad():
-        out = hf_compat.base_model(lm.model)(
-            input_ids=ids, position_ids=positions[None].expand(len(chunks), -1),
-            past_key_values=cache, use_cache=True,
-        )
+        base = hf_compat.base_model(lm.model)
+        out = base(input_ids=ids, position_ids=positions[None].expand(len(chunks), -1),
+                   **hf_compat.with_cache(base, cache), use_cache=True)
     return out, positions
 
 
@@ -93,7 +92,7 @@ def plain_prefill(lm: LoadedModel, prefix: PrefixCache, chunks: Sequence[Sequenc
 def _prefill_batch(lm: LoadedModel, prefix: PrefixCache, chunks: list[list[int]]) -> list[KV]:
     out, positions = _forward(lm, prefix, chunks)
     p = prefix.length
-    layers = hf_compat.cache_layers(out.past_key_values)
+    layers = hf_compat.cache_layers(hf_compat.returned_cache(out))
     keys = torch.stack([k[:, :, p:] for k, _ in layers], dim=1)  # [B, L, H, n_max, D]
     values = torch.stack([v[:, :, p:] for _, v in layers], dim=1)
     cos, sin = rope_at(lm.model, positions, keys)

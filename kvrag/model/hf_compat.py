@@ -6,6 +6,8 @@ Layout: ``[batch, kv_heads, seq, head_dim]``.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
@@ -50,6 +52,25 @@ def embed_tokens(model: Any, ids: torch.Tensor) -> torch.Tensor:
 def final_logits(model: Any, hidden: torch.Tensor) -> torch.Tensor:
     """Final norm and LM head on hidden states ``[B, S, hidden]`` -> ``[B, S, vocab]`` (float32)."""
     return model.lm_head(base_model(model).norm(hidden)).float()
+
+
+@functools.cache
+def _cache_keyword(forward: Any) -> str:
+    params = inspect.signature(forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def with_cache(module: Any, cache: Any) -> dict[str, Any]:
+    """The keyword that hands ``cache`` to ``module``'s forward: ``cache`` from transformers 5.2x on, where
+    ``past_key_values`` warns that it is deprecated, and ``past_key_values`` before.
+    """
+    return {_cache_keyword(type(module).forward): cache}
+
+
+def returned_cache(out: Any) -> Any:
+    """The cache a model's forward returned (``out.cache``, or ``out.past_key_values`` before transformers 5.2x)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
 
 
 def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -97,7 +118,7 @@ def first_layer_keys(model: Any, ids: torch.Tensor, positions: torch.Tensor) -> 
     """Rotated layer-0 keys ``[1, H, S, D]`` of ``ids`` placed at ``positions``."""
     with torch.no_grad():
         out = base_model(model)(input_ids=ids, position_ids=positions, use_cache=True)
-    return cache_layers(out.past_key_values)[0][0]
+    return cache_layers(returned_cache(out))[0][0]
 
 
 class ScatterLayer(DynamicLayer):
@@ -224,7 +245,7 @@ def run_decoder_layer(
         hidden,
         attention_mask=mask,
         position_ids=positions[None],
-        past_key_values=cache,
+        **with_cache(layer, cache),
         use_cache=True,
         position_embeddings=rope,
     )

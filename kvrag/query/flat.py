@@ -30,6 +30,7 @@ from kvrag.config import DEFAULT_MODE, FuseConfig, GenerateConfig
 from kvrag.errors import InputError
 from kvrag.fusion import FusionInput, fuse
 from kvrag.indexing.kvgen import KV, prefix_cache
+from kvrag.model import hf_compat
 from kvrag.prompt import chunk_token_ids
 from kvrag.query.answer import Answer, RetrievedChunk, decode_into
 from kvrag.query.spans import Span, find_chunk_spans
@@ -133,7 +134,7 @@ def _full_prefill(rag: KVRag, ids: list[int]) -> tuple[Any, torch.Tensor]:
     device = rag.lm.device
     with torch.no_grad():
         out = rag.lm.model(input_ids=torch.tensor([ids], device=device), use_cache=True)
-    return out.past_key_values, out.logits[0, -1].float()
+    return hf_compat.returned_cache(out), out.logits[0, -1].float()
 
 
 def stream_flat_prompt(

@@ -3,7 +3,9 @@
 Three steps, each cheap next to a fusion:
 
 1. **Cost.** A prompt whose stale chunk tokens (all but the first chunk, whose cache is exact) are fewer
-   than `GateConfig.full_below_tokens` is prefilled in full outright: fusion would save little there.
+   than `GateConfig.full_below_tokens` has every one of them recomputed outright: fusion would save little
+   there. By default it reads the first chunk's stored cache and recomputes the rest (the ``prefix`` mode,
+   `GateConfig.short_mode`), which gives the full prefill's answer sooner.
 2. **Check.** After the fused pass, before decoding: the first token's log-probability lead over the
    runner-up (its *margin*), and, for a mode that runs a probe pass (``probe``), whether the question
    alone over the stored caches predicted the same first token. Where recomputing 15 % of the tokens
@@ -84,7 +86,9 @@ def passes(signals: Signals, gate: GateConfig) -> tuple[bool, str]:
 class GateReport:
     """What the gate did for one answer: each attempt with its signals, and the outcome."""
 
-    decision: str  # "fused": the first attempt passed; "escalated": a later one was used; "full": short prompt
+    # "fused": the first attempt passed; "escalated": a later one was used; "short": a short prompt, every stale
+    # token recomputed (the attempt's mode says how: "prefix" or "full")
+    decision: str
     stale_tokens: int
     attempts: list[dict[str, Any]] = field(default_factory=list)
 
@@ -120,10 +124,14 @@ def gated_prepare(ctx: QueryContext, question: str, k: int, chunks: Sequence[str
     pipeline.check_question(question)
     used = pipeline.retrieve(ctx, question, k) if chunks is None else pipeline.resolve_chunks(ctx.index, chunks)
     retrieve_s = time.perf_counter() - t0
-    report = GateReport("fused", stale_tokens(ctx, used, first_exact and ctx.prefix_exact))
-    if config.mode == "full" or report.stale_tokens < gate.full_below_tokens:
-        report.decision = "full" if config.mode != "full" else "fused"
-        attempts = [replace(config, mode="full")]
+    exact_first = first_exact and ctx.prefix_exact
+    report = GateReport("fused", stale_tokens(ctx, used, exact_first))
+    if config.mode == "full":
+        attempts = [config]
+    elif report.stale_tokens < gate.full_below_tokens:
+        report.decision = "short"
+        short = gate.short_mode if exact_first and not gate.strict else "full"
+        attempts = [replace(config, mode=short)]
     else:
         ladder = () if gate.strict else tuple(r for r in gate.ladder if r > config.ratio)
         attempts = [config, *(replace(config, ratio=r) for r in ladder), replace(config, mode="full")]
@@ -131,9 +139,10 @@ def gated_prepare(ctx: QueryContext, question: str, k: int, chunks: Sequence[str
     for i, attempt in enumerate(attempts):
         t = time.perf_counter()
         fused = None  # a failed attempt's cache goes before the next attempt builds its own
-        fused = pipeline.prepare(ctx, question, k, used, attempt, caches, selector, first_exact)
+        chooser = selector if attempt.mode == config.mode else None  # a given selector serves the fused mode only
+        fused = pipeline.prepare(ctx, question, k, used, attempt, caches, chooser, first_exact)
         signals = read_signals(fused.fused)
-        ok, why = (True, "") if attempt.mode == "full" else passes(signals, gate)
+        ok, why = (True, "") if attempt.mode == "full" or report.decision == "short" else passes(signals, gate)
         report.attempts.append({"mode": attempt.mode, "ratio": attempt.ratio, "signals": signals.to_json(),
                                 "passed": ok, "reason": why, "seconds": time.perf_counter() - t})
         if ok:

@@ -179,7 +179,7 @@ class FusedPrompt:
             pos = torch.arange(fused.n_tokens, fused.n_tokens + len(target) - 1, device=target.device)
             with torch.no_grad():
                 out = self.lm.model(input_ids=target[None, :-1], position_ids=pos[None],
-                                    past_key_values=fused.cache, use_cache=True)
+                                    **hf_compat.with_cache(self.lm.model, fused.cache), use_cache=True)
             logits.append(out.logits[0].float())
         return torch.log_softmax(torch.cat(logits), dim=-1)
 

@@ -11,5 +11,5 @@ kvrag info ./demo-index
 question="In which country is Mount Kilimanjaro?"
 echo "== a full prefill of the prompt (the reference):"
 kvrag ask ./demo-index "$question" --mode full --warmup 1
-echo "== kvrag's default: the stored caches fused, checked by the correctness gate:"
+echo "== kvrag's default, from the stored caches under the correctness gate (the line below says what it ran):"
 kvrag ask ./demo-index "$question" --warmup 1

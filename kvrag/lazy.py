@@ -2,12 +2,14 @@
 
 A package whose modules pull in torch, transformers or a web framework lists its exports as
 ``{name: module}`` and sets ``__getattr__ = lazy_exports(__name__, exports)`` (PEP 562): importing the package
-stays cheap, and ``package.Name`` imports ``module`` the first time it is read.
+stays cheap, and ``package.Name`` imports ``module`` the first time it is read. The name is then set on the
+package, so later reads (a codec's kernels, read once per chunk and layer) are plain attribute lookups.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,6 +21,8 @@ def lazy_exports(package: str, exports: Mapping[str, str]) -> Callable[[str], An
         module = exports.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        return getattr(importlib.import_module(module), name)
+        value = getattr(importlib.import_module(module), name)
+        setattr(sys.modules[package], name, value)
+        return value
 
     return __getattr__

@@ -15,8 +15,9 @@ damaged. Three paths, chosen once per feed:
 - Region (``cachegen`` on CUDA with Triton, or when asked): blobs read whole and decoded on the device
   for several layers of the whole region at once (`CacheGenCodec.decode_region`: one launch of the
   Triton rANS decoder, two batched matmuls).
-- Host: chunk by chunk, on the CPU straight into each chunk's columns of the layer; for CUDA into a buffer of
-  the chunks one after another, which the GPU then puts side by side.
+- Host: chunk by chunk, on the CPU into each chunk's columns of the layer (through a buffer of that chunk's
+  size where the columns are not contiguous); for CUDA into a buffer of the chunks one after another, which
+  the GPU then puts side by side.
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ class StoreFeed(ChunkFeed):
         t0 = time.perf_counter()
         h, d = self._shape
         # on CUDA the chunks are staged one after another and put side by side on the GPU; on the CPU each
-        # chunk is decoded straight into its columns of the layer, so the layer is never held twice
+        # chunk is decoded into its columns of the layer (`_decode_into`), so the layer is never held twice
         staged = (self._copier.buffer(i) if self._copier is not None
                   else torch.empty((2, h, self.total, d), dtype=self.dtype))
 

@@ -1,22 +1,26 @@
-r"""LangChain adapter: `KVRetriever` (chunks as `Document`s), `KVCachedLLM` (fuses the chunks it finds) and
-`ChatKVRag` (a chat model over `KVRag.chat`, defined in `kvrag.integrations.langchain_chat`).
+r"""LangChain adapter: `KVRetriever` (chunks as `Document`s), `KVCachedLLM` (answers a chain's prompt, reusing the
+caches of the chunks it finds in it) and `ChatKVRag` (a chat model over `KVRag.chat`, defined in
+`kvrag.integrations.langchain_chat`).
 
-A LangChain LLM only ever sees a flat prompt string. `KVCachedLLM` finds the stored chunk texts in
-it (`kvrag.query.spans.find_chunk_spans`), reuses their caches and recomputes everything else
-(`kvrag.query.flat`); with no chunk found it is an ordinary LLM over the same model. For the caches to
-be usable, each chunk must appear as ``text.strip() + "\n\n"`` — use `format_docs`::
+A LangChain LLM only ever sees a flat prompt string. `KVCachedLLM` hands it to `KVRag.stream_prompt`: the
+stored chunk texts in it read their caches, the template's head is kept between calls, and the answer is made
+as `KVRag.answer` makes it, by default under the correctness gate. Any stuff layout works; LangChain's own
+``"\n\n".join(doc.page_content for doc in docs)`` reads every passage's cache::
 
+    from langchain_core.output_parsers import StrOutputParser
     from langchain_core.prompts import PromptTemplate
     from langchain_core.runnables import RunnablePassthrough
     from kvrag import KVRag
     from kvrag.integrations.langchain import KVCachedLLM, KVRetriever, format_docs
 
     rag = KVRag.open("./idx")
-    retriever, llm = KVRetriever(rag=rag, k=4), KVCachedLLM(rag=rag, ratio=0.15)
-    prompt = PromptTemplate.from_template("Context:\n{context}Question: {question}")
-    chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | llm
+    retriever, llm = KVRetriever(rag=rag, k=4), KVCachedLLM(rag=rag)
+    prompt = PromptTemplate.from_template("Question: {question}\nContext: {context}\nAnswer:")
+    chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | llm | StrOutputParser()
     chain.invoke("Who designed the alpha reactor?")
-    llm.last_answer.chunks  # the chunks whose caches were fused
+
+Each generation's ``generation_info`` describes its own call (``ttft_s``, ``chunk_ids``, ``mode``, ``gate``, …),
+also under `batch` and `abatch`.
 
 `ChatKVRag` takes LangChain messages instead: kvrag applies the model's chat template, fuses the
 chunks retrieved for the last user message and reuses the conversation's KV across turns::
@@ -32,7 +36,7 @@ Installed with ``pip install 'kvrag[langchain]'``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -53,9 +57,7 @@ except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the
     ) from exc
 
 from kvrag.integrations.langchain_chat import ChatKVRag
-
-from kvrag.config import DEFAULT_MODE
-from kvrag.query.flat import chat_prompt, stream_flat_prompt
+from kvrag.integrations.prompt_llm import answer_metadata, stream_prompt_answer
 
 __all__ = ["ChatKVRag", "KVCachedLLM", "KVRetriever", "format_docs"]
 
@@ -63,7 +65,8 @@ __all__ = ["ChatKVRag", "KVCachedLLM", "KVRetriever", "format_docs"]
 def format_docs(docs: Sequence[Document]) -> str:
     r"""Join retrieved documents the way kvrag stores chunks (``text.strip() + "\n\n"`` each).
 
-    Any other layout still answers correctly, but the chunks' caches cannot be reused.
+    Every passage then reads its whole stored cache. LangChain's ``"\n\n".join(...)`` works as well (its
+    last passage reads the first rows of its cache); a layout that changes a passage's tokens recomputes it.
     """
     return "".join(doc.page_content.strip() + "\n\n" for doc in docs)
 
@@ -97,20 +100,23 @@ class KVRetriever(BaseRetriever):
 class KVCachedLLM(LLM):
     r"""A LangChain LLM over a kvrag index's model that reuses the caches of the chunks in its prompt.
 
-    After each call, ``last_answer`` holds the `kvrag.Answer` (chunks used, TTFT, recompute
-    fraction) and ``generation_info`` reports ``ttft_s``, ``chunk_ids``, ``mode`` and
-    ``recompute_fraction``.
+    By default each answer is made as `KVRag.answer` makes it: ``probe`` under the correctness gate, which
+    recomputes every stale token of a short prompt. ``mode``/``ratio`` fix a fusion mode (no gate unless
+    ``gate=True``); ``mode="full"`` recomputes everything. Each generation's ``generation_info`` reports its own
+    call: ``ttft_s``, ``chunk_ids``, ``mode``, ``recompute_fraction``, ``prompt_tokens``, ``timings`` and
+    ``gate``. ``last_answer`` holds the last call's `kvrag.Answer` (with concurrent calls, any one of them).
 
     Example:
-        >>> llm = KVCachedLLM(rag=KVRag.open("./idx"), mode="cacheblend", ratio=0.15)  # doctest: +SKIP
+        >>> llm = KVCachedLLM(rag=KVRag.open("./idx"))  # doctest: +SKIP
         >>> llm.invoke("Context:\n" + format_docs(docs) + "Question: Who?")  # doctest: +SKIP
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     rag: Any = Field(description="An opened `kvrag.KVRag`.")
-    mode: str = Field(default=DEFAULT_MODE, description="full, prefix, reuse, cacheblend, probe or attnlink.")
-    ratio: float = Field(default=0.15, gt=0.0, le=1.0, description="cacheblend's or probe's recompute ratio.")
+    mode: str | None = Field(default=None, description="A fixed fusion mode; None: probe under the gate.")
+    ratio: float | None = Field(default=None, gt=0.0, le=1.0, description="cacheblend's or probe's ratio.")
+    gate: Any = Field(default=None, description="A `kvrag.GateConfig`, True or False; None: kvrag's default.")
     max_new_tokens: int = Field(default=64, gt=0, description="Most tokens generated per call.")
     temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy decoding.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
@@ -129,31 +135,30 @@ class KVCachedLLM(LLM):
                 "ratio": self.ratio, "max_new_tokens": self.max_new_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "chat_template": self.chat_template}
 
-    def _deltas(self, prompt: str, stop: list[str] | None, **kwargs: Any) -> Iterator[str]:
-        text = chat_prompt(self.rag.lm.tokenizer, prompt) if self.chat_template else prompt
-        options = {"mode": self.mode, "ratio": self.ratio, "max_new_tokens": self.max_new_tokens,
+    def _answer(self, prompt: str, stop: list[str] | None, **kwargs: Any) -> Generator[str, None, Any]:
+        """Yield this call's text pieces; return its `kvrag.Answer`."""
+        options = {"mode": self.mode, "ratio": self.ratio, "gate": self.gate, "max_new_tokens": self.max_new_tokens,
                    "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
-        options.update((k, v) for k, v in kwargs.items() if k in options)  # per-call overrides
-        yield from stream_flat_prompt(self.rag, text, stop=tuple(stop or ()), **options)
-        self.last_answer = self.rag.last_answer
+        answer = yield from stream_prompt_answer(self.rag, prompt, self.chat_template, options,
+                                                 {**kwargs, "stop": stop})
+        self.last_answer = answer
+        return answer
 
-    def _info(self) -> dict[str, Any]:
-        a = self.last_answer
-        return {"ttft_s": a.ttft_s, "chunk_ids": [c.key for c in a.chunks], "mode": a.mode,
-                "recompute_fraction": a.recompute_fraction, "prompt_tokens": a.n_prompt_tokens,
-                "timings": dict(a.timings)}
+    def _complete(self, prompt: str, stop: list[str] | None, **kwargs: Any) -> Generation:
+        pieces = self._answer(prompt, stop, **kwargs)
+        while True:
+            try:
+                next(pieces)
+            except StopIteration as done:
+                return Generation(text=done.value.text, generation_info=answer_metadata(done.value))
 
     def _call(self, prompt: str, stop: list[str] | None = None,
               run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> str:
-        return "".join(self._deltas(prompt, stop, **kwargs)).strip()
+        return self._complete(prompt, stop, **kwargs).text
 
     def _generate(self, prompts: list[str], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
-        generations = []
-        for p in prompts:
-            text = self._call(p, stop, run_manager, **kwargs)
-            generations.append([Generation(text=text, generation_info=self._info())])
-        return LLMResult(generations=generations)
+        return LLMResult(generations=[[self._complete(p, stop, **kwargs)] for p in prompts])
 
     async def _agenerate(
         self, prompts: list[str], stop: list[str] | None = None,
@@ -166,9 +171,14 @@ class KVCachedLLM(LLM):
         self, prompt: str, stop: list[str] | None = None,
         run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        for delta in self._deltas(prompt, stop, **kwargs):
+        pieces = self._answer(prompt, stop, **kwargs)
+        while True:
+            try:
+                delta = next(pieces)
+            except StopIteration as done:
+                yield GenerationChunk(text="", generation_info=answer_metadata(done.value))
+                return
             chunk = GenerationChunk(text=delta)
             if run_manager:
                 run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
-        yield GenerationChunk(text="", generation_info=self._info())

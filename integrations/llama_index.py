@@ -1,8 +1,9 @@
 """LlamaIndex adapter: `KVRetriever` (chunks as nodes), `KVCachedLLM` and `KVRagQueryEngine`.
 
-`KVCachedLLM` gets a flat prompt from LlamaIndex's synthesizers; it finds the stored chunk texts
-in it (`kvrag.query.spans`), reuses their caches and recomputes the rest (`kvrag.query.flat`) — any query
-engine works, e.g. ``RetrieverQueryEngine.from_args(retriever, llm=llm)``. `KVRagQueryEngine` is
+`KVCachedLLM` gets a flat prompt from LlamaIndex's synthesizers and hands it to `KVRag.stream_prompt`: the
+stored chunk texts in it read their caches, the template's head is kept between calls, and the answer is made
+as `KVRag.answer` makes it, by default under the correctness gate. Any query engine works, e.g.
+``RetrieverQueryEngine.from_args(retriever, llm=llm)`` with LlamaIndex's default template. `KVRagQueryEngine` is
 the direct path: it hands the retrieved chunk ids straight to `KVRag.answer` (`KVRag.stream` with
 ``streaming=True``), with no text search::
 
@@ -44,9 +45,10 @@ except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the
         "kvrag.integrations.llama_index needs llama-index-core: pip install 'kvrag[llamaindex]'"
     ) from exc
 
-from kvrag.config import DEFAULT_MODE
+from kvrag.integrations.prompt_llm import answer_metadata, stream_prompt_answer
+
+from kvrag.config import GenerateConfig
 from kvrag.lazy import lazy_exports
-from kvrag.query.flat import chat_prompt, stream_flat_prompt
 
 # The chat classes are defined in `kvrag.integrations.llama_index_chat` and loaded on first use (`__getattr__`).
 __all__ = ["KVCachedLLM", "KVRagChatEngine", "KVRagChatLLM", "KVRagQueryEngine", "KVRetriever"]  # noqa: F822
@@ -86,17 +88,21 @@ class KVRetriever(BaseRetriever):
 class KVCachedLLM(CustomLLM):
     """A LlamaIndex LLM over a kvrag index's model that reuses the caches of the chunks in its prompt.
 
-    After each call, ``last_answer`` holds the `kvrag.Answer`; ``CompletionResponse.additional_kwargs``
-    reports ``ttft_s``, ``chunk_ids``, ``mode`` and ``recompute_fraction``.
+    By default each answer is made as `KVRag.answer` makes it: ``probe`` under the correctness gate.
+    ``mode``/``ratio`` fix a fusion mode (no gate unless ``gate=True``); ``mode="full"`` recomputes everything.
+    ``CompletionResponse.additional_kwargs`` reports the call's own ``ttft_s``, ``chunk_ids``, ``mode``,
+    ``recompute_fraction``, ``prompt_tokens``, ``timings`` and ``gate``; ``last_answer`` holds the last call's
+    `kvrag.Answer` (with concurrent calls, any one of them).
 
     Example:
-        >>> llm = KVCachedLLM(rag=KVRag.open("./idx"), mode="cacheblend", ratio=0.15)  # doctest: +SKIP
+        >>> llm = KVCachedLLM(rag=KVRag.open("./idx"))  # doctest: +SKIP
         >>> RetrieverQueryEngine.from_args(KVRetriever(rag=llm.rag), llm=llm).query("Who?")  # doctest: +SKIP
     """
 
     rag: Any = Field(description="An opened `kvrag.KVRag`.")
-    mode: str = Field(default=DEFAULT_MODE, description="full, prefix, reuse, cacheblend, probe or attnlink.")
-    ratio: float = Field(default=0.15, gt=0.0, le=1.0, description="cacheblend's or probe's recompute ratio.")
+    mode: str | None = Field(default=None, description="A fixed fusion mode; None: probe under the gate.")
+    ratio: float | None = Field(default=None, gt=0.0, le=1.0, description="cacheblend's or probe's ratio.")
+    gate: Any = Field(default=None, description="A `kvrag.GateConfig`, True or False; None: kvrag's default.")
     max_new_tokens: int = Field(default=64, gt=0, description="Most tokens generated per call.")
     temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy decoding.")
     chat_template: bool = Field(
@@ -114,24 +120,23 @@ class KVCachedLLM(CustomLLM):
         return LLMMetadata(context_window=self.rag.lm.spec.max_position, num_output=self.max_new_tokens,
                            is_chat_model=False, model_name=self.rag.lm.source)
 
-    def _deltas(self, prompt: str, **kwargs: Any) -> Any:
-        text = chat_prompt(self.rag.lm.tokenizer, prompt) if self.chat_template else prompt
-        options: dict[str, Any] = {"mode": self.mode, "ratio": self.ratio,
-                                   "max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
-        options.update((k, v) for k, v in kwargs.items() if k in ("mode", "ratio", "max_new_tokens", "stop"))
-        yield from stream_flat_prompt(self.rag, text, **options)
-        self.last_answer = self.rag.last_answer
-
-    def _info(self) -> dict[str, Any]:
-        a = self.last_answer
-        return {"ttft_s": a.ttft_s, "chunk_ids": [c.key for c in a.chunks], "mode": a.mode,
-                "recompute_fraction": a.recompute_fraction, "prompt_tokens": a.n_prompt_tokens}
+    def _answer(self, prompt: str, **kwargs: Any) -> Generator[str, None, Any]:
+        """Yield this call's text pieces; return its `kvrag.Answer`."""
+        options = {"mode": self.mode, "ratio": self.ratio, "gate": self.gate,
+                   "max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
+        answer = yield from stream_prompt_answer(self.rag, prompt, self.chat_template, options, kwargs)
+        self.last_answer = answer
+        return answer
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         """Answer ``prompt``, reusing the caches of the stored chunks found in it."""
-        text = "".join(self._deltas(prompt, **kwargs)).strip()
-        return CompletionResponse(text=text, additional_kwargs=self._info())
+        pieces = self._answer(prompt, **kwargs)
+        while True:
+            try:
+                next(pieces)
+            except StopIteration as done:
+                return CompletionResponse(text=done.value.text, additional_kwargs=answer_metadata(done.value))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
@@ -139,10 +144,15 @@ class KVCachedLLM(CustomLLM):
 
         def gen() -> CompletionResponseGen:
             text = ""
-            for delta in self._deltas(prompt, **kwargs):
+            pieces = self._answer(prompt, **kwargs)
+            while True:
+                try:
+                    delta = next(pieces)
+                except StopIteration as done:
+                    yield CompletionResponse(text=text, delta="", additional_kwargs=answer_metadata(done.value))
+                    return
                 text += delta
                 yield CompletionResponse(text=text, delta=delta)
-            yield CompletionResponse(text=text, delta="", additional_kwargs=self._info())
 
         return gen()
 
@@ -150,7 +160,7 @@ class KVCachedLLM(CustomLLM):
 class KVRagQueryEngine(CustomQueryEngine):
     """Retrieve with a `KVRetriever`, then answer with the chunk ids passed straight to fusion.
 
-    The response's ``metadata`` holds ``ttft_s``, ``chunk_ids``, ``mode`` and ``recompute_fraction``.
+    The response's ``metadata`` holds ``ttft_s``, ``chunk_ids``, ``mode``, ``recompute_fraction`` and ``gate``.
     With ``streaming=True`` the query returns a `StreamingResponse` whose ``response_gen`` yields the
     answer's text as it is decoded (its pieces join to the non-streaming answer); its ``metadata`` is
     filled in once the first piece has arrived.
@@ -169,13 +179,10 @@ class KVRagQueryEngine(CustomQueryEngine):
 
     def _options(self, keys: list[str]) -> dict[str, Any]:
         llm = self.llm
-        return {"chunks": keys, "mode": llm.mode, "ratio": llm.ratio, "max_new_tokens": llm.max_new_tokens,
-                "temperature": llm.temperature}
+        return {"chunks": keys, "mode": llm.mode, "ratio": llm.ratio, "gate": llm.gate}
 
-    @staticmethod
-    def _info(answer: Any) -> dict[str, Any]:
-        return {"ttft_s": answer.ttft_s, "chunk_ids": [c.key for c in answer.chunks], "mode": answer.mode,
-                "recompute_fraction": answer.recompute_fraction, "prompt_tokens": answer.n_prompt_tokens}
+    def _generate(self) -> GenerateConfig:
+        return GenerateConfig(max_new_tokens=self.llm.max_new_tokens, temperature=self.llm.temperature)
 
     def custom_query(self, query_str: str) -> Response | StreamingResponse:
         """Retrieve, then answer from the retrieved chunks' caches (streamed with ``streaming=True``)."""
@@ -185,20 +192,20 @@ class KVRagQueryEngine(CustomQueryEngine):
             info: dict[str, Any] = {}
             return StreamingResponse(response_gen=self._stream(query_str, keys, info), source_nodes=nodes,
                                      metadata=info)
-        answer = self.llm.rag.answer(query_str, **self._options(keys))
+        answer = self.llm.rag.prepare(query_str, **self._options(keys)).generate(self._generate())
         self.llm.last_answer = answer
-        return Response(response=answer.text, source_nodes=nodes, metadata=self._info(answer))
+        return Response(response=answer.text, source_nodes=nodes, metadata=answer_metadata(answer))
 
     def _stream(self, query_str: str, keys: list[str], info: dict[str, Any]) -> Generator[str, None, None]:
         """Yield kvrag's text pieces, trimmed as `Answer.text` is (no leading or trailing whitespace)."""
-        rag = self.llm.rag
+        fused = self.llm.rag.prepare(query_str, **self._options(keys))
 
         def publish() -> None:
-            self.llm.last_answer = rag.last_answer
-            info.update(self._info(rag.last_answer))
+            self.llm.last_answer = fused.answer
+            info.update(answer_metadata(fused.answer))
 
         def pieces() -> Iterator[str]:
-            for piece in rag.stream(query_str, **self._options(keys)):
+            for piece in fused.stream(self._generate()):
                 if not info:
                     publish()  # the answer exists (and its TTFT is known) once the first piece is out
                 yield piece

@@ -5,8 +5,10 @@ What the user chooses lives here; what the model dictates lives in `kvrag.model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any, Literal
 
 SplitMode = Literal["semantic", "fixed", "document"]
 ATTENTION_KERNELS: tuple[str, ...] = ("auto", "blocks", "flex", "tiles")
@@ -138,21 +140,15 @@ class FuseConfig:
     Attributes:
         mode: the name of a registered selector (`kvrag.fusion.available_modes`): the built-in
             ``full``, ``prefix``, ``reuse``, ``cacheblend``, ``attnlink`` and ``probe`` (the default,
-            `DEFAULT_MODE`), or one added with `kvrag.fusion.register_selector`.
+            `DEFAULT_MODE`), or one added with `kvrag.fusion.register_selector`. An unknown name is refused
+            where the selector is made (`kvrag.fusion.selector_class`), before any work.
         ratio: the fraction of chunk tokens recomputed, in (0, 1]: ``cacheblend``'s target after
             its last check layer, ``probe``'s selection through every layer.
-        check_layers: layers at which ``cacheblend`` ranks the selected tokens by the deviation of
-            their fresh K/V rows there and narrows the set before the layer's attention and MLP run
-            (gradual filtering); the last one reaches ``ratio``.
-        first_ratio_scale: at the first check layer ``cacheblend`` keeps
-            ``min(1, ratio * first_ratio_scale)``; later checks interpolate geometrically to ``ratio``.
-        link_tokens: ``attnlink``'s number of leading tokens recomputed in every chunk after the first.
-        score: how ``cacheblend`` ranks tokens at a check layer: ``"kv"`` (HKVD: KV deviation of
-            fresh vs stored), ``"attention"`` (attention mass the question puts on the token) or
-            ``"kv_attention"`` (the default: their product, i.e. deviations that the question reads).
-        probe_from: ``probe`` first runs the question alone over the stored caches, then recomputes
-            the chunk tokens the question attends to most, summed over the layers from
-            ``int(probe_from * n_layers)`` up (0 sums every layer), in [0, 1).
+        options: the mode's own settings, which its selector reads and checks (`Selector.Options`):
+            ``cacheblend``: ``check_layers`` (default ``(1, 2, 3)``), ``first_ratio_scale`` (2.0) and ``score``
+            (``"kv_attention"``); ``attnlink``: ``link_tokens`` (16); ``probe``: ``probe_from`` (0.33). A new
+            mode's knobs are its own options, not fields here. E.g. ``FuseConfig("attnlink",
+            options={"link_tokens": 32})``.
         attention: how tokens selected at scattered positions attend to the cache: ``"blocks"``
             (the decoder layer runs once per position-ordered block, each under a dense mask),
             ``"flex"`` (one decoder call per layer, its attention FlexAttention under a block mask;
@@ -179,11 +175,7 @@ class FuseConfig:
 
     mode: str = DEFAULT_MODE
     ratio: float = 0.15
-    check_layers: tuple[int, ...] = (1, 2, 3)
-    first_ratio_scale: float = 2.0
-    link_tokens: int = 16
-    score: str = "kv_attention"
-    probe_from: float = 0.33
+    options: Mapping[str, Any] = field(default_factory=dict, hash=False)
     attention: str = "auto"
     adaptive: bool = False
     ttft_slo: float | None = None
@@ -191,27 +183,21 @@ class FuseConfig:
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
             raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
-        if self.score not in ("kv", "attention", "kv_attention"):
-            raise ValueError(f"score must be 'kv', 'attention' or 'kv_attention', got {self.score!r}")
-        # the registry is the one place mode names are spelled; it imports no torch
-        from kvrag.fusion.selectors.base import available_modes
-
-        if self.mode not in available_modes():
-            raise ValueError(f"unknown fusion mode {self.mode!r}; expected one of {available_modes()}")
+        # the mode's name is checked against the selectors' registry where a selector is made from it
+        # (`kvrag.fusion.selectors.selector_class`): the registry belongs to fusion, a later stage
+        if not isinstance(self.mode, str) or not self.mode:
+            raise ValueError(f"mode must name a fusion mode, got {self.mode!r}")
+        if not isinstance(self.options, Mapping) or not all(isinstance(k, str) for k in self.options):
+            raise ValueError(f"options must map option names to values, got {self.options!r}")
+        object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
         if not (isinstance(self.ratio, (int, float)) and 0.0 < float(self.ratio) <= 1.0):
             raise ValueError(f"ratio must be in (0, 1], got {self.ratio!r}")
-        if not self.check_layers or any(c < 0 for c in self.check_layers):
-            raise ValueError(f"check_layers must be non-negative layer indices, got {self.check_layers}")
-        if list(self.check_layers) != sorted(set(self.check_layers)):
-            raise ValueError(f"check_layers must be strictly increasing, got {self.check_layers}")
-        if self.first_ratio_scale < 1.0:
-            raise ValueError(f"first_ratio_scale must be >= 1, got {self.first_ratio_scale}")
-        if self.link_tokens < 0:
-            raise ValueError(f"link_tokens must be >= 0, got {self.link_tokens}")
-        if not 0.0 <= self.probe_from < 1.0:
-            raise ValueError(f"probe_from must be in [0, 1), got {self.probe_from!r}")
         if self.ttft_slo is not None and not (isinstance(self.ttft_slo, (int, float)) and self.ttft_slo > 0):
             raise ValueError(f"ttft_slo must be a number of seconds > 0, got {self.ttft_slo!r}")
+
+    def with_options(self, **options: Any) -> FuseConfig:
+        """A copy with ``options`` set on top of this config's own."""
+        return replace(self, options={**self.options, **options})
 
 
 SHORT_MODES = ("prefix", "full")  # `GateConfig.short_mode`

@@ -1,14 +1,18 @@
 """`KVRag`: the facade over kvrag's pipeline. Build an index of chunk caches, open it, answer.
 
-Index time (`build`, `add`) runs `kvrag.indexing`. Question time (`answer`, `stream`, `prepare`) runs
-`kvrag.query.pipeline` (retrieve -> plan -> load -> fuse, then generate); a conversation's turn (`chat`)
-runs `kvrag.chat`. The facade owns the per-index state computed once (model, prompt layout, prefix KV,
-the loading controller, the conversations' tiers) and hands it down; no stage reaches back into it.
+Index time (`build`, `add`) runs `kvrag.indexing`. Question time runs `kvrag.query`: a question
+(`answer`, `stream`, `prepare`) is retrieved and laid out, a framework's flat prompt (`answer_prompt`,
+`stream_prompt`, `prepare_prompt`) has its passages located; both are then planned, loaded and fused under
+the correctness gate (`kvrag.query.gate`) and generated. A conversation's turn (`chat`) runs `kvrag.chat`.
+The facade owns the per-index state computed once (model, prompt layout, prefix KV, the loading controller,
+the conversations' tiers) and hands it down; no stage reaches back into it.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
 import time
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -31,9 +35,10 @@ from kvrag.indexing.ray_build import add_on_ray
 from kvrag.indexing.recompute import recompute_chunk
 from kvrag.model import LoadedModel, load_model
 from kvrag.prompt import DEFAULT_INSTRUCTION, PromptLayout, build_layout, prompt_text
+from kvrag.prompt_answers import PromptAnswers
+from kvrag.query import gate as answering
 from kvrag.query import pipeline
-from kvrag.query.answer import Answer, RetrievedChunk
-from kvrag.query.gate import prepare_answer
+from kvrag.query.answer import Answer, RetrievedChunk, finish
 from kvrag.query.pipeline import FusedPrompt, QueryContext
 from kvrag.query.plan import LoadController
 from kvrag.storage.chunk_index import ChunkIndex
@@ -47,7 +52,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Answer", "FusedPrompt", "KVRag", "RetrievedChunk"]
 
 
-class KVRag:
+class KVRag(PromptAnswers):
     """An opened kvrag index with its model: retrieve, fuse cached chunks, answer.
 
     Example:
@@ -62,9 +67,9 @@ class KVRag:
         self.path, self.index, self.lm, self.embedder, self.layout = path, index, lm, embedder, layout
         self.kvstore = KVStore(open_index_store(path, index.manifest, store), codec, lm.fingerprint)
         self.batch_tokens, self.neighbour_context, self.neighbour_kv = batch_tokens, neighbour_context, neighbour_kv
-        self._prefix: PrefixCache | None = None
-        self._context: QueryContext | None = None
-        self.last_answer: Answer | None = None
+        self._prefix, self._context = cast(PrefixCache | None, None), cast(QueryContext | None, None)
+        self.last_answer: Answer | None = None  # the last answer made through this object (a convenience)
+        self._lock = threading.RLock()  # one fusion and decoding at a time (answers, prompts)
         self.controller = LoadController()  # throughputs of this index's fusions (`FuseConfig.adaptive`)
         self._sessions: ChatSessions | None = None
 
@@ -227,9 +232,8 @@ class KVRag:
     def context(self) -> QueryContext:
         """What the question-time stages read, built once per opened index."""
         if self._context is None:
-            self._context = QueryContext(self.lm, self.index, self.embedder, self.kvstore, self.layout,
-                                         self.prefix, self.neighbour_context, self.controller,
-                                         lambda chunk, first: self._recompute_chunk(chunk, lead=first))
+            self._context = QueryContext(self.lm, self.index, self.embedder, self.kvstore, self.layout, self.prefix,
+                                         self.neighbour_context, self.controller, self._recompute_chunk)
         return self._context
 
     def retrieve(self, question: str, k: int = 4) -> list[RetrievedChunk]:
@@ -270,8 +274,9 @@ class KVRag:
             >>> answer = fused.generate()  # doctest: +SKIP
             >>> fused.nll(reference_token_ids)  # doctest: +SKIP
         """
-        return prepare_answer(self.context, question, k, chunks, mode, ratio, fuse_config, caches, first_exact,
-                              selector, gate)
+        with self._lock:
+            return answering.prepare_answer(self.context, question, k, chunks, mode, ratio, fuse_config, caches,
+                                            first_exact, selector, gate)
 
     def stream(self, question: str, k: int = 4, mode: str | None = None, ratio: float | None = None, *,
                chunks: Sequence[str | RetrievedChunk] | None = None, max_new_tokens: int = 64,
@@ -279,10 +284,7 @@ class KVRag:
                seed: int | None = None, fuse_config: FuseConfig | None = None,
                caches: Sequence[KV | None] | None = None, first_exact: bool = True,
                selector: Selector | None = None, gate: GateConfig | bool | None = None) -> Iterator[str]:
-        """Yield the answer's text as it is generated; `last_answer` holds the full `Answer` after.
-
-        Args mirror `answer`.
-        """
+        """Yield the answer's text as it is generated (args as in `answer`); `last_answer` holds its `Answer`."""
         generate = GenerateConfig(max_new_tokens, temperature, top_p, tuple(stop), seed)
         fused = self.prepare(question, k, mode, ratio, chunks=chunks, fuse_config=fuse_config, caches=caches,
                              first_exact=first_exact, selector=selector, gate=gate)
@@ -290,8 +292,7 @@ class KVRag:
         first = next(pieces, None)  # the Answer exists once decoding starts
         self.last_answer = fused.answer
         if first is not None:
-            yield first
-            yield from pieces
+            yield from itertools.chain([first], pieces)
 
     def answer(self, question: str, k: int = 4, mode: str | None = None, ratio: float | None = None, *,
                chunks: Sequence[str | RetrievedChunk] | None = None, max_new_tokens: int = 64,
@@ -328,14 +329,15 @@ class KVRag:
             `Answer` with the text, TTFT and its breakdown, and the chunks used.
 
         Raises:
-            ValueError: ``caches`` without ``chunks``, or not one entry per chunk; ``first_exact=False``
+            ValueError: an unknown mode; ``caches`` without ``chunks``, or not one per chunk; ``first_exact=False``
                 without ``caches``.
         """
         generate = GenerateConfig(max_new_tokens, temperature, top_p, tuple(stop), seed)
-        fused = self.prepare(question, k, mode, ratio, chunks=chunks, fuse_config=fuse_config, caches=caches,
-                             first_exact=first_exact, selector=selector, gate=gate)
-        self.last_answer = fused.generate(generate)
-        return self.last_answer
+        with self._lock:
+            fused = self.prepare(question, k, mode, ratio, chunks=chunks, fuse_config=fuse_config, caches=caches,
+                                 first_exact=first_exact, selector=selector, gate=gate)
+            self.last_answer = answer = fused.generate(generate)
+        return answer
 
     def nll(self, question: str, target_ids: Sequence[int], chunks: Sequence[str | RetrievedChunk],
             mode: str = "full", ratio: float = 0.15, fuse_config: FuseConfig | None = None) -> float:
@@ -382,9 +384,7 @@ class KVRag:
     def chat(self, messages: Sequence[Any], k: int = 4, mode: str | None = None, ratio: float | None = None,
              **options: Any) -> Answer:
         """`chat_stream` to the end: the whole `Answer` to the conversation's last user message."""
-        for _ in self.chat_stream(messages, k, mode, ratio, **options):
-            pass
-        return cast(Answer, self.last_answer)
+        return finish(self.chat_stream(messages, k, mode, ratio, **options))
 
     def close(self) -> None:
         """Close the index, the chunk store and the conversations' tiers."""

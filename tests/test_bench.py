@@ -30,7 +30,7 @@ def _check_outputs(out: Path, stem: str, plot: str) -> dict:
 def test_parse_modes() -> None:
     specs = parse_modes("cacheblend@0.05,attnlink@4,reuse")
     assert [s.label for s in specs] == ["full", "cacheblend@0.05", "attnlink@4", "reuse"]
-    assert specs[1].config.ratio == 0.05 and specs[2].config.link_tokens == 4
+    assert specs[1].config.ratio == 0.05 and specs[2].config.options["link_tokens"] == 4
     # one mode under two attention kernels, side by side
     tiles, blocks = parse_modes("probe@0.2,probe@0.2+blocks")[1:]
     assert (tiles.config.attention, blocks.config.attention) == ("auto", "blocks")
@@ -60,8 +60,10 @@ def test_flags_set_fuse_settings_for_every_mode(capsys: pytest.CaptureFixture[st
     from kvrag.bench.common import with_fuse_settings
 
     specs = with_fuse_settings(parse_modes("cacheblend@0.05,probe@0.1"), "0,1,2", "flex", 3.0)
-    assert all(s.config.check_layers == (0, 1, 2) and s.config.attention == "flex" for s in specs)
-    assert all(s.config.first_ratio_scale == 3.0 for s in specs)
+    assert all(s.config.attention == "flex" for s in specs)
+    blend = [s for s in specs if s.config.mode == "cacheblend"]
+    assert blend and all(s.config.options["check_layers"] == (0, 1, 2) for s in blend)
+    assert all(s.config.options["first_ratio_scale"] == 3.0 for s in blend)
     assert specs[1].config.ratio == 0.05 and specs[2].config.mode == "probe"  # the rest as parsed
     kept = with_fuse_settings(parse_modes("cacheblend@0.05"))
     assert kept[1].config == parse_modes("cacheblend@0.05")[1].config

@@ -124,14 +124,14 @@ def test_mode_specs_with_a_cacheblend_score():
     from kvrag.bench.common import parse_mode
 
     spec = parse_mode("cacheblend@0.1/kv")
-    assert (spec.config.ratio, spec.config.score) == (0.1, "kv")
+    assert (spec.config.ratio, spec.config.options["score"]) == (0.1, "kv")
     with pytest.raises(ValueError, match="score"):
         parse_mode("cacheblend@0.1/nonsense")
     with pytest.raises(ValueError, match="takes no /option"):
         parse_mode("attnlink@4/kv")
     probe = parse_mode("probe@0.2").config
-    assert (probe.mode, probe.ratio, probe.probe_from) == ("probe", 0.2, 0.33)
-    assert parse_mode("probe@0.1/0.75").config.probe_from == 0.75
+    assert (probe.mode, probe.ratio, dict(probe.options)) == ("probe", 0.2, {})
+    assert parse_mode("probe@0.1/0.75").config.options["probe_from"] == 0.75
     with pytest.raises(ValueError, match="probe_from"):
         parse_mode("probe@0.1/1.5")
 
@@ -141,7 +141,7 @@ def test_mode_specs_with_a_cacheblend_score():
 def test_mode_specs_read_their_fields_from_the_selector_registry():
     from kvrag.bench.common import parse_mode
 
-    assert parse_mode("attnlink@4").config.link_tokens == 4
+    assert parse_mode("attnlink@4").config.options["link_tokens"] == 4
     with pytest.raises(ValueError, match="takes no @value"):
         parse_mode("reuse@3")
     gated = parse_mode("probe@0.15+gate")

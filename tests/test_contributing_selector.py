@@ -101,6 +101,6 @@ def test_the_mode_is_gone_once_unregistered():
     try:
         assert "tail" not in available_modes()
         with pytest.raises(ValueError, match="unknown fusion mode 'tail'"):
-            FuseConfig(mode="tail")
+            make_selector(FuseConfig(mode="tail"))
     finally:
         register_selector("tail")(TailSelector)

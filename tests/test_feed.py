@@ -213,7 +213,7 @@ def test_store_feed_recovers_a_chunk_whose_later_layer_is_corrupt(tmp_path, setu
 def test_fusion_through_a_store_feed_equals_fusion_over_tensors(tmp_path, setup, mode):
     lm, prefix, chunks, kv, suffix = setup
     kvstore, keys = _store(tmp_path, lm, kv)
-    config = FuseConfig(mode=mode, ratio=0.3, link_tokens=3)
+    config = FuseConfig(mode=mode, ratio=0.3, options={"link_tokens": 3} if mode == "attnlink" else {})
     direct = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
     feed = StoreFeed(kvstore, keys, LENS, lm.spec.n_layers, "cpu", torch.float32)
     piped = fuse(lm, FusionInput(prefix, chunks, feed, suffix), config)

@@ -9,7 +9,7 @@ import torch
 from conftest import ARCHS, tiny_model
 
 from kvrag.config import FuseConfig
-from kvrag.fusion import FixedSelector, FusionInput, fuse
+from kvrag.fusion import FixedSelector, FusionInput, fuse, make_selector
 from kvrag.fusion.selectors import ProbeSelector
 from kvrag.indexing.kvgen import chunk_caches, prefix_cache
 from kvrag.model import hf_compat
@@ -95,7 +95,7 @@ def test_reuse_of_a_single_chunk_at_offset_zero_equals_full(setup):
 @pytest.mark.parametrize("ratio", [0.05, 0.15, 0.5])
 def test_cacheblend_keeps_ratio_of_chunk_tokens_plus_suffix(setup, ratio):
     lm, prefix, chunks, kv, suffix = setup
-    config = FuseConfig(mode="cacheblend", ratio=ratio, check_layers=(1, 2))
+    config = FuseConfig(mode="cacheblend", ratio=ratio, options={"check_layers": (1, 2)})
     result = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
     chunk_tokens = sum(c.numel() for c in chunks)
     after_first = chunk_tokens - chunks[0].numel()
@@ -107,7 +107,7 @@ def test_cacheblend_keeps_ratio_of_chunk_tokens_plus_suffix(setup, ratio):
 def test_attnlink_and_prefix_selection_counts(setup):
     lm, prefix, chunks, kv, suffix = setup
     inp = FusionInput(prefix, chunks, kv, suffix)
-    link = fuse(lm, inp, FuseConfig(mode="attnlink", link_tokens=5))
+    link = fuse(lm, inp, FuseConfig(mode="attnlink", options={"link_tokens": 5}))
     assert link.n_selected[0] == 5 * (len(chunks) - 1) + suffix.numel()
     pre = fuse(lm, inp, FuseConfig(mode="prefix"))
     assert pre.n_selected[0] == sum(c.numel() for c in chunks[1:]) + suffix.numel()
@@ -291,7 +291,7 @@ def test_suffix_attention_matches_the_models_attention_weights(arch):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("config", [FuseConfig(mode="cacheblend", ratio=0.3), FuseConfig(mode="probe", ratio=0.3),
-                                    FuseConfig(mode="attnlink", link_tokens=5), FuseConfig(mode="prefix")])
+                                    FuseConfig(mode="attnlink", options={"link_tokens": 5}), FuseConfig(mode="prefix")])
 def test_selected_tokens_run_in_causal_blocks_exactly(monkeypatch, arch, config):
     """Blocks of selected tokens that attend only up to their last position change nothing."""
     from kvrag.fusion import attention as attn
@@ -363,7 +363,7 @@ def test_probe_recomputes_the_chunk_tokens_the_question_attends_to_most(ratio):
     selector keeps that reading (``attention``) and its choice (``picked``)."""
     lm, prefix, chunks, kv, suffix = _setup("llama", seed=2)
     inp = FusionInput(prefix, chunks, kv, suffix)
-    config = FuseConfig(mode="probe", ratio=ratio, probe_from=0.5)
+    config = FuseConfig(mode="probe", ratio=ratio, options={"probe_from": 0.5})
     selector = ProbeSelector(config)
     result = fuse(lm, inp, config, selector)
     total = prefix.length + sum(c.numel() for c in chunks)
@@ -414,7 +414,7 @@ def test_probe_with_one_chunk_runs_like_reuse_and_is_exact(setup):
 @pytest.mark.parametrize("probe_from", [-0.1, 1.0])
 def test_probe_from_outside_its_range_is_a_clear_error(probe_from):
     with pytest.raises(ValueError, match=r"probe_from must be in \[0, 1\)"):
-        FuseConfig(mode="probe", probe_from=probe_from)
+        make_selector(FuseConfig(mode="probe", options={"probe_from": probe_from}))
 
 
 def test_probe_without_any_stored_cache_recomputes_once(setup):
@@ -428,7 +428,7 @@ def test_probe_without_any_stored_cache_recomputes_once(setup):
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("config", [FuseConfig(mode="cacheblend", ratio=0.3), FuseConfig(mode="probe", ratio=0.3),
-                                    FuseConfig(mode="attnlink", link_tokens=5)])
+                                    FuseConfig(mode="attnlink", options={"link_tokens": 5})])
 def test_a_scattered_selection_runs_in_one_call_per_layer_exactly(monkeypatch, arch, config):
     """`FuseConfig.attention` ``flex`` (one decoder call per layer under a `ScatterBias`; here the
     unfused FlexAttention the CPU runs) gives what the masked blocks give."""
@@ -519,7 +519,7 @@ def _narrowed_after_each_check(lm, inp: FusionInput, config: FuseConfig):
             out = hf_compat.run_decoder_layer(lm.model, idx, hidden, mask, sel, rope, cache)
             if selector.checks(idx):
                 fresh = tuple(t[:, :, sel] for t in layer.full()[:2])
-                scores = token_scores(lm, config.score, idx, hidden, sel, layer, seg, stored, fresh, rope)
+                scores = token_scores(lm, selector.check_score, idx, hidden, sel, layer, seg, stored, fresh, rope)
                 keep = selector.narrow(idx, sel, scores, seg)
                 sel, out = sel[keep], out[:, keep]
             hidden = out
@@ -534,14 +534,30 @@ def test_cacheblend_narrowing_before_a_check_layers_body_changes_no_result(arch,
     rows their projections give, so the result is that of running the layer on all of them first."""
     lm, prefix, chunks, kv, suffix = _setup(arch, seed=8)
     inp = FusionInput(prefix, chunks, kv, suffix)
-    config = FuseConfig(mode="cacheblend", ratio=0.2, check_layers=(1, 2), score=score)
+    config = FuseConfig(mode="cacheblend", ratio=0.2, options={"check_layers": (1, 2), "score": score})
     result = fuse(lm, inp, config)
     logits, layers = _narrowed_after_each_check(lm, inp, config)
     assert (result.logits - logits).abs().max().item() <= 1e-4
     for (k, v), (rk, rv) in zip(hf_compat.cache_layers(result.cache), layers):
         assert (k - rk).abs().max().item() <= 1e-4 and (v - rv).abs().max().item() <= 1e-4
     chunk_tokens = sum(c.numel() for c in chunks)
-    first = math.ceil(min(1.0, 0.2 * config.first_ratio_scale) * chunk_tokens - 1e-9)
+    first = math.ceil(min(1.0, 0.2 * config.options.get("first_ratio_scale", 2.0)) * chunk_tokens - 1e-9)
     # layer 0 runs every candidate; check layer 1's body already runs on the first cut only
     assert result.n_selected[:3] == [chunk_tokens - chunks[0].numel() + suffix.numel(),
                                      first + suffix.numel(), math.ceil(0.2 * chunk_tokens) + suffix.numel()]
+
+
+def test_a_mode_owns_its_options():
+    with pytest.raises(ValueError, match=r"'cacheblend' takes no option 'link_tokens' \(its options: check_layers, "
+                                         r"first_ratio_scale, score\)"):
+        make_selector(FuseConfig(mode="cacheblend", options={"link_tokens": 4}))
+    with pytest.raises(ValueError, match=r"'reuse' takes no option 'x' \(its options: none\)"):
+        make_selector(FuseConfig(mode="reuse", options={"x": 1}))
+    with pytest.raises(ValueError, match="link_tokens must be an int >= 0"):
+        make_selector(FuseConfig(mode="attnlink", options={"link_tokens": -1}))
+    assert make_selector(FuseConfig(mode="attnlink", options={"link_tokens": 7})).link_tokens == 7
+    config = FuseConfig(mode="attnlink").with_options(link_tokens=7)
+    assert config == FuseConfig(mode="attnlink", options={"link_tokens": 7})
+    assert hash(config) == hash(FuseConfig("attnlink"))  # hashable: the options are left out of the hash
+    with pytest.raises(TypeError):
+        config.options["link_tokens"] = 8  # type: ignore[index]  # a config stays frozen

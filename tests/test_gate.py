@@ -100,16 +100,16 @@ def test_a_failed_attempt_is_freed_before_the_next_one_is_built(rag: KVRag, monk
 
     made: list[weakref.ref] = []
     alive_at_start: list[int] = []
-    prepare = pipeline.prepare
+    run = pipeline.run
 
     def tracked(*args, **kwargs):
         gc.collect()
         alive_at_start.append(sum(ref() is not None for ref in made))
-        fused = prepare(*args, **kwargs)
+        fused = run(*args, **kwargs)
         made.append(weakref.ref(fused))
         return fused
 
-    monkeypatch.setattr(gate.pipeline, "prepare", tracked)
+    monkeypatch.setattr(gate, "run", tracked)
     never = GateConfig(full_below_tokens=0, min_margin=1e9, ladder=(0.5,))
     gated = rag.answer(Q, k=3, gate=never, max_new_tokens=2)
     assert gated.gate.escalations == 2 and alive_at_start == [0, 0, 0]  # never two caches at once
@@ -157,6 +157,19 @@ def test_gate_settings_are_checked():
         GateConfig(short_mode="reuse")
 
 
+def test_an_unknown_mode_or_option_is_refused_before_any_work(rag: KVRag, monkeypatch):
+    from kvrag.config import FuseConfig
+    from kvrag.query import pipeline
+
+    monkeypatch.setattr(pipeline, "retrieve", lambda *a, **k: pytest.fail("retrieved before the check"))
+    with pytest.raises(ValueError, match="unknown fusion mode 'magic'"):
+        rag.answer(Q, mode="magic")
+    with pytest.raises(ValueError, match="takes no option 'bogus'"):
+        rag.answer(Q, fuse_config=FuseConfig(mode="probe", options={"bogus": 1}))
+    with pytest.raises(ValueError, match="probe_from must be in"):
+        rag.answer_prompt("Some prompt text.", fuse_config=FuseConfig(mode="probe", options={"probe_from": 2.0}))
+
+
 def test_kvrag_ask_reports_the_gate_and_can_turn_it_off(rag: KVRag, capsys):
     import json
 
@@ -172,3 +185,4 @@ def test_kvrag_ask_reports_the_gate_and_can_turn_it_off(rag: KVRag, capsys):
         assert "gate" not in json.loads(capsys.readouterr().out)
     assert main(["ask", path, q, "--k", "3", "--max-new-tokens", "2"]) == 0
     assert "gate: short prompt" in capsys.readouterr().err
+

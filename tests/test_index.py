@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvrag import atomic_files
 from kvrag.errors import IndexCorruptError, IndexNotFoundError, KVRagError
-from kvrag.storage import atomic
 from kvrag.storage.chunk_index import ChunkIndex, ChunkRecord
 
 DIM = 16
@@ -113,17 +113,17 @@ def test_closed_index_raises(index: ChunkIndex) -> None:
 def test_atomic_write_json_and_failed_write(tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     target = tmp_path / "m.json"
-    atomic.atomic_write_json(target, {"b": 1, "a": [1, 2]})
+    atomic_files.atomic_write_json(target, {"b": 1, "a": [1, 2]})
     assert target.read_text().index('"a"') < target.read_text().index('"b"')  # sorted keys
-    assert atomic.read_json(target) == {"a": [1, 2], "b": 1}
+    assert atomic_files.read_json(target) == {"a": [1, 2], "b": 1}
     assert target.stat().st_mode & 0o777 == 0o644
-    monkeypatch.setattr(atomic.os, "replace", _disk_full)
+    monkeypatch.setattr(atomic_files.os, "replace", _disk_full)
     with pytest.raises(OSError, match="disk full"):
-        atomic.atomic_write_json(target, {"c": 3})
-    assert atomic.read_json(target) == {"a": [1, 2], "b": 1}  # old contents intact
+        atomic_files.atomic_write_json(target, {"c": 3})
+    assert atomic_files.read_json(target) == {"a": [1, 2], "b": 1}  # old contents intact
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json"]  # temp file cleaned up
     (tmp_path / ".m.json.x1.tmp").write_bytes(b"left by a killed writer")
-    assert atomic.remove_stale_temps(target) == 1 and not list(tmp_path.glob(".*"))
+    assert atomic_files.remove_stale_temps(target) == 1 and not list(tmp_path.glob(".*"))
 
 
 # -- add / get / search ----------------------------------------------------------------------

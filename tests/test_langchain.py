@@ -37,7 +37,7 @@ def rag(lennon_rag: KVRag) -> KVRag:
 
 
 def test_import_kvrag_loads_no_framework():
-    code = ("import sys, kvrag; from kvrag import KVRag; import kvrag.query.flat, kvrag.query.spans; "
+    code = ("import sys, kvrag; from kvrag import KVRag; import kvrag.query.locate, kvrag.query.spans; "
             "print([m for m in sys.modules if m.startswith(('langchain', 'llama_index'))])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -156,3 +156,47 @@ def test_lcel_stuff_chain_answers_with_fused_caches(rag):
     info = llm.generate([prompt.format(context=format_docs(retriever.invoke(QUESTION)), question=QUESTION)],
                         max_new_tokens=1).generations[0][0].generation_info
     assert info["chunk_ids"] == [c.key for c in answer.chunks] and info["recompute_fraction"] < 1
+
+
+# LangChain's tutorial prompt puts the question before the context; its own format_docs joins by a blank line
+TUTORIAL = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved context to "
+            "answer the question. If you don't know the answer, just say that you don't know. Use three sentences "
+            "maximum and keep the answer concise.\nQuestion: {question} \nContext: {context} \nAnswer:")
+QUESTIONS = ["In what year was the album Milk and Honey released?", "Who recorded Milk and Honey?",
+             "Where was John Lennon born?", "Which band was John Lennon in?"]
+
+
+def _tutorial_chain(rag: KVRag, llm: KVCachedLLM) -> Any:
+    from langchain_core.output_parsers import StrOutputParser
+
+    def join(docs: list[Document]) -> str:
+        return "\n\n".join(doc.page_content for doc in docs)
+
+    return ({"context": KVRetriever(rag=rag, k=3) | join, "question": RunnablePassthrough()}
+            | PromptTemplate.from_template(TUTORIAL) | llm | StrOutputParser())
+
+
+@pytest.mark.slow
+def test_the_tutorial_chain_at_the_default_gives_the_full_prefills_answer(rag):
+    default, full = KVCachedLLM(rag=rag, max_new_tokens=8), KVCachedLLM(rag=rag, mode="full", max_new_tokens=8)
+    for question in QUESTIONS[:2]:
+        assert _tutorial_chain(rag, default).invoke(question) == _tutorial_chain(rag, full).invoke(question)
+        answer = default.last_answer
+        assert answer.gate.decision == "short" and len(answer.chunks) == 3  # every passage found, none stale
+        assert answer.gate.attempts[-1]["mode"] == "full" and full.last_answer.gate is None
+
+
+@pytest.mark.slow
+def test_a_concurrent_batch_gives_each_prompt_its_own_answer_and_metadata(rag):
+    llm = KVCachedLLM(rag=rag, max_new_tokens=6)
+    docs = [KVRetriever(rag=rag, k=k).invoke(q) for q in QUESTIONS for k in (1, 2)]
+    prompts = [PromptTemplate.from_template(TUTORIAL).format(question=q, context="\n\n".join(
+        d.page_content for d in found)) for q, found in zip([q for q in QUESTIONS for _ in (1, 2)], docs)]
+    alone = [llm.generate([p]).generations[0][0] for p in prompts]
+    together = llm.batch(prompts, config={"max_concurrency": 4})
+    assert together == [g.text for g in alone]
+    result = asyncio.run(llm.agenerate(prompts))
+    for generation, single, found in zip(result.generations, alone, docs):
+        info = generation[0].generation_info
+        assert generation[0].text == single.text and info["chunk_ids"] == single.generation_info["chunk_ids"]
+        assert info["chunk_ids"] == [d.metadata["chunk_id"] for d in found][: len(info["chunk_ids"])]

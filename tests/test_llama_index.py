@@ -118,8 +118,42 @@ def test_kvrag_query_engine_streams_pieces_as_they_are_generated(rag):
     assert len(pieces) > 1 and all(isinstance(p, str) and p for p in pieces)
     assert "".join(pieces) == str(whole) == llm.last_answer.text
     assert llm.last_answer.token_ids and len(llm.last_answer.token_ids) == n_tokens
-    assert {k: v for k, v in response.metadata.items() if k != "ttft_s"} == {
-        k: v for k, v in whole.metadata.items() if k != "ttft_s"}
+    assert {k: v for k, v in response.metadata.items() if k not in ("ttft_s", "timings")} == {
+        k: v for k, v in whole.metadata.items() if k not in ("ttft_s", "timings")}
     # LlamaIndex's own consumers see the same text
     again = KVRagQueryEngine(retriever=retriever, llm=llm, streaming=True).query(QUESTION)
     assert again.get_response().response == str(whole)
+
+
+QUESTIONS = ["In what year was the album Milk and Honey released?", "Who recorded Milk and Honey?",
+             "Where was John Lennon born?", "Which band was John Lennon in?"]
+
+
+@pytest.mark.slow
+def test_the_default_query_engine_gives_the_full_prefills_answer(rag):
+    default, full = KVCachedLLM(rag=rag, max_new_tokens=8), KVCachedLLM(rag=rag, mode="full", max_new_tokens=8)
+    for question in QUESTIONS[:2]:
+        texts = [str(RetrieverQueryEngine.from_args(KVRetriever(rag, k=3), llm=llm).query(question))
+                 for llm in (default, full)]
+        assert texts[0] == texts[1]
+        assert default.last_answer.gate.decision == "short" and len(default.last_answer.chunks) == 3
+
+
+@pytest.mark.slow
+def test_concurrent_queries_each_get_their_own_answer_and_metadata(rag):
+    llm = KVCachedLLM(rag=rag, max_new_tokens=6)
+    engine = RetrieverQueryEngine.from_args(KVRetriever(rag, k=2), llm=llm)
+    alone = [str(engine.query(q)) for q in QUESTIONS]
+
+    async def together() -> list[Any]:
+        return await asyncio.gather(*(engine.aquery(q) for q in QUESTIONS))
+
+    assert [str(r) for r in asyncio.run(together())] == alone
+    prompts = [f"Context:\n{c.text}\n\nQuestion: {q}\nAnswer:" for q in QUESTIONS for c in rag.retrieve(q, k=1)]
+
+    async def completions() -> list[Any]:
+        return await asyncio.gather(*(llm.acomplete(p) for p in prompts))
+
+    for response, prompt, question in zip(asyncio.run(completions()), prompts, QUESTIONS):
+        assert response.additional_kwargs["chunk_ids"] == [rag.retrieve(question, k=1)[0].key]
+        assert response.text == llm.complete(prompt).text

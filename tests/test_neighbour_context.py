@@ -104,9 +104,9 @@ def test_without_an_exact_first_chunk_the_selectors_take_it_too(lm):
     exact, stale = (FusionInput(prefix, chunks, caches, suffix, first_exact=flag) for flag in (True, False))
     assert segments(stale).stale == [(6, 11), (17, 9), (26, 14)]
     assert segments(exact).stale == [(17, 9), (26, 14)]
-    link = fuse(lm, stale, FuseConfig(mode="attnlink", link_tokens=4))
+    link = fuse(lm, stale, FuseConfig(mode="attnlink", options={"link_tokens": 4}))
     assert link.n_selected[0] == 4 * 3 + 5
-    blend = fuse(lm, stale, FuseConfig(mode="cacheblend", ratio=0.3, check_layers=(1,)))
+    blend = fuse(lm, stale, FuseConfig(mode="cacheblend", ratio=0.3, options={"check_layers": (1,)}))
     assert blend.n_selected[0] == 34 + 5 and blend.n_selected[-1] == math.ceil(0.3 * 34) + 5
     probe = fuse(lm, stale, FuseConfig(mode="probe", ratio=0.3))
     assert probe.selected.numel() == math.ceil(0.3 * 34) + 5
@@ -167,7 +167,7 @@ def test_reopened_index_fuses_the_first_chunk_from_its_plain_cache(neighboured, 
     assert rag.answer(q, k=3, mode="cacheblend", ratio=1.0, max_new_tokens=5).token_ids == full.token_ids
     reuse = rag.answer(q, k=3, mode="reuse", max_new_tokens=2)
     link = rag.answer(q, k=3, mode="attnlink", max_new_tokens=2, fuse_config=FuseConfig(mode="attnlink",
-                                                                                         link_tokens=2))
+                                                                                         options={"link_tokens": 2}))
     assert link.recompute_fraction > reuse.recompute_fraction
     assert link.recompute_fraction * link.n_prompt_tokens == pytest.approx(
         reuse.recompute_fraction * reuse.n_prompt_tokens + 2 * 2)  # the first chunk is exact: no link tokens

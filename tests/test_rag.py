@@ -326,18 +326,20 @@ def test_every_entry_point_defaults_to_the_same_mode():
 
     from kvrag.cli import build_parser
     from kvrag.config import DEFAULT_MODE, FuseConfig
-    from kvrag.query.flat import answer_flat_prompt, stream_flat_prompt
     from kvrag.rag import KVRag
 
     assert DEFAULT_MODE == "probe" and FuseConfig().mode == DEFAULT_MODE
-    for fn in (answer_flat_prompt, stream_flat_prompt):
-        assert inspect.signature(fn).parameters["mode"].default == DEFAULT_MODE, fn.__qualname__
-    for fn in (KVRag.answer, KVRag.stream, KVRag.prepare):  # None: the default mode, under the gate
+    entry_points = (KVRag.answer, KVRag.stream, KVRag.prepare, KVRag.answer_prompt, KVRag.stream_prompt,
+                    KVRag.prepare_prompt)
+    for fn in entry_points:  # None: the default mode, under the gate
         assert inspect.signature(fn).parameters["mode"].default is None, fn.__qualname__
+        assert inspect.signature(fn).parameters["gate"].default is None, fn.__qualname__
     assert build_parser().parse_args(["ask", "./idx", "q?"]).mode is None  # as KVRag.answer: the default mode, gated
     for name in ("langchain", "llama_index"):
         module = importlib.import_module(f"kvrag.integrations.{name}")
-        assert module.KVCachedLLM.model_fields["mode"].default == DEFAULT_MODE, name
+        fields = module.KVCachedLLM.model_fields
+        assert fields["mode"].default is None and fields["ratio"].default is None, name
+        assert fields["gate"].default is None, name
 
 
 def test_question_tail_follows_the_question_and_leaves_the_prefix_alone(tiny_lm):

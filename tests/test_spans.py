@@ -8,11 +8,9 @@ import pytest
 import torch
 
 from kvrag import KVRag, SplitConfig
-from kvrag.config import FuseConfig
-from kvrag.fusion import FusionInput, fuse
-from kvrag.indexing.kvgen import prefix_cache
 from kvrag.query.answer import RetrievedChunk
-from kvrag.query.flat import answer_flat_prompt, chat_prompt, plan_flat_prompt
+from kvrag.query.locate import chat_prompt, index_chunks, lay_out_prompt
+from kvrag.query.pipeline import LaidOut
 from kvrag.query.spans import find_chunk_spans
 
 
@@ -109,81 +107,151 @@ def _plain_logits(rag: KVRag, ids: list[int]) -> torch.Tensor:
         return rag.lm.model(torch.tensor([ids])).logits[0, -1].float()
 
 
-def _plan_logits(rag: KVRag, prompt: str, mode: str, ratio: float = 1.0) -> tuple[torch.Tensor, list[int]]:
-    plan = plan_flat_prompt(rag.lm.tokenizer, prompt, find_chunk_spans(prompt, rag.resolve_chunks(
-        [r.key for r in rag.index.records()])))
-    assert plan is not None
-    kv = [None if c is None or mode == "full" else tuple(t[:, :, : len(ids)] for t in rag.load_chunk(c))
-          for c, ids in zip(plan.chunks, plan.piece_ids, strict=True)]
-    inp = FusionInput(prefix_cache(rag.lm, plan.sink_ids), [torch.tensor(i) for i in plan.piece_ids], kv,
-                      torch.tensor(plan.tail_ids))
-    return fuse(rag.lm, inp, FuseConfig(mode=mode, ratio=ratio)).logits, plan.token_ids()
+def _laid_out(rag: KVRag, prompt: str, chunks: list[RetrievedChunk] | None = None) -> LaidOut:
+    return lay_out_prompt(rag.context, prompt, chunks if chunks is not None else index_chunks(rag.context))
 
 
-@pytest.mark.parametrize("sep", [None, "\n"])
-@pytest.mark.parametrize("mode", ["full", "cacheblend"])
-def test_flat_fusion_recomputing_everything_equals_plain_forward(tiny_rag, mode, sep):
-    prompt, _ = _flat_prompt(tiny_rag, sep=sep)
-    logits, ids = _plan_logits(tiny_rag, prompt, mode, ratio=1.0)
-    assert (logits - _plain_logits(tiny_rag, ids)).abs().max().item() <= 1e-4
-
-
-def test_flat_plan_keeps_the_chunk_tokens_exact(tiny_rag):
-    from kvrag.prompt import chunk_token_ids
-
-    prompt, chunks = _flat_prompt(tiny_rag)
-    plan = plan_flat_prompt(tiny_rag.lm.tokenizer, prompt, find_chunk_spans(prompt, chunks))
-    assert plan is not None and [c.key for c in plan.chunks if c is not None] == [c.key for c in chunks]
-    for ids, chunk in zip(plan.piece_ids, plan.chunks, strict=True):
-        if chunk is not None:
-            assert ids == chunk_token_ids(tiny_rag.lm.tokenizer, chunk.text)
+def _token_ids(laid: LaidOut) -> list[int]:
+    return laid.prefix.ids.tolist() + [t for p in laid.piece_ids for t in p.tolist()] + laid.suffix_ids.tolist()
 
 
 def _greedy(rag: KVRag, ids: list[int], n: int) -> list[int]:
     out: list[int] = []
     for _ in range(n):
         out.append(int(_plain_logits(rag, ids + out).argmax()))
-    return out
+    eos = rag.lm.tokenizer.eos_token_id
+    return out[: out.index(eos)] if eos in out else out
 
 
-def test_answer_flat_prompt_reports_chunks_and_matches_full(tiny_rag):
+@pytest.mark.parametrize("sep", [None, "\n"])
+@pytest.mark.parametrize("mode", ["full", "cacheblend"])
+def test_flat_fusion_recomputing_everything_equals_plain_forward(tiny_rag, mode, sep):
+    prompt, _ = _flat_prompt(tiny_rag, sep=sep)
+    fused = tiny_rag.prepare_prompt(prompt, mode=mode, ratio=1.0)
+    ids = _token_ids(_laid_out(tiny_rag, prompt))
+    assert (fused.fused.logits - _plain_logits(tiny_rag, ids)).abs().max().item() <= 1e-4
+
+
+def test_flat_layout_keeps_the_chunk_tokens_exact(tiny_rag):
+    from kvrag.prompt import chunk_token_ids
+
     prompt, chunks = _flat_prompt(tiny_rag)
-    full = answer_flat_prompt(tiny_rag, prompt, mode="full", max_new_tokens=5)
-    blend_all = answer_flat_prompt(tiny_rag, prompt, mode="cacheblend", ratio=1.0, max_new_tokens=5)
-    blend = answer_flat_prompt(tiny_rag, prompt, mode="cacheblend", ratio=0.15, max_new_tokens=5,
-                               candidates=[c.key for c in chunks])
-    _, ids = _plan_logits(tiny_rag, prompt, "full")
-    eos = tiny_rag.lm.tokenizer.eos_token_id
-    expected = _greedy(tiny_rag, ids, 5)
-    expected = expected[: expected.index(eos)] if eos in expected else expected
+    laid = _laid_out(tiny_rag, prompt, chunks)
+    assert [c.key for c in laid.used] == [c.key for c in chunks] and not laid.rows_prefix
+    for ids, chunk in zip(laid.piece_ids, laid.chunks, strict=True):
+        if chunk is not None:
+            assert ids.tolist() == chunk_token_ids(tiny_rag.lm.tokenizer, chunk.text)
+    # the head is the fusion prefix, exact, and no chunk sits where kvrag's own prefix would put it
+    assert laid.reuse_prefix and not laid.first_exact and laid.stale_tokens == sum(
+        int(ids.numel()) for c, ids in zip(laid.chunks, laid.piece_ids) if c is not None)
+
+
+def test_answer_prompt_reports_chunks_and_matches_full(tiny_rag):
+    prompt, chunks = _flat_prompt(tiny_rag)
+    full = tiny_rag.answer_prompt(prompt, mode="full", max_new_tokens=5)
+    blend_all = tiny_rag.answer_prompt(prompt, mode="cacheblend", ratio=1.0, max_new_tokens=5)
+    blend = tiny_rag.answer_prompt(prompt, mode="cacheblend", ratio=0.15, max_new_tokens=5,
+                                   candidates=[c.key for c in chunks])
+    expected = _greedy(tiny_rag, _token_ids(_laid_out(tiny_rag, prompt)), 5)
     assert full.token_ids == blend_all.token_ids == expected
     assert [c.key for c in blend.chunks] == [c.key for c in chunks]
     assert 0 < blend.recompute_fraction < 1 and blend.mode == "cacheblend" and blend.ttft_s > 0
-    assert full.recompute_fraction == 1.0
+    assert full.gate is None and blend.gate is None  # a fixed mode runs no gate
+
+
+def test_the_default_answers_a_short_prompt_as_a_full_prefill(tiny_rag):
+    prompt, chunks = _flat_prompt(tiny_rag)
+    default = tiny_rag.answer_prompt(prompt, max_new_tokens=5)
+    assert default.gate.decision == "short" and default.gate.attempts[-1]["mode"] == "full"
+    assert default.token_ids == _greedy(tiny_rag, _token_ids(_laid_out(tiny_rag, prompt)), 5)
+    assert [c.key for c in default.chunks] == [c.key for c in chunks]
+
+
+def test_a_long_prompt_goes_through_the_gate_and_its_ladder(tiny_rag):
+    from kvrag.config import GateConfig
+
+    prompt, _ = _flat_prompt(tiny_rag)
+    never = GateConfig(full_below_tokens=0, min_margin=1e9, ladder=(0.5,))
+    gated = tiny_rag.answer_prompt(prompt, gate=never, max_new_tokens=3)
+    assert gated.gate.decision == "escalated" and [a["mode"] for a in gated.gate.attempts] == [
+        "probe", "probe", "full"]
+    assert gated.token_ids == _greedy(tiny_rag, _token_ids(_laid_out(tiny_rag, prompt)), 3)
+    trusted = tiny_rag.answer_prompt(prompt, gate=GateConfig(full_below_tokens=0), max_new_tokens=3)
+    assert trusted.gate.decision == "fused" and trusted.mode == "probe" and trusted.recompute_fraction < 1
+
+
+def test_kvrags_own_prompt_reads_the_first_chunk_as_exact(tiny_rag):
+    chunks = [RetrievedChunk.from_record(r) for r in tiny_rag.index.records()]
+    prompt = tiny_rag.prompt_text("Who commands beta station?", chunks)
+    laid = _laid_out(tiny_rag, prompt, chunks)
+    assert laid.first_exact and laid.prefix is tiny_rag.context.prefix and len(laid.used) == len(chunks)
+    answer = tiny_rag.answer_prompt(prompt, max_new_tokens=3)
+    assert answer.gate.attempts[-1]["mode"] == "prefix"  # the short path reads the exact first chunk
+
+
+def test_a_template_head_is_prefilled_once(tiny_rag):
+    _, chunks = _flat_prompt(tiny_rag)
+    heads = tiny_rag.context.heads
+
+    def prompt(question: str) -> str:  # the question before the context, as LangChain's tutorial prompt has it
+        body = "Answer from the context.\nQuestion: " + question + "\nContext: " + _fmt(*chunks) + "Answer:"
+        return chat_prompt(tiny_rag.lm.tokenizer, body)
+
+    tiny_rag.answer_prompt(prompt("Who commands beta station?"), max_new_tokens=2)
+    reused, prefilled = heads.reused_tokens, heads.prefilled_tokens
+    laid = _laid_out(tiny_rag, prompt("Who commands beta station?"), chunks)
+    assert heads.prefilled_tokens == prefilled and heads.reused_tokens > reused  # the same head: all kept
+    assert laid.chunks[0] is not None  # no head token left to recompute
+    laid = _laid_out(tiny_rag, prompt("Where is alpha station?"), chunks)
+    head = laid.prefix.length + int(laid.piece_ids[0].numel())
+    # a new question: the template's kept rows are the prefix, only the question's tokens are recomputed
+    assert heads.prefilled_tokens == prefilled and laid.chunks[0] is None and 0 < laid.piece_ids[0].numel() < head // 2
+    answer = tiny_rag.answer_prompt(prompt("Where is alpha station?"), max_new_tokens=3)
+    assert answer.gate.decision == "short" and answer.token_ids == _greedy(tiny_rag, _token_ids(laid), 3)
+
+
+def test_the_head_cache_is_bounded_in_bytes(tiny_rag):
+    from kvrag.query.head_cache import HeadCache
+
+    cache = HeadCache(max_bytes=1)
+    assert cache.prefix_for(tiny_rag.lm, [5, 6, 7]).length == 3 and len(cache) == 0 and cache.nbytes == 0
+    one = HeadCache()
+    first = one.prefix_for(tiny_rag.lm, [5, 6, 7])
+    size = one.nbytes
+    two = HeadCache(max_bytes=2 * size)
+    for start in range(4):
+        two.prefix_for(tiny_rag.lm, [start + 10, 6, 7])
+    assert len(two) == 2 and two.nbytes == 2 * size
+    again = one.prefix_for(tiny_rag.lm, [5, 6, 7, 8])
+    for (k1, v1), (k2, v2) in zip(first.kv, again.kv):
+        assert torch.equal(k1, k2[:, :, :3]) and torch.equal(v1, v2[:, :, :3])
+    plain = HeadCache(max_bytes=0).prefix_for(tiny_rag.lm, [5, 6, 7, 8])
+    for (k1, _), (k2, _) in zip(plain.kv, again.kv):
+        assert (k1 - k2).abs().max().item() <= 1e-5
 
 
 def test_chunks_without_separator_reuse_their_leading_cache_rows(tiny_rag):
     from kvrag.prompt import chunk_token_ids
 
     prompt, chunks = _flat_prompt(tiny_rag, sep="\n- ")
-    plan = plan_flat_prompt(tiny_rag.lm.tokenizer, prompt, find_chunk_spans(prompt, chunks))
-    assert plan is not None and [c.key for c in plan.chunks if c is not None] == [c.key for c in chunks]
-    for ids, chunk in zip(plan.piece_ids, plan.chunks, strict=True):
+    laid = _laid_out(tiny_rag, prompt, chunks)
+    assert [c.key for c in laid.used] == [c.key for c in chunks] and laid.rows_prefix
+    for ids, chunk in zip(laid.piece_ids, laid.chunks, strict=True):
         if chunk is not None:
             stored = chunk_token_ids(tiny_rag.lm.tokenizer, chunk.text)
-            assert 0 < len(ids) < len(stored) and stored[: len(ids)] == ids
-    answer = answer_flat_prompt(tiny_rag, prompt, mode="cacheblend", max_new_tokens=3)
+            assert 0 < len(ids) < len(stored) and stored[: len(ids)] == ids.tolist()
+    answer = tiny_rag.answer_prompt(prompt, mode="cacheblend", max_new_tokens=3)
     assert [c.key for c in answer.chunks] == [c.key for c in chunks] and answer.recompute_fraction < 1
+    exact = tiny_rag.answer_prompt(prompt, mode="cacheblend", ratio=1.0, max_new_tokens=3)
+    assert exact.token_ids == _greedy(tiny_rag, _token_ids(laid), 3)
 
 
 def test_prompt_without_chunks_is_a_plain_full_prefill(tiny_rag):
     prompt = chat_prompt(tiny_rag.lm.tokenizer, "Tell me about the weather in London.")
-    answer = answer_flat_prompt(tiny_rag, prompt, mode="cacheblend", max_new_tokens=4)
-    assert answer.mode == "full" and answer.chunks == [] and answer.recompute_fraction == 1.0
+    answer = tiny_rag.answer_prompt(prompt, mode="cacheblend", max_new_tokens=4)
+    assert answer.mode == "full" and answer.chunks == []
     ids = list(tiny_rag.lm.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    eos = tiny_rag.lm.tokenizer.eos_token_id
-    expected = _greedy(tiny_rag, ids, 4)
-    assert answer.token_ids == (expected[: expected.index(eos)] if eos in expected else expected)
+    assert answer.token_ids == _greedy(tiny_rag, ids, 4)
 
 
 def test_chunks_at_the_very_start_and_end_are_recomputed(tiny_rag):
@@ -192,9 +260,9 @@ def test_chunks_at_the_very_start_and_end_are_recomputed(tiny_rag):
     _, chunks = _flat_prompt(tiny_rag)
     tok = tiny_rag.lm.tokenizer
     prompt = _fmt(*chunks)
-    plan = plan_flat_prompt(tok, prompt, find_chunk_spans(prompt, chunks))
-    # the first becomes the head (a prefix is prefilled anyway), the last the tail (its logits are needed)
-    assert plan is not None and [c.key for c in plan.chunks if c is not None] == [chunks[1].key]
-    assert plan.sink_ids + plan.piece_ids[0] == chunk_token_ids(tok, chunks[0].text)
-    assert plan.tail_ids == chunk_token_ids(tok, chunks[2].text)
-    assert plan_flat_prompt(tok, _fmt(chunks[0]), find_chunk_spans(_fmt(chunks[0]), chunks)) is None
+    laid = _laid_out(tiny_rag, prompt, chunks)
+    # the first becomes the head (a prefix is needed), the last the tail (its logits are needed)
+    assert [c.key for c in laid.used] == [chunks[1].key]
+    assert laid.prefix.ids.tolist() == chunk_token_ids(tok, chunks[0].text)
+    assert laid.suffix_ids.tolist() == chunk_token_ids(tok, chunks[2].text)
+    assert _laid_out(tiny_rag, _fmt(chunks[0]), chunks).used == []

@@ -142,7 +142,8 @@ def test_a_probe_reading_its_attention_in_the_layer_reads_what_it_read_apart(mon
         selector = ProbeSelector(config)
         results.append((fuse(lm, FusionInput(prefix, chunks, kv, suffix), config, selector), selector.attention))
     (together, read), (apart, reference) = results
-    assert len(calls) == lm.spec.n_layers - int(config.probe_from * lm.spec.n_layers)  # the probe's reading layers
+    reading = lm.spec.n_layers - int(ProbeSelector.Options().probe_from * lm.spec.n_layers)
+    assert len(calls) == reading  # the probe's reading layers
     assert read is not None and reference is not None
     assert (read - reference).abs().max().item() <= 1e-5 * reference.abs().max().item()
     assert torch.equal(together.selected, apart.selected)

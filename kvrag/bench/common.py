@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrag.config import ATTENTION_KERNELS, FuseConfig
-from kvrag.fusion.selectors.base import available_modes, selector_class
+from kvrag.fusion.selectors.base import Selector, available_modes, selector_class
 
 DEFAULT_SPEED_MODES = "full,prefix,reuse,cacheblend@0.15,probe@0.15,attnlink@16"
 
@@ -91,17 +91,20 @@ def parse_mode(text: str) -> ModeSpec:
     if arg:
         if selector.value_field is None:
             raise ValueError(f"mode {name!r} takes no @value, got {text!r}")
-        settings[selector.value_field] = _field_value(selector.value_field, arg)
+        settings[selector.value_field] = _field_value(selector, selector.value_field, arg)
     if option:
         if selector.option_field is None:
             raise ValueError(f"mode {name!r} takes no /option, got {text!r}")
-        settings[selector.option_field] = _field_value(selector.option_field, option)
-    return ModeSpec(label, FuseConfig(mode=name, **settings))
+        settings[selector.option_field] = _field_value(selector, selector.option_field, option)
+    ratio = settings.pop("ratio", FuseConfig.ratio)
+    config = FuseConfig(mode=name, ratio=ratio, options=settings)
+    selector.options(config)  # a bad option value is refused here, before anything runs
+    return ModeSpec(label, config)
 
 
-def _field_value(field: str, text: str) -> Any:
-    """``text`` as the type of `FuseConfig` field ``field`` (a spec's @value or /option)."""
-    default = getattr(FuseConfig(), field)
+def _field_value(selector: type[Selector], name: str, text: str) -> Any:
+    """``text`` as the type of ``ratio`` or of the mode's option ``name`` (a spec's @value or /option)."""
+    default = FuseConfig.ratio if name == "ratio" else getattr(selector.Options(), name)
     return type(default)(text) if isinstance(default, (int, float)) else text
 
 
@@ -125,30 +128,38 @@ def parse_modes(text: str, quality: bool = False) -> list[ModeSpec]:
 def add_schedule_flags(parser: Any) -> None:
     """Add the flags that set ``cacheblend``'s gradual filtering for every mode of a bench run."""
     parser.add_argument("--check-layers", default=None, metavar="L,L,...",
-                        help="cacheblend's check layers (FuseConfig.check_layers; default 1,2,3)")
+                        help="cacheblend's check layers (its option check_layers; default 1,2,3)")
     parser.add_argument("--first-ratio-scale", type=float, default=None, metavar="S",
                         help="cacheblend keeps min(1, S x ratio) of the chunk tokens at its first check layer, "
-                             "narrowing geometrically to the ratio at its last (FuseConfig.first_ratio_scale; "
+                             "narrowing geometrically to the ratio at its last (its option first_ratio_scale; "
                              "default 2; 1 keeps the ratio from the first check on)")
 
 
 def with_fuse_settings(specs: list[ModeSpec], check_layers: str | None = None,
                        attention: str | None = None, first_ratio_scale: float | None = None) -> list[ModeSpec]:
-    """The modes with FuseConfig fields that a command-line flag sets for all of them replaced:
-    ``check_layers`` (a comma list such as ``0,1,2``), ``attention`` and ``first_ratio_scale``; None
-    leaves a field as it is.
+    """The modes with what a command-line flag sets for all of them replaced: ``attention``, and the options of
+    the modes that take them, ``check_layers`` (a comma list such as ``0,1,2``) and ``first_ratio_scale``; None
+    leaves a setting as it is.
     """
-    changes: dict[str, Any] = {}
+    options: dict[str, Any] = {}
     if check_layers is not None:
         try:
-            changes["check_layers"] = tuple(int(t) for t in check_layers.split(",") if t.strip())
+            options["check_layers"] = tuple(int(t) for t in check_layers.split(",") if t.strip())
         except ValueError:
             raise ValueError(f"--check-layers must be a comma list of layer indices, got {check_layers!r}") from None
-    if attention is not None:
-        changes["attention"] = attention
     if first_ratio_scale is not None:
-        changes["first_ratio_scale"] = first_ratio_scale
-    return [dataclasses.replace(s, config=dataclasses.replace(s.config, **changes)) for s in specs]
+        options["first_ratio_scale"] = first_ratio_scale
+    for name, value in options.items():  # checked by a mode that takes the option, whether or not one runs
+        owner = next(selector_class(m) for m in available_modes()
+                     if name in {f.name for f in dataclasses.fields(selector_class(m).Options)})
+        owner.Options(**{name: value})
+    out = []
+    for spec in specs:
+        config = spec.config if attention is None else dataclasses.replace(spec.config, attention=attention)
+        taken = {f.name for f in dataclasses.fields(selector_class(config.mode).Options)}
+        config = config.with_options(**{k: v for k, v in options.items() if k in taken})
+        out.append(dataclasses.replace(spec, config=config))
+    return out
 
 
 def parse_ints(text: str, name: str) -> list[int]:

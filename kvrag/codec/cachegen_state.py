@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvrag.storage.atomic import atomic_write_bytes, atomic_write_json, read_json
+from kvrag.atomic_files import atomic_write_bytes, atomic_write_json, read_json
 
 STATE_FORMAT = 2
 MIX_DIMS = 16  # strong components per head that a second, cross-head KLT decorrelates

@@ -30,8 +30,10 @@ if TYPE_CHECKING:
     from kvrag.fusion.selectors import (
         Selector,
         available_modes,
+        exact_mode,
         make_selector,
         register_selector,
+        selector_class,
         unregister_selector,
     )
     from kvrag.fusion.selectors.fixed import FixedSelector
@@ -43,6 +45,8 @@ _LAZY = {
     "Selector": "kvrag.fusion.selectors",
     "FixedSelector": "kvrag.fusion.selectors.fixed",
     "available_modes": "kvrag.fusion.selectors",
+    "exact_mode": "kvrag.fusion.selectors",
+    "selector_class": "kvrag.fusion.selectors",
     "make_selector": "kvrag.fusion.selectors",
     "register_selector": "kvrag.fusion.selectors",
     "unregister_selector": "kvrag.fusion.selectors",
@@ -53,6 +57,6 @@ __getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [
-    "FixedSelector", "FusionInput", "FusionResult", "Selector", "available_modes", "fuse", "make_selector",
-    "register_selector", "unregister_selector",
+    "FixedSelector", "FusionInput", "FusionResult", "Selector", "available_modes", "exact_mode", "fuse",
+    "make_selector", "register_selector", "selector_class", "unregister_selector",
 ]

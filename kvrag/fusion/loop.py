@@ -52,7 +52,8 @@ def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig, selector: Select
     layers = placement.prefixed_layers(lm, inp, seg)
     cache = hf_compat.ScatterCache(layers)
     feed = placement.open_feed(lm, inp, seg, layers[0][0].dtype)
-    loop = _LayerLoop(lm, ids, seg, cache, selector, config.score, attn.attention_kernel(config.attention, device),
+    loop = _LayerLoop(lm, ids, seg, cache, selector, selector.check_score,
+                      attn.attention_kernel(config.attention, device),
                       attn.tiles_on(config.attention, device))
     sel = selector.initial(seg).nonzero().squeeze(1).to(device)  # [n_sel] sorted positions
     try:

@@ -2,7 +2,7 @@
 
 Shapes: K/V rows ``[1, kv_heads, n, head_dim]``; layer inputs ``[1, n, hidden]``; rotary embeddings
 ``(cos, sin)`` ``[1, n, R]``; scores ``[n]`` float32, higher is kept. `token_scores` picks the score
-`FuseConfig.score` names.
+`Selector.check_score` names (``cacheblend``'s ``score`` option).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """`StoreFeed`: chunk caches read from a `KVStore`, checked and decoded ahead of use, layer by layer.
 
-Contract: a worker thread reads and checks ``depth`` layers ahead into a staging buffer (pinned on
-CUDA); file reads, checksums and the codecs' decoders release the GIL for their bulk work. What
-``layer(i)`` returns is what decoding each chunk's layer ``i`` alone gives, side by side, with zeros for
-chunks without a cache and the recovered cache (``recover(j)``) for chunks whose file is missing or
-damaged. Three paths, chosen once per feed:
+Contract: a worker thread reads and checks ``depth`` layers ahead into a staging buffer (pinned on CUDA), where
+a core is spare for it (else each layer is read when fusion asks for it: ``prefetch``); file reads, checksums
+and the codecs' decoders release the GIL for their bulk work. What ``layer(i)`` returns is what decoding each
+chunk's layer ``i`` alone gives, side by side, with zeros for chunks without a cache and the recovered cache
+(``recover(j)``) for chunks whose file is missing or damaged. Three paths, chosen once per feed:
 
 - Planes (``raw``, ``int8``: `Codec.planes`): layers read still encoded and decoded for the whole
   region at once (`kvrag.loading.staging`). Where ``PACKED_STAGING_DEVICES`` holds the device type
@@ -38,7 +38,7 @@ from kvrag.errors import CorruptChunkError
 from kvrag.indexing.kvgen import KV
 from kvrag.loading.chunk_feed import DEFAULT_DEPTH, ChunkFeed
 from kvrag.loading.device_region import StagingBuffer, layers_per_launch, region_codec
-from kvrag.loading.prefetch import DeviceCopier, Prefetcher, consume, copy_stream, is_cuda, on_stream
+from kvrag.loading.prefetch import DeviceCopier, Prefetcher, consume, copy_stream, is_cuda, on_stream, spare_core
 from kvrag.loading.staging import ExtentReads, LayerKV, PlaneLayout
 from kvrag.storage.kvstore import log_recovery
 
@@ -64,17 +64,23 @@ class StoreFeed(ChunkFeed):
 
     ``levels`` (one per chunk, None for the index's own) reads each chunk's cache at another stored level of
     its codec (`kvrag.storage.kvstore.level_key`), as a streaming plan chose (`kvrag.query.plan`).
+
+    ``rows_prefix``: a chunk may cover fewer tokens than its stored cache holds and take its first rows (causal
+    attention makes them that prefix's own cache); it is decoded whole when the feed opens. ``prefetch``: read
+    ahead on the worker thread (True) or each layer when fusion asks for it (False); None: where a core is spare
+    for the thread (`kvrag.loading.prefetch.spare_core`; benchmarks/experiments/loader_thread.py).
     """
 
     def __init__(self, kvstore: Any, keys: Sequence[str | None], lengths: Sequence[int], n_layers: int,
                  device: torch.device | str, dtype: torch.dtype, recover: Callable[[int], KV] | None = None,
                  depth: int = DEFAULT_DEPTH, workers: int | None = None, device_decode: bool | None = None,
-                 region_layers: int | None = None, levels: Sequence[int | None] | None = None) -> None:
+                 region_layers: int | None = None, levels: Sequence[int | None] | None = None,
+                 rows_prefix: bool = False, prefetch: bool | None = None) -> None:
         super().__init__(lengths, [k is not None for k in keys], n_layers, device, dtype)
         if workers is None:  # decoding threads; a layer's chunks decode in parallel
             workers = min(8, max(1, (os.cpu_count() or 2) // 2)) if is_cuda(self.device) else 1
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvrag-decode") if workers > 1 else None
-        self.kvstore, self.keys, self._recover = kvstore, list(keys), recover
+        self.kvstore, self.keys, self._recover, self._rows_prefix = kvstore, list(keys), recover, rows_prefix
         self.levels = list(levels) if levels is not None else [None] * len(self.keys)
         self._readers: list[Any] = [None] * len(self.keys)
         self._recovered: dict[int, KV] = {}
@@ -101,13 +107,20 @@ class StoreFeed(ChunkFeed):
             self._copier = DeviceCopier(self.device, (size,), kind, depth + 1)
             if self._planar is not None and self._extents is None:  # batched reads take addresses, not pieces
                 self._planar.bind([buf.numpy() for buf in self._copier.host])
-        self._prefetch = Prefetcher(self._produce, n_layers, depth) if self._shape is not None else None
+        threaded = spare_core(self.device) if prefetch is None else prefetch
+        self._prefetch = Prefetcher(self._produce, n_layers, depth, threaded) if self._shape is not None else None
 
     def _open(self, j: int, key: str) -> None:
         try:
             level = self.levels[j]
             reader = self.kvstore.reader(key) if level is None else self.kvstore.reader(key, level)
-            if reader.header.shape[2] != self.lengths[j] or reader.header.n_layers < self.n_layers:
+            stored, n = reader.header.shape[2], self.lengths[j]
+            if self._rows_prefix and stored > n and reader.header.n_layers >= self.n_layers:
+                with reader:  # its first rows only: decoded whole now, sliced
+                    keys, values = reader.decode_all()
+                self._recovered[j] = (keys[:, :, :n].contiguous(), values[:, :, :n].contiguous())
+                return
+            if stored != n or reader.header.n_layers < self.n_layers:
                 reader.close()
                 raise CorruptChunkError(key, f"holds {reader.header.shape[2]} tokens, expected {self.lengths[j]}")
             self._readers[j] = reader

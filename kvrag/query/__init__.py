@@ -1,4 +1,4 @@
-"""The question-time pipeline: retrieve -> plan -> load -> fuse -> generate, each stage handing the next a value.
-
-`kvrag.query.flat` does the same for a flat prompt string handed over by a framework.
+"""Question time, one path for every answer: a first stage lays the prompt out (`pipeline.retrieve` and
+`pipeline.lay_out` for a question; `locate` for a framework's flat prompt string), then `gate` plans the answer
+once and executes it, each attempt a `pipeline.run` (plan the loading, load, fuse), and generation decodes it.
 """

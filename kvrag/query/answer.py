@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -19,6 +19,8 @@ from kvrag.generation.decode import TextStreamer, decode_tokens, eos_ids
 from kvrag.model import LoadedModel
 from kvrag.query.plan import LoadPlan
 from kvrag.storage.chunk_index import ChunkRecord
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -95,3 +97,12 @@ def decode_into(answer: Answer, lm: LoadedModel, cache: Any, logits: torch.Tenso
         yield tail
     answer.text = streamer.emitted.strip()
     answer.timings["total_s"] = time.perf_counter() - t0
+
+
+def finish(pieces: Generator[str, None, T]) -> T:
+    """Run a generator of text pieces to its end and return what it returns (a streamed call's `Answer`)."""
+    while True:
+        try:
+            next(pieces)
+        except StopIteration as done:
+            return cast(T, done.value)

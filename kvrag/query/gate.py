@@ -14,8 +14,11 @@ Three steps, each cheap next to a fusion:
 3. **Escalate.** A failed check fuses again at each ratio of `GateConfig.ladder` in turn, and at the end
    prefills in full. With `GateConfig.strict`, a failure goes straight to the full prefill.
 
-Everything the gate measured and did is kept in a `GateReport` (`Answer.gate`); the answer's time to first
-token counts every attempt.
+The steps are planned once per answer, before anything is fused (`plan_answer` gives an `AnswerPlan`: the
+attempts in order), and executed once (`execute`). Both first stages end here: a question (`prepare_answer`,
+after retrieval and kvrag's own layout) and a framework's flat prompt (`prepare_prompt`, after
+`kvrag.query.locate` found its passages). Everything the gate measured and did is kept in a `GateReport`
+(`Answer.gate`); the answer's time to first token counts every attempt.
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ from typing import Any
 import torch
 
 from kvrag.config import DEFAULT_MODE, FuseConfig, GateConfig
-from kvrag.fusion import FusionResult, Selector
+from kvrag.fusion import FusionResult, Selector, exact_mode, selector_class
 from kvrag.indexing.kvgen import KV
 from kvrag.query import pipeline
 from kvrag.query.answer import RetrievedChunk
-from kvrag.query.pipeline import FusedPrompt, QueryContext
+from kvrag.query.locate import lay_out_prompt
+from kvrag.query.pipeline import FusedPrompt, LaidOut, QueryContext, run
 
 
 @dataclass(frozen=True)
@@ -110,63 +114,117 @@ def gate_settings(gate: GateConfig | bool) -> GateConfig | None:
     return GateConfig() if gate else None
 
 
-def stale_tokens(ctx: QueryContext, chunks: Sequence[RetrievedChunk], first_exact: bool = True) -> int:
-    """Chunk tokens whose stored caches are approximate in this prompt: all but the first chunk's."""
-    lengths = [len(ctx.chunk_ids(c.text)) for c in chunks]
-    return sum(lengths[1:] if first_exact else lengths)
+@dataclass(frozen=True)
+class AnswerPlan:
+    """What one answer runs, made once before anything is fused: the fusions to try in order (each a
+    `FuseConfig`; the first one whose check passes is used) and the gate they answer to (None: no gate,
+    one attempt). ``decision`` is the `GateReport`'s: ``"fused"``, or ``"short"`` for a short prompt.
+    ``mode`` is the mode asked for: a selector given with it chooses only that mode's positions.
+    """
+
+    attempts: tuple[FuseConfig, ...]
+    gate: GateConfig | None
+    decision: str
+    stale_tokens: int
+    mode: str
 
 
-def gated_prepare(ctx: QueryContext, question: str, k: int, chunks: Sequence[str | RetrievedChunk] | None,
-                  config: FuseConfig, gate: GateConfig, caches: Sequence[KV | None] | None = None,
-                  selector: Selector | None = None, first_exact: bool = True) -> FusedPrompt:
-    """`pipeline.prepare` under the gate: the fused prompt it trusts, with its `GateReport` attached."""
-    t0 = time.perf_counter()
-    pipeline.check_question(question)
-    used = pipeline.retrieve(ctx, question, k) if chunks is None else pipeline.resolve_chunks(ctx.index, chunks)
-    retrieve_s = time.perf_counter() - t0
-    exact_first = first_exact and ctx.prefix_exact
-    report = GateReport("fused", stale_tokens(ctx, used, exact_first))
-    if config.mode == "full":
-        attempts = [config]
-    elif report.stale_tokens < gate.full_below_tokens:
-        report.decision = "short"
-        short = gate.short_mode if exact_first and not gate.strict else "full"
-        attempts = [replace(config, mode=short)]
-    else:
-        ladder = () if gate.strict else tuple(r for r in gate.ladder if r > config.ratio)
-        attempts = [config, *(replace(config, ratio=r) for r in ladder), replace(config, mode="full")]
+def plan_answer(laid: LaidOut, config: FuseConfig, gate: GateConfig | None) -> AnswerPlan:
+    """The attempts for ``laid`` under ``config`` and ``gate`` (see the module docstring).
+
+    A mode that recomputes every position, or a prompt without a stored cache to read, is one attempt that
+    recomputes everything. A short prompt is one attempt of ``gate.short_mode`` where the first chunk's cache
+    is exact (else of the exact mode). Otherwise: ``config``, the ladder's larger ratios, then the exact mode.
+    """
+    exact = exact_mode()
+    stale = laid.stale_tokens
+    if selector_class(config.mode).recomputes_all:
+        return AnswerPlan((config,), gate, "fused", stale, config.mode)
+    if not any(c is not None for c in laid.chunks):
+        return AnswerPlan((replace(config, mode=exact),), gate, "short", stale, config.mode)
+    if gate is None:
+        return AnswerPlan((config,), None, "fused", stale, config.mode)
+    if stale < gate.full_below_tokens:
+        short = gate.short_mode if laid.first_exact and not gate.strict else exact
+        return AnswerPlan((replace(config, mode=short),), gate, "short", stale, config.mode)
+    ladder = () if gate.strict else tuple(r for r in gate.ladder if r > config.ratio)
+    attempts = (config, *(replace(config, ratio=r) for r in ladder), replace(config, mode=exact))
+    return AnswerPlan(attempts, gate, "fused", stale, config.mode)
+
+
+def execute(ctx: QueryContext, laid: LaidOut, plan: AnswerPlan, caches: Sequence[KV | None] | None = None,
+            selector: Selector | None = None, first_exact: bool = True) -> FusedPrompt:
+    """Run ``plan``'s attempts over ``laid`` until one passes the gate's check: the fused prompt it trusts,
+    with the `GateReport` attached when a gate was asked for. A given ``selector`` serves the mode asked for
+    only.
+    """
+    report = GateReport(plan.decision, plan.stale_tokens) if plan.gate is not None else None
     fused: FusedPrompt | None = None
-    for i, attempt in enumerate(attempts):
+    spent = 0.0
+    for i, attempt in enumerate(plan.attempts):
         t = time.perf_counter()
         fused = None  # a failed attempt's cache goes before the next attempt builds its own
-        chooser = selector if attempt.mode == config.mode else None  # a given selector serves the fused mode only
-        fused = pipeline.prepare(ctx, question, k, used, attempt, caches, chooser, first_exact)
+        chooser = selector if attempt.mode == plan.mode else None
+        fused = run(ctx, laid, attempt, caches, chooser, first_exact)
+        if report is None or plan.gate is None:
+            break
         signals = read_signals(fused.fused)
-        ok, why = (True, "") if attempt.mode == "full" or report.decision == "short" else passes(signals, gate)
+        final = i == len(plan.attempts) - 1 or plan.decision == "short"
+        ok, why = (True, "") if final else passes(signals, plan.gate)
+        seconds = time.perf_counter() - t
         report.attempts.append({"mode": attempt.mode, "ratio": attempt.ratio, "signals": signals.to_json(),
-                                "passed": ok, "reason": why, "seconds": time.perf_counter() - t})
+                                "passed": ok, "reason": why, "seconds": seconds})
         if ok:
             if i > 0:
                 report.decision = "escalated"
             break
-    assert fused is not None  # the last attempt, a full prefill, always passes
-    fused.t0 = t0  # the answer's time to first token counts every attempt
-    fused.timings["retrieve_s"] += retrieve_s
-    fused.timings["gate_s"] = sum(a["seconds"] for a in report.attempts[:-1])
-    fused.gate = report
+        spent += seconds
+    assert fused is not None  # the last attempt always passes
+    if report is not None:
+        fused.timings["gate_s"] = spent
+        fused.gate = report
     return fused
+
+
+def settings(mode: str | None, ratio: float | None, fuse_config: FuseConfig | None, selector: Selector | None,
+             caches: Sequence[KV | None] | None, gate: GateConfig | bool | None
+             ) -> tuple[FuseConfig, GateConfig | None]:
+    """The fusion settings and the gate for `KVRag.answer`'s arguments: the gate runs when asked, or by default
+    when no mode, ratio, fusion settings, selector or caches are given. An unknown mode or option raises ValueError
+    here, before any work.
+    """
+    default = mode is None and ratio is None and fuse_config is None and selector is None and caches is None
+    config = fuse_config or FuseConfig(mode=mode or DEFAULT_MODE, ratio=FuseConfig.ratio if ratio is None else ratio)
+    selector_class(config.mode).options(config)
+    return config, gate_settings(default if gate is None else gate)
 
 
 def prepare_answer(ctx: QueryContext, question: str, k: int, chunks: Sequence[str | RetrievedChunk] | None,
                    mode: str | None, ratio: float | None, fuse_config: FuseConfig | None = None,
                    caches: Sequence[KV | None] | None = None, first_exact: bool = True,
                    selector: Selector | None = None, gate: GateConfig | bool | None = None) -> FusedPrompt:
-    """The fused prompt for `KVRag.answer`'s arguments: the gate runs when asked, or by default when no
-    mode, ratio, fusion settings, selector or caches are given.
+    """The fused prompt for `KVRag.answer`'s arguments: retrieve (or resolve ``chunks``), lay out, plan, execute."""
+    t0 = time.perf_counter()
+    config, gate_config = settings(mode, ratio, fuse_config, selector, caches, gate)
+    pipeline.check_question(question)
+    if caches is not None and chunks is None:
+        raise ValueError("caches= needs chunks= (one cache per chunk, in the same order)")
+    if not first_exact and caches is None:
+        raise ValueError("first_exact=False describes caches= given by the caller; the index's own caches "
+                         "know where they were computed")
+    used = pipeline.retrieve(ctx, question, k) if chunks is None else pipeline.resolve_chunks(ctx.index, chunks)
+    if caches is not None and len(caches) != len(used):
+        raise ValueError(f"caches has {len(caches)} entries but chunks has {len(used)}; give one per chunk")
+    laid = pipeline.lay_out(ctx, question, used, t0, {"retrieve_s": time.perf_counter() - t0})
+    laid.first_exact = laid.first_exact and first_exact
+    return execute(ctx, laid, plan_answer(laid, config, gate_config), caches, selector, first_exact)
+
+
+def prepare_prompt(ctx: QueryContext, prompt: str, candidates: Sequence[RetrievedChunk], config: FuseConfig,
+                   gate: GateConfig | None, selector: Selector | None = None) -> FusedPrompt:
+    """The fused prompt for a framework's flat ``prompt`` under `settings`' ``config`` and ``gate``: its passages
+    found among ``candidates`` (`kvrag.query.locate`), then planned and executed as `prepare_answer` does for a
+    question.
     """
-    default = mode is None and ratio is None and fuse_config is None and selector is None and caches is None
-    config = fuse_config or FuseConfig(mode=mode or DEFAULT_MODE, ratio=FuseConfig.ratio if ratio is None else ratio)
-    gate_config = gate_settings(default if gate is None else gate)
-    if gate_config is None or config.mode == "full":
-        return pipeline.prepare(ctx, question, k, chunks, config, caches, selector, first_exact)
-    return gated_prepare(ctx, question, k, chunks, config, gate_config, caches, selector, first_exact)
+    laid = lay_out_prompt(ctx, prompt, candidates)
+    return execute(ctx, laid, plan_answer(laid, config, gate), None, selector)

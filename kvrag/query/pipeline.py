@@ -1,10 +1,13 @@
-"""The question-time pipeline: retrieve -> plan -> load -> fuse, handing a `FusedPrompt` to generation.
+"""The question-time stages: a first stage lays a prompt out, then plan -> load -> fuse give a `FusedPrompt`.
 
-Each stage is a function of the previous stage's value and of `QueryContext`, the per-index state
-that the facade (`kvrag.rag.KVRag`) computes once: the model, the chunk index and store, the prompt
-layout and the prefix's KV. A `FusedPrompt` is the fused cache of one prompt; it generates the answer
-(`stream`, `generate`) and scores given tokens on the same cache (`teacher_logprobs`, `nll`), which is
-how benchmarks compare a mode's cache with a full prefill's answer without fusing twice.
+Two first stages give the same `LaidOut`: `retrieve` + `lay_out` (a question, kvrag's own prompt layout) and
+`kvrag.query.locate.lay_out_prompt` (the passages found in a framework's flat prompt). `run` fuses a laid-out
+prompt once under one `FuseConfig`; `kvrag.query.gate` plans which runs an answer makes and executes them.
+Each stage is a function of the previous stage's value and of `QueryContext`, the per-index state that the
+facade (`kvrag.rag.KVRag`) computes once: the model, the chunk index and store, the prompt layout, the
+prefix's KV and the kept heads of framework prompts. A `FusedPrompt` is the fused cache of one prompt; it
+generates the answer (`stream`, `generate`) and scores given tokens on the same cache (`teacher_logprobs`,
+`nll`), which is how benchmarks compare a mode's cache with a full prefill's answer without fusing twice.
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ import torch
 
 from kvrag.config import FuseConfig, GenerateConfig
 from kvrag.errors import InputError
-from kvrag.fusion import FusionInput, FusionResult, Selector, fuse
+from kvrag.fusion import FusionInput, FusionResult, Selector, fuse, selector_class
 from kvrag.indexing.embed import Embedder
 from kvrag.indexing.kvgen import KV, PrefixCache, lead_key
 from kvrag.loading.feed import StoreFeed
 from kvrag.model import LoadedModel, hf_compat
 from kvrag.prompt import PromptLayout, chunk_token_ids, suffix_token_ids
 from kvrag.query.answer import Answer, RetrievedChunk, decode_into
+from kvrag.query.head_cache import HeadCache
 from kvrag.query.plan import LoadController, LoadPlan
 from kvrag.query.shape import prompt_shape
 from kvrag.storage.chunk_index import ChunkIndex
@@ -54,6 +58,8 @@ class QueryContext:
     prefix_exact: bool = True  # the chunk caches were computed after this very prefix (False in a conversation)
     reuse_prefix: bool = False  # the prefix is a conversation's kept KV: no mode recomputes it
     tokenized: OrderedDict[str, list[int]] = field(default_factory=OrderedDict)  # `chunk_ids`' last texts
+    heads: HeadCache = field(default_factory=HeadCache)  # framework prompts' heads (`kvrag.query.locate`)
+    all_chunks: tuple[int, list[RetrievedChunk]] | None = None  # (index size, its chunks): `locate.index_chunks`
 
     def chunk_ids(self, text: str) -> list[int]:
         """`chunk_token_ids` of ``text`` under this model's tokenizer, remembered for the last
@@ -98,36 +104,97 @@ def prompt_ids(ctx: QueryContext, question: str, chunks: list[RetrievedChunk],
     """The chunks' and the question suffix's token ids, checked against the context window."""
     suffix = suffix_token_ids(ctx.lm.tokenizer, ctx.layout, question)
     chunk_ids = [torch.tensor(ctx.chunk_ids(c.text)) for c in chunks]
-    total = ctx.prefix.length + sum(int(c.numel()) for c in chunk_ids) + len(suffix)
+    check_length(ctx, ctx.prefix.length + sum(int(c.numel()) for c in chunk_ids) + len(suffix))
+    return chunk_ids, torch.tensor(suffix)
+
+
+def check_length(ctx: QueryContext, total: int) -> None:
+    """Refuse a prompt of ``total`` tokens that does not fit the model's context window."""
     if total >= ctx.lm.spec.max_position:
         raise InputError(
             f"the prompt has {total} tokens but the model's context window is "
             f"{ctx.lm.spec.max_position}; use fewer or smaller chunks (k) or a shorter question")
-    return chunk_ids, torch.tensor(suffix)
 
 
-def load(ctx: QueryContext, chunks: list[RetrievedChunk], chunk_ids: list[torch.Tensor], suffix: torch.Tensor,
-         mode: str, caches: Sequence[KV | None] | None = None, from_text: Sequence[int] = (),
-         first_exact: bool = True, levels: Sequence[int | None] | None = None) -> FusionInput:
-    """The fusion input: ``caches`` when given, else the stored caches through a `StoreFeed` that
-    reads them layer by layer while fusion runs (chunks in ``from_text`` recomputed from their text;
-    ``levels``: each chunk's stored level, as a streaming plan chose).
+@dataclass
+class LaidOut:
+    """A prompt laid out for fusion: ``[prefix][piece 1]…[piece k][suffix]`` in token ids.
+
+    Both first stages give one: `lay_out` (retrieved chunks in kvrag's own layout) and
+    `kvrag.query.locate.lay_out_prompt` (the passages found in a framework's flat prompt). Piece ``j`` reads
+    ``chunks[j]``'s stored cache; a None chunk marks text without a cache, always recomputed.
+
+    Attributes:
+        prefix: the exact KV of the prompt's head.
+        first_exact: piece 0 is a chunk whose stored cache was computed right after this very prefix.
+        reuse_prefix: the prefix's rows are kept as they are, even by a mode that recomputes everything.
+        rows_prefix: a chunk piece may be shorter than its stored cache and read its first rows (a passage
+            that a framework's template cut from kvrag's separator).
+        t0: when the question or prompt arrived; ``timings``: the first stage's seconds.
     """
-    first_exact = first_exact and ctx.prefix_exact
-    if mode == "full":
-        return FusionInput(ctx.prefix, chunk_ids, [None] * len(chunks), suffix, reuse_prefix=ctx.reuse_prefix)
+
+    prefix: PrefixCache
+    chunks: list[RetrievedChunk | None]
+    piece_ids: list[torch.Tensor]  # each [n_j]
+    suffix_ids: torch.Tensor  # [S]
+    first_exact: bool
+    reuse_prefix: bool
+    t0: float
+    timings: dict[str, float] = field(default_factory=dict)
+    rows_prefix: bool = False
+
+    @property
+    def used(self) -> list[RetrievedChunk]:
+        """The chunks whose caches the prompt may read, in prompt order."""
+        return [c for c in self.chunks if c is not None]
+
+    @property
+    def stale_tokens(self) -> int:
+        """Chunk tokens whose stored caches are approximate where they stand: every chunk piece's, but the
+        first piece's when its cache is exact. Text pieces are recomputed anyway and do not count.
+        """
+        return sum(int(ids.numel()) for j, (c, ids) in enumerate(zip(self.chunks, self.piece_ids))
+                   if c is not None and not (j == 0 and self.first_exact))
+
+
+def lay_out(ctx: QueryContext, question: str, chunks: list[RetrievedChunk], t0: float,
+            timings: dict[str, float] | None = None) -> LaidOut:
+    """Retrieved ``chunks`` and ``question`` in kvrag's own layout, after the index's prompt prefix."""
+    chunk_ids, suffix = prompt_ids(ctx, question, chunks)
+    return LaidOut(ctx.prefix, list(chunks), chunk_ids, suffix, ctx.prefix_exact, ctx.reuse_prefix, t0,
+                   dict(timings or {}))
+
+
+def load(ctx: QueryContext, laid: LaidOut, mode: str, caches: Sequence[KV | None] | None = None,
+         from_text: Sequence[int] = (), first_exact: bool = True,
+         levels: Sequence[int | None] | None = None) -> FusionInput:
+    """The fusion input: ``caches`` when given, else the stored caches through a `StoreFeed` that
+    reads them layer by layer while fusion runs (pieces in ``from_text`` recomputed from their text;
+    ``levels``: each chunk's stored level, as a streaming plan chose). A mode that recomputes every
+    position reads none.
+    """
+    first_exact = first_exact and laid.first_exact
+    ids = laid.piece_ids
+    if selector_class(mode).recomputes_all:
+        return FusionInput(laid.prefix, ids, [None] * len(ids), laid.suffix_ids, reuse_prefix=laid.reuse_prefix)
     if caches is not None:
-        return FusionInput(ctx.prefix, chunk_ids, list(caches), suffix, first_exact, ctx.reuse_prefix)
+        return FusionInput(laid.prefix, ids, list(caches), laid.suffix_ids, first_exact, laid.reuse_prefix)
     # with neighbour context the first chunk reads its plain cache, which is exact where it stands
-    lead = ctx.neighbour_context and ctx.prefix_exact
+    lead = bool(ctx.neighbour_context and laid.first_exact)
+    chunks = laid.chunks
     keys: list[str | None] = [
-        None if j in from_text else lead_key(c.key) if j == 0 and lead else c.key
+        None if c is None or j in from_text else lead_key(c.key) if j == 0 and lead else c.key
         for j, c in enumerate(chunks)]
-    feed = StoreFeed(ctx.kvstore, keys, [int(c.numel()) for c in chunk_ids],
-                     ctx.lm.spec.n_layers, ctx.lm.device, ctx.prefix.kv[0][0].dtype,
-                     recover=lambda j: ctx.recover(chunks[j], bool(j == 0 and lead)),
-                     levels=[None if levels is None or (j == 0 and lead) else levels[j] for j in range(len(chunks))])
-    return FusionInput(ctx.prefix, chunk_ids, feed, suffix, ctx.prefix_exact, ctx.reuse_prefix)
+
+    def recover(j: int) -> KV:
+        chunk = chunks[j]
+        assert chunk is not None  # only pieces with a key are read
+        return ctx.recover(chunk, bool(j == 0 and lead))
+
+    feed = StoreFeed(ctx.kvstore, keys, [int(c.numel()) for c in ids], ctx.lm.spec.n_layers, ctx.lm.device,
+                     laid.prefix.kv[0][0].dtype, recover=recover, rows_prefix=laid.rows_prefix,
+                     levels=[None if levels is None or (j == 0 and lead) else levels[j] for j in range(len(ids))])
+    return FusionInput(laid.prefix, ids, feed, laid.suffix_ids, laid.first_exact, laid.reuse_prefix)
 
 
 @dataclass
@@ -194,32 +261,25 @@ class FusedPrompt:
         hf_compat.crop_cache(self.fused.cache, self.fused.n_tokens)
 
 
-def prepare(ctx: QueryContext, question: str, k: int, chunks: Sequence[str | RetrievedChunk] | None,
-            config: FuseConfig, caches: Sequence[KV | None] | None = None, selector: Selector | None = None,
-            first_exact: bool = True) -> FusedPrompt:
-    """Retrieve (or resolve ``chunks``), plan the loading, load and fuse: the stages before generation."""
-    check_question(question)
-    if caches is not None and chunks is None:
-        raise ValueError("caches= needs chunks= (one cache per chunk, in the same order)")
-    if not first_exact and caches is None:
-        raise ValueError("first_exact=False describes caches= given by the caller; the index's own caches "
-                         "know where they were computed")
-    t0 = time.perf_counter()
-    used = retrieve(ctx, question, k) if chunks is None else resolve_chunks(ctx.index, chunks)
-    if caches is not None and len(caches) != len(used):
-        raise ValueError(f"caches has {len(caches)} entries but chunks has {len(used)}; give one per chunk")
+def run(ctx: QueryContext, laid: LaidOut, config: FuseConfig, caches: Sequence[KV | None] | None = None,
+        selector: Selector | None = None, first_exact: bool = True) -> FusedPrompt:
+    """Fuse one laid-out prompt under ``config``: plan the loading, load and fuse. ``caches`` (one per piece)
+    replace the stored ones; ``first_exact`` says whether their first was computed right after the prefix.
+    """
     t1 = time.perf_counter()
-    chunk_ids, suffix = prompt_ids(ctx, question, used)
-    shape = prompt_shape(ctx.lm, [int(c.numel()) for c in chunk_ids], int(suffix.numel()), ctx.prefix.length)
+    recomputes_all = selector_class(config.mode).recomputes_all
+    lengths = [int(c.numel()) for c in laid.piece_ids]
+    shape = prompt_shape(ctx.lm, lengths, int(laid.suffix_ids.numel()), laid.prefix.length)
     plan = None
-    if caches is None and config.mode != "full":  # loads from the store: the controller may plan
-        config, plan = ctx.controller.adapt(config, shape, ctx.kvstore, [c.key for c in used])
+    if caches is None and not recomputes_all:  # loads from the store: the controller may plan
+        config, plan = ctx.controller.adapt(config, shape, ctx.kvstore, [c.key if c else None for c in laid.chunks])
     from_text = plan.from_text if plan is not None else ()
-    inp = load(ctx, used, chunk_ids, suffix, config.mode, caches, from_text, first_exact,
-               plan.levels if plan is not None else None)
+    if selector_class(config.mode).reads_first_chunk_only:  # the later pieces are recomputed: none is read
+        from_text = tuple(sorted({*from_text, *range(1, len(lengths))}))
+    inp = load(ctx, laid, config.mode, caches, from_text, first_exact, plan.levels if plan is not None else None)
     t2 = time.perf_counter()
     fused = fuse(ctx.lm, inp, config, selector)
-    measured = selector is None and (isinstance(inp.chunk_kv, StoreFeed) or (config.mode == "full" and caches is None))
+    measured = selector is None and (isinstance(inp.chunk_kv, StoreFeed) or (recomputes_all and caches is None))
     if measured and ctx.lm.device.type == "cuda":  # the fusion's kernels, finished, for its measured time
         torch.cuda.synchronize(ctx.lm.device)
     if measured and isinstance(inp.chunk_kv, StoreFeed):
@@ -229,7 +289,17 @@ def prepare(ctx: QueryContext, question: str, k: int, chunks: Sequence[str | Ret
         ctx.controller.observe_prefill(shape, time.perf_counter() - t2)
     # Layers load while fusion runs: load_s is opening the chunk files plus the time fusion waited
     # for a layer (loading that recompute did not hide); fuse_s is the rest.
-    timings = {"retrieve_s": t1 - t0, "load_s": t2 - t1 + fused.load_wait_s,
-               "fuse_s": fused.fuse_s - fused.load_wait_s}
-    return FusedPrompt(ctx.lm, used, fused, config.mode, config.ratio if plan is None else plan.ratio,
-                       timings, plan, t0)
+    timings = {**laid.timings, "load_s": t2 - t1 + fused.load_wait_s, "fuse_s": fused.fuse_s - fused.load_wait_s}
+    return FusedPrompt(ctx.lm, laid.used, fused, config.mode, config.ratio if plan is None else plan.ratio,
+                       timings, plan, laid.t0)
+
+
+def prepare(ctx: QueryContext, question: str, k: int, chunks: Sequence[str | RetrievedChunk] | None,
+            config: FuseConfig, caches: Sequence[KV | None] | None = None, selector: Selector | None = None,
+            first_exact: bool = True) -> FusedPrompt:
+    """Retrieve (or resolve ``chunks``), lay out, and fuse once under ``config``: no gate."""
+    t0 = time.perf_counter()
+    check_question(question)
+    used = retrieve(ctx, question, k) if chunks is None else resolve_chunks(ctx.index, chunks)
+    laid = lay_out(ctx, question, used, t0, {"retrieve_s": time.perf_counter() - t0})
+    return run(ctx, laid, config, caches, selector, first_exact)

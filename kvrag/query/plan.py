@@ -176,14 +176,16 @@ class LoadController:
         a, c = model
         return sum(y for _, y in own) / sum(a + c * x for x, _ in own)
 
-    def adapt(self, config: FuseConfig, shape: FusionShape, kvstore: Any = None, keys: Sequence[str] | None = None
-              ) -> tuple[FuseConfig, LoadPlan | None]:
+    def adapt(self, config: FuseConfig, shape: FusionShape, kvstore: Any = None,
+              keys: Sequence[str | None] | None = None) -> tuple[FuseConfig, LoadPlan | None]:
         """``config`` with its planned ratio and the plan, when ``config.adaptive``; the streaming plan
-        (`stream`) of the chunks ``keys`` in ``kvstore`` (a `KVStore`) when ``config.ttft_slo`` is set;
-        else ``config`` as it is and None.
+        (`stream`) of the chunks ``keys`` in ``kvstore`` (a `KVStore`; None for a piece without a cache, which
+        is recomputed from its text) when ``config.ttft_slo`` is set; else ``config`` as it is and None.
         """
         if config.ttft_slo is not None and kvstore is not None and keys is not None:
-            plan = self.stream(config.mode, config.ratio, shape, config.ttft_slo, kvstore.level_sizes(keys),
+            stored = iter(kvstore.level_sizes([k for k in keys if k is not None]))
+            sizes = [next(stored) if k is not None else {} for k in keys]
+            plan = self.stream(config.mode, config.ratio, shape, config.ttft_slo, sizes,
                                kvstore.codec.level, kvstore.throughput)
             return config, plan
         if not config.adaptive:
@@ -217,7 +219,7 @@ class LoadController:
     def plan(self, mode: str, ratio: float, shape: FusionShape) -> LoadPlan:
         """The plan for one fusion in ``mode`` at ``ratio`` (see the module docstring)."""
         model, rate, work = self.recompute_model(), self.load_rate, self._work.get(mode)
-        if mode == "full" or model is None or rate is None or work is None:
+        if selector_class(mode).recomputes_all or model is None or rate is None or work is None:
             return LoadPlan(ratio)
         factor = self._factor(mode, model)
         a, c = model[0] * factor, model[1] * factor

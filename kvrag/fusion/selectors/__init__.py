@@ -11,8 +11,10 @@ Nothing imported here loads torch (see `kvrag.fusion.selectors.base`).
 from kvrag.fusion.selectors.base import (
     Selector,
     available_modes,
+    exact_mode,
     make_selector,
     register_selector,
+    selector_class,
     unregister_selector,
 )
 
@@ -28,6 +30,6 @@ from kvrag.fusion.selectors.probe import ProbeSelector
 
 __all__ = [
     "AttnLinkSelector", "CacheBlendSelector", "FullSelector", "PrefixSelector", "ProbeSelector",
-    "ReuseSelector", "Selector", "available_modes", "make_selector", "register_selector",
-    "unregister_selector",
+    "ReuseSelector", "Selector", "available_modes", "exact_mode", "make_selector", "register_selector",
+    "selector_class", "unregister_selector",
 ]

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 if TYPE_CHECKING:
     import torch
@@ -36,24 +37,52 @@ class Selector(ABC):
     Class attributes describe the mode to the rest of kvrag, so that nothing else names it:
 
     Attributes:
-        value_field: the `FuseConfig` field that a benchmark's ``NAME@VALUE`` spec sets (e.g. ``ratio``).
-        option_field: the `FuseConfig` field that ``NAME@VALUE/OPTION`` sets, if any.
+        value_field: what a benchmark's ``NAME@VALUE`` spec sets: ``ratio``, or one of the mode's `Options`.
+        option_field: the option of `Options` that ``NAME@VALUE/OPTION`` sets, if any.
         scales_with_ratio: whether the recompute grows with `FuseConfig.ratio` (the loading controller
             raises the ratio of such modes while loading hides the extra work).
         loads_before_main_pass: whether the main pass needs every stored layer first (a probe pass
             overlaps the loading, the selected tokens do not), so loading adds to the recompute.
+        recomputes_all: whether the mode recomputes every position after the prefix: it reads no stored
+            cache, is exact by construction (no check can fail it) and is what every escalation ends in.
+        reads_first_chunk_only: whether the mode recomputes every chunk after the first whatever it holds, so
+            that only the first chunk's stored cache is loaded.
     """
+
+    @dataclass(frozen=True)
+    class Options:
+        """The mode's own settings, given as ``FuseConfig.options`` (none by default). A selector with options
+        declares its own frozen dataclass under this name; its ``__post_init__`` checks them.
+        """
 
     value_field: ClassVar[str | None] = None
     option_field: ClassVar[str | None] = None
     scales_with_ratio: ClassVar[bool] = False
     loads_before_main_pass: ClassVar[bool] = False
+    recomputes_all: ClassVar[bool] = False
+    reads_first_chunk_only: ClassVar[bool] = False
+    check_score: str = "kv_attention"  # what the layer loop ranks tokens by where `checks` is true
+
+    @classmethod
+    def options(cls, config: FuseConfig) -> Any:
+        """``config.options`` as this mode's `Options`.
+
+        Raises:
+            ValueError: an option the mode does not take (naming those it takes), or a bad value.
+        """
+        known = {f.name for f in fields(cls.Options)}
+        unknown = sorted(set(config.options) - known)
+        if unknown:
+            takes = ", ".join(sorted(known)) or "none"
+            raise ValueError(f"fusion mode {config.mode!r} takes no option {', '.join(map(repr, unknown))} "
+                             f"(its options: {takes})")
+        return cls.Options(**config.options)
 
     @classmethod
     def from_config(cls, config: FuseConfig) -> Selector:
         """The selector for ``config`` (``config.mode`` names this class).
 
-        Override to read the `FuseConfig` fields the selector needs; the default takes none.
+        Override to read ``config.ratio`` or the mode's `options`; the default takes none (and refuses options).
 
         Args:
             config: the fusion settings.
@@ -61,6 +90,7 @@ class Selector(ABC):
         Returns:
             A new selector.
         """
+        cls.options(config)
         return cls()
 
     @abstractmethod
@@ -151,6 +181,13 @@ def selector_class(mode: str) -> type[Selector]:
         return _REGISTRY[mode]
     except KeyError:
         raise ValueError(f"unknown fusion mode {mode!r}; expected one of {available_modes()}") from None
+
+
+def exact_mode() -> str:
+    """The registered mode that recomputes every position (`Selector.recomputes_all`): the reference every
+    other mode is measured against, and where the correctness gate's escalations end.
+    """
+    return next(name for name, cls in _REGISTRY.items() if cls.recomputes_all)
 
 
 def make_selector(config: FuseConfig) -> Selector:

@@ -1,12 +1,13 @@
-"""``cacheblend``: CacheBlend's HKVD selection with gradual filtering at `FuseConfig.check_layers`.
+"""``cacheblend``: CacheBlend's HKVD selection with gradual filtering at its check layers.
 
-Reads ``ratio``, ``check_layers`` and ``first_ratio_scale`` from `FuseConfig`; the score it ranks by
-(``FuseConfig.score``) is computed by the layer loop (`kvrag.fusion.scores.token_scores`).
+Reads ``ratio`` from `FuseConfig` and its options ``check_layers``, ``first_ratio_scale`` and ``score``; the score
+it ranks by is computed by the layer loop (`kvrag.fusion.scores.token_scores`, `Selector.check_score`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvrag.fusion.selectors.base import Selector, register_selector
@@ -16,6 +17,9 @@ if TYPE_CHECKING:
 
     from kvrag.config import FuseConfig
     from kvrag.fusion.inputs import Segments
+
+
+SCORES = ("kv", "attention", "kv_attention")
 
 
 @register_selector("cacheblend")
@@ -30,16 +34,42 @@ class CacheBlendSelector(Selector):
     K/V rows at that layer. Forced tokens (suffix, chunks without cache) are always kept.
 
     Args:
-        config: the fusion settings (``ratio``, ``check_layers``, ``first_ratio_scale``).
+        config: the fusion settings (``ratio``; the options below).
     """
+
+    @dataclass(frozen=True)
+    class Options:
+        """``check_layers``: where the selection is narrowed (strictly increasing layer indices), the last one
+        reaching ``ratio``. ``first_ratio_scale``: the first check keeps ``min(1, ratio * first_ratio_scale)``.
+        ``score``: what tokens are ranked by: ``"kv"`` (HKVD: fresh against stored K/V), ``"attention"`` (the
+        question's attention on the token) or ``"kv_attention"`` (their product: deviations the question reads).
+        """
+
+        check_layers: tuple[int, ...] = (1, 2, 3)
+        first_ratio_scale: float = 2.0
+        score: str = "kv_attention"
+
+        def __post_init__(self) -> None:
+            layers = tuple(self.check_layers)
+            object.__setattr__(self, "check_layers", layers)
+            if not layers or any(c < 0 for c in layers):
+                raise ValueError(f"check_layers must be non-negative layer indices, got {layers}")
+            if list(layers) != sorted(set(layers)):
+                raise ValueError(f"check_layers must be strictly increasing, got {layers}")
+            if not self.first_ratio_scale >= 1.0:
+                raise ValueError(f"first_ratio_scale must be >= 1, got {self.first_ratio_scale}")
+            if self.score not in SCORES:
+                raise ValueError(f"score must be one of {', '.join(map(repr, SCORES))}, got {self.score!r}")
 
     value_field, option_field = "ratio", "score"
     scales_with_ratio = True
 
     def __init__(self, config: FuseConfig) -> None:
         self.ratio = float(config.ratio)
-        check_layers = list(config.check_layers)
-        first = min(1.0, self.ratio * config.first_ratio_scale)
+        options = self.options(config)
+        self.check_score = options.score
+        check_layers = list(options.check_layers)
+        first = min(1.0, self.ratio * options.first_ratio_scale)
         steps = max(1, len(check_layers) - 1)
         # check layer -> fraction of the chunk tokens kept from it on
         self.schedule = {

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 class FullSelector(Selector):
     """Every position through every layer (after a reused prefix); the stored caches are not read."""
 
+    recomputes_all = True
+
     def initial(self, seg: Segments) -> torch.Tensor:
         chosen = seg.forced.new_ones(seg.total)  # bool [N], all True
         if seg.reuse_prefix:  # a conversation's kept history: already exact

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 class PrefixSelector(Selector):
     """Reuse only the first chunk (whose cache is exact: it was computed right after the prefix)."""
 
+    reads_first_chunk_only = True  # the others are recomputed: their caches are not loaded
+
     def initial(self, seg: Segments) -> torch.Tensor:
         mask = seg.forced.clone()  # bool [N]
         if len(seg.chunk_starts) > 1:

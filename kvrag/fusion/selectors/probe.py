@@ -1,12 +1,13 @@
 """``probe``: a question-only pass over the stored caches, then recompute the chunk tokens it read most.
 
-Reads ``ratio`` and ``probe_from`` from `FuseConfig`. The layer loop (`kvrag.fusion.loop`) runs the
+Reads ``ratio`` from `FuseConfig`, and its option ``probe_from``. The layer loop (`kvrag.fusion.loop`) runs the
 probe pass and hands `ProbeSelector.choose` the suffix's summed attention.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvrag.fusion.selectors.base import Selector, register_selector
@@ -32,8 +33,20 @@ class ProbeSelector(Selector):
     depends on.
 
     Args:
-        config: the fusion settings (``ratio``, ``probe_from``).
+        config: the fusion settings (``ratio``, the option ``probe_from``).
     """
+
+    @dataclass(frozen=True)
+    class Options:
+        """``probe_from``: the suffix's attention is summed over the layers from ``int(probe_from * n_layers)`` up
+        (0 sums every layer), in [0, 1).
+        """
+
+        probe_from: float = 0.33
+
+        def __post_init__(self) -> None:
+            if not (isinstance(self.probe_from, (int, float)) and 0.0 <= self.probe_from < 1.0):
+                raise ValueError(f"probe_from must be in [0, 1), got {self.probe_from!r}")
 
     value_field, option_field = "ratio", "probe_from"
     scales_with_ratio = True
@@ -41,7 +54,7 @@ class ProbeSelector(Selector):
 
     def __init__(self, config: FuseConfig) -> None:
         self.ratio = float(config.ratio)
-        self.from_fraction = float(config.probe_from)
+        self.from_fraction = float(self.options(config).probe_from)
         self.attention: torch.Tensor | None = None  # the last probe's reading (`choose`)
         self.picked: torch.Tensor | None = None
 

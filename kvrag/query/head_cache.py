@@ -1,0 +1,145 @@
+"""`HeadCache`: the exact KV of prompt heads seen before, found by token prefix and bounded in bytes.
+
+A framework's prompt starts with text kvrag did not write: the chat template, the framework's instructions,
+sometimes the question. That head comes back almost unchanged from call to call, so its KV is kept the
+way a prefix cache keeps it: by token ids. `HeadCache.split` finds the kept head that shares the longest run
+of leading tokens with the new one and reuses those rows (they are exact: causal attention makes a prefix's
+KV independent of what follows it); the head's other tokens are recomputed with the rest of the prompt. A
+head that puts the question before the passages (LangChain's tutorial prompt) thus recomputes only its own
+question. `HeadCache.prefix_for` prefills a head's missing tokens on their own and keeps the whole head.
+Entries are evicted least recently used first once their bytes pass ``max_bytes``.
+
+Thread-safe: lookups and insertions hold a lock; the prefill itself runs outside it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from kvrag.indexing.kvgen import PrefixCache
+from kvrag.model import LoadedModel, hf_compat
+
+DEFAULT_HEAD_BYTES = 256 << 20
+
+
+def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading token ids ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _nbytes(prefix: PrefixCache) -> int:
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in prefix.kv)
+
+
+class HeadCache:
+    """Exact KV of recent prompt heads, keyed by their token ids (see the module docstring).
+
+    Args:
+        max_bytes: the bound on the kept heads' KV; 0 keeps none (every head is prefilled).
+    """
+
+    def __init__(self, max_bytes: int = DEFAULT_HEAD_BYTES) -> None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple[int, ...], PrefixCache] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.reused_tokens = 0  # head tokens read from kept entries, over this cache's life
+        self.prefilled_tokens = 0  # head tokens computed
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of KV held."""
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _longest(self, ids: tuple[int, ...]) -> tuple[PrefixCache | None, int]:
+        """The kept head sharing the most leading tokens with ``ids``, and how many it shares."""
+        with self._lock:
+            best, shared = None, 0
+            for key in self._entries:
+                n = _common_length(key, ids)
+                if n > shared:
+                    best, shared = key, n
+            if best is None:
+                return None, 0
+            self._entries.move_to_end(best)
+            return self._entries[best], shared
+
+    def _keep(self, ids: tuple[int, ...], prefix: PrefixCache) -> None:
+        size = _nbytes(prefix)
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            if ids in self._entries:
+                self._entries.move_to_end(ids)
+                return
+            self._entries[ids] = prefix
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, old = self._entries.popitem(last=False)
+                self._bytes -= _nbytes(old)
+
+    def split(self, lm: LoadedModel, head_ids: Sequence[int]) -> tuple[PrefixCache, list[int]]:
+        """``head_ids`` as a kept prefix and the tokens after it, which the caller recomputes with the rest of its
+        prompt (no model call of their own). A head that shares less than half its tokens with every kept one (a
+        new template) is prefilled and kept (`prefix_for`): each template pays for its head once.
+        """
+        ids = tuple(int(t) for t in head_ids)
+        if not ids:
+            raise ValueError("a prompt head needs at least one token")
+        found, shared = self._longest(ids)
+        if found is None or 2 * shared < len(ids):
+            return self.prefix_for(lm, ids), []
+        self.reused_tokens += shared
+        return (found if found.length == shared else _cropped(found, shared)), list(ids[shared:])
+
+    def prefix_for(self, lm: LoadedModel, head_ids: Sequence[int], keep: bool = True) -> PrefixCache:
+        """The KV of ``head_ids`` (at positions 0, 1, …): kept rows where a kept head shares its leading
+        tokens, the rest prefilled after them. ``keep``: keep the result for later heads.
+        """
+        ids = tuple(int(t) for t in head_ids)
+        if not ids:
+            raise ValueError("a prompt head needs at least one token")
+        found, shared = self._longest(ids)
+        if found is not None and shared == len(ids):
+            self.reused_tokens += shared
+            return found if found.length == shared else _cropped(found, shared)
+        if found is not None:
+            shared = min(shared, len(ids) - 1)  # at least one token is prefilled
+        prefix = _extend(lm, _cropped(found, shared) if found is not None and shared else None, ids)
+        self.reused_tokens += shared if found is not None else 0
+        self.prefilled_tokens += len(ids) - (shared if found is not None else 0)
+        if keep and self.max_bytes:
+            self._keep(ids, prefix)
+        return prefix
+
+
+def _cropped(prefix: PrefixCache, n: int) -> PrefixCache:
+    """The first ``n`` rows of ``prefix`` (views, not copies)."""
+    return PrefixCache(prefix.ids[:n], [(k[:, :, :n], v[:, :, :n]) for k, v in prefix.kv])
+
+
+def _extend(lm: LoadedModel, start: PrefixCache | None, ids: tuple[int, ...]) -> PrefixCache:
+    """The KV of ``ids``: ``start``'s rows (the first ``start.length`` of them), the rest prefilled."""
+    n = 0 if start is None else start.length
+    device = lm.device
+    new = torch.tensor(ids[n:], dtype=torch.long, device=device)[None]
+    positions = torch.arange(n, len(ids), device=device)[None]
+    past = hf_compat.dynamic_cache(list(start.kv)) if start is not None else None
+    with torch.no_grad():
+        base = hf_compat.base_model(lm.model)
+        out = base(input_ids=new, position_ids=positions, **hf_compat.with_cache(base, past), use_cache=True)
+    kv = [(k.clone(), v.clone()) for k, v in hf_compat.cache_layers(hf_compat.returned_cache(out))]
+    return PrefixCache(torch.tensor(ids, dtype=torch.long, device=device), kv)

@@ -132,7 +132,7 @@ class KVCachedLLM(LLM):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return {"index": str(self.rag.path), "model": self.rag.lm.source, "mode": self.mode,
-                "ratio": self.ratio, "max_new_tokens": self.max_new_tokens,
+                "ratio": self.ratio, "gate": repr(self.gate), "max_new_tokens": self.max_new_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "chat_template": self.chat_template}
 
     def _answer(self, prompt: str, stop: list[str] | None, **kwargs: Any) -> Generator[str, None, Any]:

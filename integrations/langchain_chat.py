@@ -243,6 +243,7 @@ class ChatKVRag(BaseChatModel):
                     "chunks": [c.key for c in answer.chunks], "sources": [c.source for c in answer.chunks],
                     "ttft_s": answer.ttft_s, "mode": answer.mode, "ratio": answer.ratio,
                     "recompute_fraction": answer.recompute_fraction,
+                    "gate": None if answer.gate is None else answer.gate.to_json(),
                     "history": None if history is None else history.to_json()}
         if chunk:
             return AIMessageChunk(content="", usage_metadata=usage, response_metadata=metadata,

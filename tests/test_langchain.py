@@ -122,7 +122,7 @@ class _Tokens(BaseCallbackHandler):
 def test_llm_invoke_stream_batch_async_and_callbacks(rag):
     llm = KVCachedLLM(rag=rag, max_new_tokens=3)
     assert llm._llm_type == "kvrag"
-    assert {"mode", "ratio", "model", "index"} <= set(llm._identifying_params)
+    assert {"mode", "ratio", "gate", "model", "index"} <= set(llm._identifying_params)
     text = llm.invoke("Say hello.")
     assert isinstance(text, str) and text
     # no chunk in the prompt: an ordinary LLM, full prefill

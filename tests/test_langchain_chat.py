@@ -136,6 +136,7 @@ def test_invoke_reports_usage_and_fused_chunks(tiny_rag):
     assert meta["sources"] == [c.source for c in answer.chunks]
     assert meta["model_name"] == tiny_rag.lm.source and meta["mode"] == answer.mode and meta["ttft_s"] > 0
     assert meta["history"] == answer.history.to_json()
+    assert meta["gate"] == (answer.gate.to_json() if answer.gate is not None else None)
     assert meta["finish_reason"] in ("stop", "length")
     # per-call overrides: no retrieval, fewer tokens (max_tokens is LangChain's name for max_new_tokens)
     plain = chat.invoke(TINY_Q, retrieve=False, max_tokens=1)

@@ -59,6 +59,8 @@ except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the
 from kvrag.integrations.langchain_chat import ChatKVRag
 from kvrag.integrations.prompt_llm import answer_metadata, stream_prompt_answer
 
+from kvrag.query.answer import finish
+
 __all__ = ["ChatKVRag", "KVCachedLLM", "KVRetriever", "format_docs"]
 
 
@@ -145,12 +147,8 @@ class KVCachedLLM(LLM):
         return answer
 
     def _complete(self, prompt: str, stop: list[str] | None, **kwargs: Any) -> Generation:
-        pieces = self._answer(prompt, stop, **kwargs)
-        while True:
-            try:
-                next(pieces)
-            except StopIteration as done:
-                return Generation(text=done.value.text, generation_info=answer_metadata(done.value))
+        answer = finish(self._answer(prompt, stop, **kwargs))
+        return Generation(text=answer.text, generation_info=answer_metadata(answer))
 
     def _call(self, prompt: str, stop: list[str] | None = None,
               run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> str:

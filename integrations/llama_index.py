@@ -49,6 +49,7 @@ from kvrag.integrations.prompt_llm import answer_metadata, stream_prompt_answer
 
 from kvrag.config import GenerateConfig
 from kvrag.lazy import lazy_exports
+from kvrag.query.answer import finish
 
 # The chat classes are defined in `kvrag.integrations.llama_index_chat` and loaded on first use (`__getattr__`).
 __all__ = ["KVCachedLLM", "KVRagChatEngine", "KVRagChatLLM", "KVRagQueryEngine", "KVRetriever"]  # noqa: F822
@@ -131,12 +132,8 @@ class KVCachedLLM(CustomLLM):
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         """Answer ``prompt``, reusing the caches of the stored chunks found in it."""
-        pieces = self._answer(prompt, **kwargs)
-        while True:
-            try:
-                next(pieces)
-            except StopIteration as done:
-                return CompletionResponse(text=done.value.text, additional_kwargs=answer_metadata(done.value))
+        answer = finish(self._answer(prompt, **kwargs))
+        return CompletionResponse(text=answer.text, additional_kwargs=answer_metadata(answer))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -67,7 +67,8 @@ class KVRag(PromptAnswers):
         self.path, self.index, self.lm, self.embedder, self.layout = path, index, lm, embedder, layout
         self.kvstore = KVStore(open_index_store(path, index.manifest, store), codec, lm.fingerprint)
         self.batch_tokens, self.neighbour_context, self.neighbour_kv = batch_tokens, neighbour_context, neighbour_kv
-        self._prefix, self._context = cast(PrefixCache | None, None), cast(QueryContext | None, None)
+        self._prefix: PrefixCache | None = None
+        self._context: QueryContext | None = None
         self.last_answer: Answer | None = None  # the last answer made through this object (a convenience)
         self._lock = threading.RLock()  # one fusion and decoding at a time (answers, prompts)
         self.controller = LoadController()  # throughputs of this index's fusions (`FuseConfig.adaptive`)
@@ -263,11 +264,10 @@ class KVRag(PromptAnswers):
 
     def prepare(self, question: str, k: int = 4, mode: str | None = None, ratio: float | None = None, *,
                 chunks: Sequence[str | RetrievedChunk] | None = None, fuse_config: FuseConfig | None = None,
-                caches: Sequence[KV | None] | None = None, first_exact: bool = True,
-                selector: Selector | None = None, gate: GateConfig | bool | None = None) -> FusedPrompt:
-        """Retrieve, load and fuse, stopping before generation: the fused prompt can then generate
-        (`FusedPrompt.generate`, `FusedPrompt.stream`) and score given tokens on the same cache
-        (`FusedPrompt.nll`, `FusedPrompt.teacher_logprobs`). Arguments as in `answer`.
+                caches: Sequence[KV | None] | None = None, first_exact: bool = True, selector: Selector | None = None,
+                gate: GateConfig | bool | None = None) -> FusedPrompt:
+        """Retrieve, load and fuse, stopping before generation: the fused prompt then generates (`FusedPrompt.generate`,
+        `stream`) and scores given tokens on the same cache (`nll`, `teacher_logprobs`). Args as in `answer`.
 
         Example:
             >>> fused = rag.prepare("Who designed the bridge?", k=4)  # doctest: +SKIP
@@ -376,9 +376,9 @@ class KVRag(PromptAnswers):
         `Answer.history` says what was reused (docs/conversations.md).
         """
         generate = GenerateConfig(max_new_tokens, temperature, top_p, tuple(stop), seed)
-        return (yield from stream_turn(self.context, self.sessions, messages, TurnSettings(k, mode, ratio,
-                                       fuse_config, gate), generate, retrieve=retrieve, chunks=chunks,
-                                       history_cache=history_cache,
+        settings = TurnSettings(k, mode, ratio, fuse_config, gate)
+        return (yield from stream_turn(self.context, self.sessions, messages, settings, generate, retrieve=retrieve,
+                                       chunks=chunks, history_cache=history_cache,
                                        on_answer=lambda a: setattr(self, "last_answer", a)))
 
     def chat(self, messages: Sequence[Any], k: int = 4, mode: str | None = None, ratio: float | None = None,

@@ -50,13 +50,6 @@ RAG_PROMPT = ("You are an assistant for question-answering tasks. Use the follow
 RIGHT_RULE = "gold F1 >= 0.5, or a normalised gold answer contained in the answer"
 
 
-def right(answer: str, golds: Sequence[str]) -> bool:
-    """Right: gold F1 >= 0.5, or a gold answer contained in the answer (normalised)."""
-    norm = metrics.normalize_answer(answer)
-    return (metrics.gold_scores(answer, list(golds))["f1"] >= 0.5
-            or any(metrics.normalize_answer(g) and metrics.normalize_answer(g) in norm for g in golds))
-
-
 def format_docs(docs: Iterable[Any]) -> str:
     """The LangChain tutorial's ``format_docs``: page contents joined by a blank line."""
     return "\n\n".join(doc.page_content for doc in docs)
@@ -228,7 +221,7 @@ def run_question(pipelines: Sequence[Pipeline], item: dict[str, Any], turn: int)
                                   **timed_answer(p, item["question"])}
     for row in rows.values():
         full = rows[(row["pipeline"], "full")]["answer"]
-        row["right"] = right(row["answer"], item["answers"])
+        row["right"] = metrics.is_right(row["answer"], item["answers"])
         row["agrees_with_full"] = row["answer"] == full
         row["agreement_f1"] = metrics.agreement(row["answer"], full)
         row["golds"] = list(item["answers"])

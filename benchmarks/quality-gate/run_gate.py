@@ -27,13 +27,6 @@ from kvrag.config import GateConfig
 FIXED = {"probe@0.15": ("probe", 0.15), "cacheblend@0.15": ("cacheblend", 0.15), "prefix": ("prefix", None)}
 
 
-def right(answer: str, golds: list[str]) -> bool:
-    """Right: gold F1 >= 0.5, or a gold answer contained in the answer (normalised)."""
-    norm = metrics.normalize_answer(answer)
-    return (metrics.gold_scores(answer, golds)["f1"] >= 0.5
-            or any(metrics.normalize_answer(g) and metrics.normalize_answer(g) in norm for g in golds))
-
-
 def answer_row(rag: Any, item: dict[str, Any], keys: list[str], label: str, gate: GateConfig,
                max_new_tokens: int) -> dict[str, Any]:
     if label == "full":
@@ -47,7 +40,7 @@ def answer_row(rag: Any, item: dict[str, Any], keys: list[str], label: str, gate
             "golds": list(item["answers"]), "ttft_s": ans.ttft_s, "prompt_tokens": ans.n_prompt_tokens,
             "recompute_fraction": ans.recompute_fraction, "answered_mode": ans.mode,
             **({"gate": ans.gate.to_json()} if ans.gate is not None else {}),
-            **metrics.gold_scores(ans.text, item["answers"]), "right": right(ans.text, item["answers"])}
+            **metrics.gold_scores(ans.text, item["answers"]), "right": metrics.is_right(ans.text, item["answers"])}
 
 
 def run_question(rag: Any, item: dict[str, Any], labels: list[str], turn: int, gate: GateConfig,

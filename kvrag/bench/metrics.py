@@ -83,6 +83,13 @@ def gold_scores(prediction: str, golds: Sequence[str]) -> dict[str, float]:
     }
 
 
+def is_right(answer: str, golds: Sequence[str]) -> bool:
+    """Right: gold token F1 >= 0.5, or a normalised gold answer contained in the normalised answer."""
+    norm = normalize_answer(answer)
+    return (best_over_golds(token_f1, answer, golds) >= 0.5
+            or any(normalize_answer(g) and normalize_answer(g) in norm for g in golds))
+
+
 def agreement(answer: str, reference: str) -> float:
     """Token F1 between a mode's answer and the ``full`` answer on the same input."""
     return token_f1(answer, reference)

@@ -166,12 +166,13 @@ def execute(ctx: QueryContext, laid: LaidOut, plan: AnswerPlan, caches: Sequence
         fused = None  # a failed attempt's cache goes before the next attempt builds its own
         chooser = selector if attempt.mode == plan.mode else None
         fused = run(ctx, laid, attempt, caches, chooser, first_exact)
-        if report is None or plan.gate is None:
+        if plan.gate is None:
             break
         signals = read_signals(fused.fused)
         final = i == len(plan.attempts) - 1 or plan.decision == "short"
         ok, why = (True, "") if final else passes(signals, plan.gate)
         seconds = time.perf_counter() - t
+        assert report is not None  # made with the gate
         report.attempts.append({"mode": attempt.mode, "ratio": attempt.ratio, "signals": signals.to_json(),
                                 "passed": ok, "reason": why, "seconds": seconds})
         if ok:

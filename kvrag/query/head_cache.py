@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvrag.indexing.kvgen import PrefixCache
+from kvrag.indexing.kvgen import PrefixCache, prefix_cache
 from kvrag.model import LoadedModel, hf_compat
 
 DEFAULT_HEAD_BYTES = 256 << 20
@@ -118,7 +118,8 @@ class HeadCache:
             return found if found.length == shared else _cropped(found, shared)
         if found is not None:
             shared = min(shared, len(ids) - 1)  # at least one token is prefilled
-        prefix = _extend(lm, _cropped(found, shared) if found is not None and shared else None, ids)
+        start = _cropped(found, shared) if found is not None and shared else None
+        prefix = prefix_cache(lm, ids) if start is None else _extend(lm, start, ids)
         self.reused_tokens += shared if found is not None else 0
         self.prefilled_tokens += len(ids) - (shared if found is not None else 0)
         if keep and self.max_bytes:
@@ -131,13 +132,13 @@ def _cropped(prefix: PrefixCache, n: int) -> PrefixCache:
     return PrefixCache(prefix.ids[:n], [(k[:, :, :n], v[:, :, :n]) for k, v in prefix.kv])
 
 
-def _extend(lm: LoadedModel, start: PrefixCache | None, ids: tuple[int, ...]) -> PrefixCache:
-    """The KV of ``ids``: ``start``'s rows (the first ``start.length`` of them), the rest prefilled."""
-    n = 0 if start is None else start.length
+def _extend(lm: LoadedModel, start: PrefixCache, ids: tuple[int, ...]) -> PrefixCache:
+    """The KV of ``ids``: ``start``'s rows (the first ``start.length`` of them), the rest prefilled after them."""
+    n = start.length
     device = lm.device
     new = torch.tensor(ids[n:], dtype=torch.long, device=device)[None]
     positions = torch.arange(n, len(ids), device=device)[None]
-    past = hf_compat.dynamic_cache(list(start.kv)) if start is not None else None
+    past = hf_compat.dynamic_cache(list(start.kv))
     with torch.no_grad():
         base = hf_compat.base_model(lm.model)
         out = base(input_ids=new, position_ids=positions, **hf_compat.with_cache(base, past), use_cache=True)

@@ -15,9 +15,8 @@ chunk's layer ``i`` alone gives, side by side, with zeros for chunks without a c
 - Region (``cachegen`` on CUDA with Triton, or when asked): blobs read whole and decoded on the device
   for several layers of the whole region at once (`CacheGenCodec.decode_region`: one launch of the
   Triton rANS decoder, two batched matmuls).
-- Host: chunk by chunk, on the CPU into each chunk's columns of the layer (through a buffer of that chunk's
-  size where the columns are not contiguous); for CUDA into a buffer of the chunks one after another, which
-  the GPU then puts side by side.
+- Host: chunk by chunk, on the CPU into each chunk's columns of the layer (via a chunk-sized buffer where they
+  are not contiguous); for CUDA into a buffer of the chunks one after another, put side by side on the GPU.
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ log = logging.getLogger(__name__)
 
 # where plane-coded layers are read whole per chunk and put side by side after the upload (`PlaneLayout`)
 PACKED_STAGING_DEVICES = {"cuda"}
+MAX_WORKERS = 16  # a CUDA feed's decoding threads, one a core at most (16 beat 8: benchmarks/gpu-h200-floor)
 
 
 class StoreFeed(ChunkFeed):
@@ -78,7 +78,7 @@ class StoreFeed(ChunkFeed):
                  rows_prefix: bool = False, prefetch: bool | None = None) -> None:
         super().__init__(lengths, [k is not None for k in keys], n_layers, device, dtype)
         if workers is None:  # decoding threads; a layer's chunks decode in parallel
-            workers = min(8, max(1, (os.cpu_count() or 2) // 2)) if is_cuda(self.device) else 1
+            workers = min(MAX_WORKERS, os.cpu_count() or 1) if is_cuda(self.device) else 1
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvrag-decode") if workers > 1 else None
         self.kvstore, self.keys, self._recover, self._rows_prefix = kvstore, list(keys), recover, rows_prefix
         self.levels = list(levels) if levels is not None else [None] * len(self.keys)

@@ -123,7 +123,7 @@ def heads(proj: Any, norm: Any, h: torch.Tensor, head_dim: int) -> torch.Tensor:
     return x.transpose(1, 2)
 
 
-def _attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Any, scale: float) -> torch.Tensor:
+def attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Any, scale: float) -> torch.Tensor:
     """SDPA of ``queries`` over the grouped ``keys``/``values`` under ``mask`` (None: causal over all of them)."""
     groups = queries.shape[1] // keys.shape[1]
     if mask is None:
@@ -155,7 +155,7 @@ def _attention(layer: Any, h: torch.Tensor, mask: Any, rope: tuple[torch.Tensor,
     queries = rot.rotate(heads(attn.q_proj, getattr(attn, "q_norm", None), h, d))
     keys = rot.rotate(heads(attn.k_proj, getattr(attn, "k_norm", None), h, d))
     keys, values = scatter.update(keys, heads(attn.v_proj, None, h, d))
-    out = _attend(queries, keys, values, mask, attn.scaling).transpose(1, 2).reshape(*h.shape[:-1], -1)
+    out = attend(queries, keys, values, mask, attn.scaling).transpose(1, 2).reshape(*h.shape[:-1], -1)
     return F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
 
 

@@ -24,11 +24,11 @@ from kvrag.chat.sessions import ChatSessions
 from kvrag.chat.turn import TurnSettings, conversation_for, stream_turn
 from kvrag.codec.base import Codec, make_codec
 from kvrag.config import CodecConfig, FuseConfig, GateConfig, GenerateConfig, SessionConfig, SplitConfig, StoreConfig
+from kvrag.embedder import Embedder
 from kvrag.errors import CorruptChunkError, IndexCorruptError, IndexMismatchError, InputError
 from kvrag.fusion import Selector
 from kvrag.indexing.build import Builder, BuildStats, check_neighbour_kv, split_documents
 from kvrag.indexing.documents import Document, Loaded, load_documents
-from kvrag.indexing.embed import Embedder
 from kvrag.indexing.kvgen import KV, PrefixCache, prefix_cache
 from kvrag.indexing.manifest import check_build_args, check_format, check_model, new_manifest
 from kvrag.indexing.ray_build import add_on_ray

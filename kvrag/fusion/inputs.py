@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from kvrag.indexing.kvgen import KV, PrefixCache
 from kvrag.loading.feed import ChunkFeed
+from kvrag.model.prefix import KV, PrefixCache
 
 
 @dataclass

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from kvrag.fusion.inputs import FusionInput, Segments
-from kvrag.indexing.kvgen import KV
 from kvrag.loading.feed import ChunkFeed, TensorFeed
 from kvrag.model import LoadedModel, hf_compat, plain_layer
+from kvrag.model.prefix import KV
 
 
 def prefixed_layers(lm: LoadedModel, inp: FusionInput, seg: Segments) -> list[KV]:

@@ -12,8 +12,8 @@ import math
 import torch
 
 from kvrag.fusion.inputs import Segments
-from kvrag.indexing.kvgen import KV
 from kvrag.model import LoadedModel, hf_compat
+from kvrag.model.prefix import KV
 
 
 def token_scores(

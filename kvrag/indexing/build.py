@@ -31,9 +31,9 @@ import torch
 
 from kvrag.codec.base import Codec
 from kvrag.config import SplitConfig
+from kvrag.embedder import Embedder
 from kvrag.errors import CorruptChunkError, InputError
 from kvrag.indexing.documents import Loaded
-from kvrag.indexing.embed import Embedder
 from kvrag.indexing.kvgen import (
     KV,
     PrefixCache,

@@ -12,35 +12,13 @@ seq, head_dim]`` per chunk.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvrag.model import LoadedModel, apply_rope, hf_compat, rope_at, unapply_rope
+from kvrag.model.prefix import KV, PrefixCache, prefix_cache  # noqa: F401  (re-exported)
 from kvrag.storage.keys import chunk_key, lead_key  # noqa: F401  (re-exported)
-
-KV = tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass
-class PrefixCache:
-    """The prefix's rotated KV, per layer ``[1, H, P, D]``, computed once per opened index."""
-
-    ids: torch.Tensor  # [P]
-    kv: list[KV]
-
-    @property
-    def length(self) -> int:
-        return int(self.ids.numel())
-
-
-def prefix_cache(lm: LoadedModel, prefix_ids: Sequence[int]) -> PrefixCache:
-    ids = torch.tensor(list(prefix_ids), dtype=torch.long, device=lm.device)
-    with torch.no_grad():
-        out = hf_compat.base_model(lm.model)(input_ids=ids[None], use_cache=True)
-    kv = [(k.clone(), v.clone()) for k, v in hf_compat.cache_layers(hf_compat.returned_cache(out))]
-    return PrefixCache(ids, kv)
 
 
 def _batches(lengths: Sequence[int], batch_tokens: int) -> Iterator[list[int]]:

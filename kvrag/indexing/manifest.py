@@ -112,7 +112,7 @@ def check_build_args(manifest: dict[str, Any], path: Path, model: Any, embedder:
     asked = sorted({int(lv) for lv in stream_levels or ()} - {manifest["codec"].get("level")})
     if asked and asked != own:
         raise IndexMismatchError(f"index stores stream levels {own}, not {asked}; build another index for others")
-    from kvrag.indexing.embed import Embedder
+    from kvrag.embedder import Embedder
     from kvrag.prompt import DEFAULT_INSTRUCTION
 
     if isinstance(model, str) and model != manifest["model"]["source"]:

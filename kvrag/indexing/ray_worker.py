@@ -67,7 +67,7 @@ class KVBuildWorker:
         import torch
 
         from kvrag.codec.base import make_codec
-        from kvrag.indexing.embed import Embedder
+        from kvrag.embedder import Embedder
         from kvrag.indexing.kvgen import prefix_cache
         from kvrag.model import load_model
 

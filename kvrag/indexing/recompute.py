@@ -7,8 +7,8 @@ nearest neighbours in the index as it is now) and stored again, so the next answ
 
 from __future__ import annotations
 
+from kvrag.embedder import Embedder
 from kvrag.indexing.build import cache_after_neighbours, nearest_chunks
-from kvrag.indexing.embed import Embedder
 from kvrag.indexing.kvgen import KV, PrefixCache, chunk_caches, lead_key
 from kvrag.model import LoadedModel
 from kvrag.prompt import chunk_token_ids

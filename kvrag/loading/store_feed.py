@@ -34,11 +34,11 @@ import numpy as np
 import torch
 
 from kvrag.errors import CorruptChunkError
-from kvrag.indexing.kvgen import KV
 from kvrag.loading.chunk_feed import DEFAULT_DEPTH, ChunkFeed
 from kvrag.loading.device_region import StagingBuffer, layers_per_launch, region_codec
 from kvrag.loading.prefetch import DeviceCopier, Prefetcher, consume, copy_stream, is_cuda, on_stream, spare_core
 from kvrag.loading.staging import ExtentReads, LayerKV, PlaneLayout
+from kvrag.model.prefix import KV
 from kvrag.storage.kvstore import log_recovery
 
 log = logging.getLogger(__name__)

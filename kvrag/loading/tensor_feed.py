@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kvrag.indexing.kvgen import KV
 from kvrag.loading.chunk_feed import DEFAULT_DEPTH, ChunkFeed
 from kvrag.loading.prefetch import Prefetcher, consume, copy_stream, is_cuda, on_stream
 from kvrag.loading.staging import LayerKV
+from kvrag.model.prefix import KV
 
 
 class TensorFeed(ChunkFeed):

@@ -32,7 +32,7 @@ import torch
 
 from kvrag.config import DEFAULT_MODE, FuseConfig, GateConfig
 from kvrag.fusion import FusionResult, Selector, exact_mode, selector_class
-from kvrag.indexing.kvgen import KV
+from kvrag.model.prefix import KV
 from kvrag.query import pipeline
 from kvrag.query.answer import RetrievedChunk
 from kvrag.query.locate import lay_out_prompt

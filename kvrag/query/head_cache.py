@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvrag.indexing.kvgen import PrefixCache, prefix_cache
 from kvrag.model import LoadedModel, hf_compat
+from kvrag.model.prefix import PrefixCache, prefix_cache
 
 DEFAULT_HEAD_BYTES = 256 << 20
 

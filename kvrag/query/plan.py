@@ -1,42 +1,11 @@
 """The loading controller: how much to recompute, and which chunks to recompute from their text.
 
-Fusion loads the stored layers while it recomputes (`kvrag.loading.feed`), so its time to first token is
-about ``max(load, recompute)``. When loading is the longer of the two, the stored caches cost time
-that the model could spend recomputing; CacheBlend §5 picks the recompute ratio that loading hides,
-CacheGen §3.3 recomputes a chunk from its text when its cache would arrive too late. The controller
-does both, from throughputs this process has measured:
-
-- **load**: chunk tokens delivered per second of the loading thread's busy time, the harmonic mean
-  over the last ``window`` fusions that loaded from the store (CacheGen's estimator);
-- **recompute**: the layer loop's seconds as ``a + c · units`` fitted by least squares over the last
-  ``window`` fusions (``a``: the per-fusion cost that does not grow with the tokens, e.g. a GPU's
-  per-layer launches). A unit is one token through one layer, weighted by ``1 + keys / K`` for the
-  keys its attention reads (`kvrag.query.shape.FusionShape`): ``K`` (`half_cost_keys`) is where a
-  token's attention costs as many FLOPs as the rest of its layer, so a chunk at the end of a long
-  prompt costs more than one at the start. Each mode's plans scale that fit by the mode's measured
-  seconds over the fit's (`mode_factor`): ``cacheblend``'s check layers cost more per unit than
-  ``reuse``'s question-only pass;
-- **the mode's work**: recomputed token-layers per stale cached token and layer, measured per mode.
-
-`LoadController.plan` then moves chunks, last first, from the store to a recompute from their text
-while that shortens ``max(load, recompute)`` (``load + recompute`` for ``probe``, whose main pass
-waits for every layer), and otherwise raises ``cacheblend``'s ratio, up to ``ceiling``, while the
-recompute still fits under the load. A chunk recomputed from text
-attends to everything before it, as in a full prefill, so both moves only ever add recompute: the
-ratio asked for is a floor. Until one fusion of a mode has been measured, plans change nothing.
-
-**Streaming** (CacheGen §5, `FuseConfig.ttft_slo`): an index may store each chunk at several levels of its
-codec (``stream_levels``). `LoadController.stream` then picks, per chunk, what to fetch so that the estimated
-TTFT — every loaded chunk's stored bytes over the store link's measured throughput (`KVStore.throughput`:
-bytes per second of recent reads; a remote store's blobs are fetched before fusion starts, so the transfer is
-added to the recompute, not hidden by it) plus the recompute as fitted above — meets the target. Plans are
-tried best first: every chunk at its best stored level, then one chunk at a time one level lower, the last
-chunks first, until all are at their lowest; then the last chunks from their text. The first plan within the
-target is taken; when none is, the fastest. A prefill of every chunk from its text is exact, so it is taken
-instead whenever it is estimated sooner than that plan. Its time comes from this process's measured ``full``
-answers (`observe_prefill`, kept apart from the fusions): they run dense, and so cost less per token-layer than
-a fusion's scattered recompute. Before any read was measured every chunk loads at the index's own level.
-`LoadPlan.chunks` says per chunk what was chosen (a level, or text) with its bytes and transfer.
+Contract: a `LoadController` takes in each fusion's measurements (`observe`, `observe_prefill`) and keeps
+per-process estimates of the load throughput, the recompute time as ``a + c · units`` and each mode's work.
+`plan` gives a `LoadPlan` for one fusion: the chunks recomputed from their text (last first) and the ratio,
+never below the one asked for; `stream` gives the streaming plan (`kvrag.query.stream_plan`); `adapt` applies
+whichever the `FuseConfig` asks for. Until a mode has been measured, plans change nothing. The reasoning and
+the estimators are described in docs/loading.md.
 """
 
 from __future__ import annotations
@@ -52,7 +21,7 @@ from kvrag.fusion.selectors.base import selector_class
 from kvrag.query.shape import FusionShape
 
 
-def _scales_with_ratio(mode: str) -> bool:
+def scales_with_ratio(mode: str) -> bool:
     """Whether ``mode``'s recompute grows with its ratio (`Selector.scales_with_ratio`)."""
     return selector_class(mode).scales_with_ratio
 
@@ -143,7 +112,7 @@ class LoadController:
         per_stale = shape.token_layers(1.0, from_text) - dense
         work = max(0.0, token_layers - dense) / per_stale if per_stale > 0 else 0.0
         if per_stale > 0:
-            self._work[mode] = work / ratio if _scales_with_ratio(mode) else work
+            self._work[mode] = work / ratio if scales_with_ratio(mode) else work
         if token_layers > 0 and recompute_s > 0:
             # the counted token-layers weighted by where they stand, the stale ones taken as spread evenly
             units = shape.units(work, from_text) * token_layers / shape.token_layers(work, from_text)
@@ -166,9 +135,15 @@ class LoadController:
         """``mode``'s measured recompute seconds over what `recompute_model` gives for the same fusions
         (1.0 before any fusion of ``mode`` was measured).
         """
-        return self._factor(mode, self.recompute_model())
+        return self.factor(mode, self.recompute_model())
 
-    def _factor(self, mode: str, model: tuple[float, float] | None) -> float:
+    def work(self, mode: str) -> float | None:
+        """``mode``'s measured token-layers per stale loaded token and layer (per unit of ratio where its recompute
+        scales with it), or None before a fusion of ``mode`` was measured.
+        """
+        return self._work.get(mode)
+
+    def factor(self, mode: str, model: tuple[float, float] | None) -> float:
         """`mode_factor` against an already fitted ``model``."""
         own = [(x, y) for m, x, y in self._fusions if m == mode]
         if model is None or not own:
@@ -221,11 +196,11 @@ class LoadController:
         model, rate, work = self.recompute_model(), self.load_rate, self._work.get(mode)
         if selector_class(mode).recomputes_all or model is None or rate is None or work is None:
             return LoadPlan(ratio)
-        factor = self._factor(mode, model)
+        factor = self.factor(mode, model)
         a, c = model[0] * factor, model[1] * factor
 
         def times(r: float, text: tuple[int, ...]) -> tuple[float, float]:
-            per = work * r if _scales_with_ratio(mode) else work
+            per = work * r if scales_with_ratio(mode) else work
             return shape.loaded_tokens(text) / rate, a + c * shape.units(per, text)
 
         def ttft(text: tuple[int, ...]) -> float:
@@ -236,7 +211,7 @@ class LoadController:
         candidates = [tuple(range(j, len(shape.chunk_tokens))) for j in range(len(shape.chunk_tokens), -1, -1)]
         best = min(candidates, key=ttft)
         load_s, recompute_s = times(ratio, best)
-        if (best or not _scales_with_ratio(mode) or _sequential(mode) or load_s <= recompute_s
+        if (best or not scales_with_ratio(mode) or _sequential(mode) or load_s <= recompute_s
                 or ratio >= self.ceiling):
             return LoadPlan(ratio, best, load_s, recompute_s)
         # loading hides more recompute than the ratio asks for: raise it while it still fits
@@ -246,61 +221,12 @@ class LoadController:
         raised = max(ratio, raised)
         return LoadPlan(raised, (), load_s, times(raised, ())[1])
 
-
     def stream(self, mode: str, ratio: float, shape: FusionShape, ttft_slo: float, sizes: Sequence[Mapping[int, int]],
                own_level: int, throughput: float | None) -> LoadPlan:
-        """The streaming plan (see the module docstring): ``sizes`` gives each chunk's stored bytes by level,
-        ``throughput`` the link's bytes per second (None: nothing measured yet).
-        """
-        n = len(shape.chunk_tokens)
-        if throughput is None or throughput <= 0:
-            own = tuple(ChunkChoice(own_level, int(sizes[j].get(own_level, 0))) for j in range(n))
-            return LoadPlan(ratio, (), chunks=own, ttft_slo=ttft_slo, reason="no store throughput measured yet: "
-                            "every chunk at the index's own level")
-        model, work = self.recompute_model(), self._work.get(mode)
-        factor = self._factor(mode, model)
-        per = (work or 0.0) * (ratio if _scales_with_ratio(mode) else 1.0)
+        """The streaming plan (`kvrag.query.stream_plan.stream_plan`) from this controller's estimates."""
+        from kvrag.query.stream_plan import stream_plan
 
-        prefill_s = self.prefill_s(shape)
-
-        def compute_s(text: tuple[int, ...]) -> float:  # 0 until a fusion was measured: only transfers count
-            if prefill_s is not None and len(text) == n:  # nothing loaded: a plain prefill
-                return prefill_s
-            return 0.0 if model is None else factor * (model[0] + model[1] * shape.units(per, text))
-
-        def plan_of(pick: list[int | None]) -> tuple[float, float, tuple[int, ...]]:
-            text = tuple(j for j, lv in enumerate(pick) if lv is None)
-            load_s = sum(sizes[j][lv] for j, lv in enumerate(pick) if lv is not None) / throughput
-            recompute_s = compute_s(text)
-            return load_s + recompute_s, load_s, text
-
-        ladders = [sorted(sizes[j], reverse=True) for j in range(n)]  # each chunk's stored levels, best first
-        pick: list[int | None] = [ladder[0] if ladder else None for ladder in ladders]
-        steps = [list(pick)]
-        while any(lv is not None and ladders[j].index(lv) + 1 < len(ladders[j]) for j, lv in enumerate(pick)):
-            for j in reversed(range(n)):  # one level lower for each chunk, the last first
-                lv = pick[j]
-                if lv is not None and ladders[j].index(lv) + 1 < len(ladders[j]):
-                    pick[j] = ladders[j][ladders[j].index(lv) + 1]
-                    steps.append(list(pick))
-        for j in reversed(range(n)):  # then from their text, the last first
-            if pick[j] is not None:
-                pick[j] = None
-                steps.append(list(pick))
-        scored = [(plan_of(step), step) for step in steps]
-        within = [(p, step) for p, step in scored if p[0] <= ttft_slo]
-        (ttft, load_s, text), best = within[0] if within else min(scored, key=lambda ps: ps[0][0])
-        reason = (f"the best plan estimated within {ttft_slo:g} s" if within else
-                  f"no plan is estimated within {ttft_slo:g} s: the fastest")
-        if n and prefill_s is not None and prefill_s < ttft and any(lv is not None for lv in best):
-            (ttft, load_s, text), best = scored[-1]  # every chunk from its text: sooner, and exact
-            reason = f"a prefill from the text is estimated sooner ({ttft:.3g} s) than loading any level"
-        reason += f" at {throughput / 1e6:.3g} MB/s measured"
-        choices = tuple(ChunkChoice(lv, int(sizes[j][lv]) if lv is not None else 0,
-                                    sizes[j][lv] / throughput if lv is not None else 0.0)
-                        for j, lv in enumerate(best))
-        recompute_s = ttft - load_s if model is not None else float("nan")
-        return LoadPlan(ratio, text, load_s, recompute_s, choices, ttft_slo, throughput, ttft, reason)
+        return stream_plan(self, mode, ratio, shape, ttft_slo, sizes, own_level, throughput)
 
 
 def _fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:

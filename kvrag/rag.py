@@ -4,8 +4,8 @@ Index time (`build`, `add`) runs `kvrag.indexing`. Question time runs `kvrag.que
 (`answer`, `stream`, `prepare`) is retrieved and laid out, a framework's flat prompt (`answer_prompt`,
 `stream_prompt`, `prepare_prompt`) has its passages located; both are then planned, loaded and fused under
 the correctness gate (`kvrag.query.gate`) and generated. A conversation's turn (`chat`) runs `kvrag.chat`.
-The facade owns the per-index state computed once (model, prompt layout, prefix KV, the loading controller,
-the conversations' tiers) and hands it down; no stage reaches back into it.
+The facade owns the per-index state computed once (model, prompt layout, prefix KV, loading controller, tiers)
+and hands it down; no stage reaches back into it.
 """
 
 from __future__ import annotations
@@ -42,10 +42,11 @@ from kvrag.query.answer import Answer, RetrievedChunk, finish
 from kvrag.query.pipeline import FusedPrompt, QueryContext
 from kvrag.query.plan import LoadController
 from kvrag.storage.chunk_index import ChunkIndex
+from kvrag.storage.codec_state import load_codec_state
 from kvrag.storage.integrity import is_chunk_key
 from kvrag.storage.kvstore import KVStore, log_recovery
 from kvrag.storage.stores import open_index_store
-from kvrag.storage.verify import VerifyReport, load_codec_state, verify_index, writer_lock
+from kvrag.storage.verify import VerifyReport, verify_index
 
 log = logging.getLogger(__name__)
 
@@ -166,15 +167,12 @@ class KVRag(PromptAnswers):
         manifest = index.manifest
         check_format(manifest, path)
         stored = manifest["model"]
-        if isinstance(model, LoadedModel):
-            lm = model
-        else:
-            dtype = dtype or stored["spec"]["dtype"]
-            lm = load_model(model or stored["source"], dtype=dtype, device=device)
+        lm = model if isinstance(model, LoadedModel) else load_model(model or stored["source"], device=device,
+                                                                       dtype=dtype or stored["spec"]["dtype"])
         check_model(manifest, lm, path)
         bad = next((key for key in index.keys() if not is_chunk_key(key)), None)
         if bad is not None:
-            raise IndexCorruptError(path / "chunks.sqlite", f"holds chunk key {bad[:60]!r}, which kvrag never writes",
+            raise IndexCorruptError(index.files.db, f"holds chunk key {bad[:60]!r}, which kvrag never writes",
                                     fix=f"rebuild the index from its documents (kvrag index DOCS --index {path})")
         codec = make_codec(manifest["codec"]["name"], manifest["codec"].get("level"))
         if codec.needs_fit:
@@ -215,9 +213,9 @@ class KVRag(PromptAnswers):
             return add_on_ray(self, loaded, stats, show_progress, caches, engine, address, workers)
         split = SplitConfig(**self.manifest["split"])
         candidates = split_documents(loaded, self.lm, self.layout, split, self.embedder.encode)
-        builder = Builder(self.lm, self.index, self.kvstore, self.embedder, self.prefix,
-                          self.path / "codec", self.batch_tokens, self.neighbour_context, self.neighbour_kv)
-        with writer_lock(self.path):  # one writer at a time; a second one waits here
+        builder = Builder(self.lm, self.index, self.kvstore, self.embedder, self.prefix, self.index.files.codec_state,
+                          self.batch_tokens, self.neighbour_context, self.neighbour_kv)
+        with self.index.files.writer_lock():  # one writer at a time; a second one waits here
             builder.run(candidates, stats, show_progress, caches)
         stats.total_s = time.perf_counter() - t0
         log.info("indexed %d new chunks (%d prefilled, %.0f tok/s)", stats.new_chunks,

@@ -37,8 +37,9 @@ from typing import Any
 from kvrag.errors import IndexCorruptError
 from kvrag.storage import atomic, chunk_db
 from kvrag.storage.chunk_index import ChunkIndex
+from kvrag.storage.index_layout import IndexLayout
 from kvrag.storage.integrity import is_chunk_key, manifest_problem, row_digest, write_manifest
-from kvrag.storage.verify import CHUNKS, CODEC, DB, MANIFEST, VECTORS, VerifyReport, verify_index, writer_lock
+from kvrag.storage.verify import VerifyReport, verify_index
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ def repair_index(path: str | os.PathLike[str], model: Any = None, device: str | 
         IndexCorruptError: what cannot be rebuilt from what is left (a link out of the folder, a manifest
             without a sound copy, chunk texts that are all gone), naming what is needed.
     """
+    files = IndexLayout.of(path)
     path = Path(path)
     report = RepairReport(path)
     found = verify_index(path)
@@ -83,9 +85,9 @@ def repair_index(path: str | os.PathLike[str], model: Any = None, device: str | 
         if problem.part == "links":
             raise IndexCorruptError(problem.file, problem.what.removesuffix("; remove it")
                                     + "; kvrag never follows it", fix="remove the link, then run kvrag repair again")
-    with writer_lock(path):
-        atomic.remove_stale_temps(path / MANIFEST)
-        atomic.remove_stale_temps(path / VECTORS)
+    with files.writer_lock():
+        atomic.remove_stale_temps(files.manifest)
+        atomic.remove_stale_temps(files.vectors)
         manifest = _repair_manifest(path, found, report)
         if found.manifest is None:  # verification stops at a damaged manifest: look at the rest now
             found = verify_index(path)
@@ -102,50 +104,53 @@ def repair_index(path: str | os.PathLike[str], model: Any = None, device: str | 
 
 
 def _repair_manifest(path: Path, found: VerifyReport, report: RepairReport) -> dict[str, Any]:
+    files = IndexLayout.of(path)
     if found.manifest is not None:
         return found.manifest
     copy = found.manifest_copy
     if copy is None:
         legacy, problem = _legacy_manifest(path)
         if legacy is None:
-            raise IndexCorruptError(path / MANIFEST, f"{problem} and chunks.sqlite holds no sound copy of it, so it "
+            raise IndexCorruptError(files.manifest, f"{problem} and chunks.sqlite holds no sound copy of it, so it "
                                     "cannot be recovered", fix=f"move {path} away and build the index again from "
                                     "its documents with the same settings (kvrag index DOCS --index ...)")
         copy = legacy
-        report.rebuilt.append(f"{path / MANIFEST}: checksum added (written by an older kvrag)")
+        report.rebuilt.append(f"{files.manifest}: checksum added (written by an older kvrag)")
     else:
-        report.rebuilt.append(f"{path / MANIFEST}: restored from the copy kept in {DB}")
-    return write_manifest(path / MANIFEST, copy)
+        report.rebuilt.append(f"{files.manifest}: restored from the copy kept in {IndexLayout.DB}")
+    return write_manifest(files.manifest, copy)
 
 
 def _legacy_manifest(path: Path) -> tuple[dict[str, Any] | None, str]:
     """A parseable manifest without a checksum, accepted only beside a database without checksums either."""
-    obj, problem = manifest_problem(path / MANIFEST)
+    files = IndexLayout.of(path)
+    obj, problem = manifest_problem(files.manifest)
     if "no checksum" not in problem:
         return None, problem
     try:
-        with contextlib.closing(sqlite3.connect(f"file:{path / DB}?mode=ro", uri=True)) as conn:
+        with contextlib.closing(sqlite3.connect(f"file:{files.db}?mode=ro", uri=True)) as conn:
             tables = {t for (t,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     except sqlite3.DatabaseError:
         return None, problem
     if "meta" in tables:
         return None, problem
-    return json.loads((path / MANIFEST).read_text(encoding="utf-8")), ""
+    return json.loads(files.manifest.read_text(encoding="utf-8")), ""
 
 
 def _repair_db(path: Path, manifest: dict[str, Any], found: VerifyReport, report: RepairReport) -> bool:
     """Rewrite ``chunks.sqlite`` with its sound rows when it is damaged; True when rows were renumbered."""
+    files = IndexLayout.of(path)
     problems = [p for p in found.problems if p.part == "chunks"]
     if not problems:
-        with contextlib.closing(chunk_db.connect(path / DB, path)) as conn, chunk_db.guarded(path / DB, path):
+        with contextlib.closing(chunk_db.connect(files.db, path)) as conn, chunk_db.guarded(files.db, path):
             chunk_db.store_manifest_copy(conn, manifest)  # the copy may be the damaged part
         return False
-    rows, lost = _salvage(path / DB)
-    if not rows and (lost or not (path / DB).is_file()):
-        raise IndexCorruptError(path / DB, "is lost: no chunk row could be read back, and the texts have no other "
+    rows, lost = _salvage(files.db)
+    if not rows and (lost or not (files.db).is_file()):
+        raise IndexCorruptError(files.db, "is lost: no chunk row could be read back, and the texts have no other "
                                 "copy", fix=f"move {path} away and index the documents again")
     report.lost += lost
-    tmp = path / f".{DB}.repair.tmp"
+    tmp = path / f".{IndexLayout.DB}.repair.tmp"
     tmp.unlink(missing_ok=True)
     with contextlib.closing(chunk_db.connect(tmp, path, create=True)) as conn:
         with conn:
@@ -153,11 +158,11 @@ def _repair_db(path: Path, manifest: dict[str, Any], found: VerifyReport, report
         chunk_db.store_manifest_copy(conn, manifest)
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     for suffix in ("-wal", "-shm"):
-        (path / f"{DB}{suffix}").unlink(missing_ok=True)
-        (path / f".{DB}.repair.tmp{suffix}").unlink(missing_ok=True)
-    os.replace(tmp, path / DB)
+        (path / f"{IndexLayout.DB}{suffix}").unlink(missing_ok=True)
+        (path / f".{IndexLayout.DB}.repair.tmp{suffix}").unlink(missing_ok=True)
+    os.replace(tmp, files.db)
     atomic.fsync_dir(path)
-    report.rebuilt.append(f"{path / DB}: rewritten with its {len(rows)} sound chunk rows")
+    report.rebuilt.append(f"{files.db}: rewritten with its {len(rows)} sound chunk rows")
     return True
 
 
@@ -200,17 +205,18 @@ def _salvage(db: Path) -> tuple[list[tuple[Any, ...]], list[str]]:
 
 
 def _reembed(path: Path, manifest: dict[str, Any], report: RepairReport, device: str | None) -> None:
+    files = IndexLayout.of(path)
     import numpy as np
 
     from kvrag.embedder import Embedder
 
-    with contextlib.closing(chunk_db.connect(path / DB, path)) as conn, chunk_db.guarded(path / DB, path):
+    with contextlib.closing(chunk_db.connect(files.db, path)) as conn, chunk_db.guarded(files.db, path):
         texts = [t for (t,) in conn.execute("SELECT text FROM chunks ORDER BY row")]
     embedder = Embedder(manifest["embedder"], device=device)
     groups = [embedder.encode(texts[i:i + EMBED_GROUP]) for i in range(0, len(texts), EMBED_GROUP)]
     vectors = np.concatenate(groups) if groups else np.zeros((0, embedder.dim), np.float32)
     ChunkIndex.write_vectors(path, vectors)
-    report.rebuilt.append(f"{path / VECTORS}: {len(texts)} vectors embedded again from the chunk texts")
+    report.rebuilt.append(f"{files.vectors}: {len(texts)} vectors embedded again from the chunk texts")
 
 
 def _damaged_caches(path: Path, manifest: dict[str, Any], found: VerifyReport, report: RepairReport,
@@ -218,6 +224,7 @@ def _damaged_caches(path: Path, manifest: dict[str, Any], found: VerifyReport, r
     """Remove damaged caches (all of them when the codec state is damaged) from the index's store (its
     ``chunks/`` folder or a network store); the chunk keys to compute again.
     """
+    files = IndexLayout.of(path)
     from kvrag.config import StoreConfig
     from kvrag.indexing.kvgen import lead_key
     from kvrag.storage.kvstore import level_key
@@ -233,19 +240,20 @@ def _damaged_caches(path: Path, manifest: dict[str, Any], found: VerifyReport, r
         if level != own:
             owner.update({level_key(k, level): k for k in keys})
     url = (manifest.get("store") or {}).get("url")
-    if url is None and not (path / CHUNKS).is_dir():
+    if url is None and not files.chunks.is_dir():
         return set()
-    where = str(path / CHUNKS) if url is None else public_url(url)
+    where = str(files.chunks) if url is None else public_url(url)
     store = open_index_store(path, manifest, StoreConfig(cache_mb=0))
     try:
         if codec_damaged:
             stored = list(store.keys())  # every blob of the index: all coded with the damaged state
             for name in stored:
                 store.delete(name)
-            for f in (path / CODEC).glob("*") if (path / CODEC).is_dir() else []:
+            for f in files.codec_state.glob("*") if files.codec_state.is_dir() else []:
                 f.unlink()
             redo = {owner[name] for name in stored if name in owner}
-            report.rebuilt.append(f"{path / CODEC}: fitted again; {len(stored)} caches coded with it computed again")
+            report.rebuilt.append(f"{files.codec_state}: fitted again; {len(stored)} caches coded with it computed "
+                                  "again")
             return redo
         redo = set()
         for name in found.bad_caches:
@@ -266,11 +274,12 @@ def _recompute(path: Path, keys: set[str], report: RepairReport, model: Any, dev
     from kvrag.prompt import chunk_token_ids
     from kvrag.rag import KVRag
 
+    files = IndexLayout.of(path)
     rag = KVRag.open(path, model=model, device=device)
     try:
         records = [r for r in rag.index.records() if r.key in keys]
         candidates = [Candidate(r, chunk_token_ids(rag.lm.tokenizer, r.text)) for r in records]
-        builder = Builder(rag.lm, rag.index, rag.kvstore, rag.embedder, rag.prefix, path / CODEC, rag.batch_tokens,
+        builder = Builder(rag.lm, rag.index, rag.kvstore, rag.embedder, rag.prefix, files.codec_state, rag.batch_tokens,
                           rag.neighbour_context, rag.neighbour_kv)
         stats = BuildStats()
         builder.run(candidates, stats, show_progress)

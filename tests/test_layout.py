@@ -39,3 +39,22 @@ def test_importing_kvrag_loads_no_framework_and_no_torch():
             "print(sorted(m for m in ('torch', 'langchain_core', 'llama_index') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_index_folders_file_names_are_spelled_in_one_module():
+    """Only `kvrag.storage.index_layout` names the files of an index folder in code (messages may mention them)."""
+    from kvrag.storage.index_layout import IndexLayout
+
+    names = {IndexLayout.MANIFEST, IndexLayout.DB, IndexLayout.VECTORS, IndexLayout.INDEX_LOCK,
+             IndexLayout.WRITER_LOCK, IndexLayout.CODEC, IndexLayout.CHUNKS, IndexLayout.FITTED}
+    home = ROOT / "kvrag" / "storage" / "index_layout.py"
+    spelled = []
+    for path in sorted((ROOT / "kvrag").rglob("*.py")):
+        if path == home:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            operands = [node.right] if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) else []
+            operands += node.args if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "joinpath" else []
+            spelled += [f"{path.relative_to(ROOT)}:{node.lineno} {o.value!r}" for o in operands
+                        if isinstance(o, ast.Constant) and o.value in names]
+    assert not spelled, "index file names joined onto paths outside IndexLayout:\n" + "\n".join(spelled)

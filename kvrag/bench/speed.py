@@ -238,7 +238,7 @@ def run_lengths(
     from kvrag.storage.kvstore import KVStore
     from kvrag.storage.stores import ThrottledStore, make_store
 
-    store = make_store("disk", tmp / "chunks", fsync=False)
+    store = make_store("disk", tmp / "chunk-caches", fsync=False)
     if getattr(args, "store_mbps", None):
         store = ThrottledStore(store, args.store_mbps * 1e6)
     kvstore = KVStore(store, make_codec(args.codec), lm.fingerprint)

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kvrag.storage.index_layout import IndexLayout
+
 DTYPE_BITS = {"float32": 32, "float": 32, "float16": 16, "half": 16, "bfloat16": 16, "float64": 64}
 # bits per stored K/V element, container included (SmolLM2-135M-Instruct caches; benchmarks/README.md,
 # "Codecs"); cachegen's level 0 measured the same way (fitted on 40 MuSiQue passages, 20 others encoded,
@@ -27,7 +29,6 @@ BITS_PER_ELEMENT: dict[tuple[str, int], float] = {
     ("cachegen", 2): 3.3,
     ("cachegen", 3): 4.4,
 }
-_CACHES, _CODEC, _FAISS, _TEXT = "chunks", "codec", "vectors.faiss", "chunks.sqlite"
 PARTS = ("caches", "faiss", "codec_state", "text", "other")
 
 
@@ -94,13 +95,13 @@ def index_sizes(path: Path, manifest: Mapping[str, Any] | None = None) -> dict[s
         out["caches"] += remote
     for entry in path.iterdir():
         size = _tree_bytes(entry)
-        if entry.name == _CACHES:
+        if entry.name == IndexLayout.CHUNKS:
             out["caches"] += size
-        elif entry.name == _CODEC:
+        elif entry.name == IndexLayout.CODEC:
             out["codec_state"] += size
-        elif entry.name == _FAISS:
+        elif entry.name == IndexLayout.VECTORS:
             out["faiss"] += size
-        elif entry.name.startswith(_TEXT):  # the database and its -wal / -shm files
+        elif entry.name.startswith(IndexLayout.DB):  # the database and its -wal / -shm files
             out["text"] += size
         else:
             out["other"] += size

@@ -49,6 +49,7 @@ from kvrag.indexing.split import KVSplitter
 from kvrag.model import LoadedModel
 from kvrag.prompt import PromptLayout, chunk_token_ids
 from kvrag.storage.chunk_index import ChunkIndex, ChunkRecord
+from kvrag.storage.index_layout import IndexLayout
 from kvrag.storage.kvstore import KVStore, log_recovery
 
 log = logging.getLogger(__name__)
@@ -208,7 +209,8 @@ class Builder:
     @property
     def codec_ready(self) -> bool:
         codec = self.kvstore.codec
-        return not codec.needs_fit or bool(getattr(codec, "fitted", (self.codec_state_dir / "fitted").is_file()))
+        fitted = (self.codec_state_dir / IndexLayout.FITTED).is_file()
+        return not codec.needs_fit or bool(getattr(codec, "fitted", fitted))
 
     def run(self, candidates: Sequence[Candidate], stats: BuildStats, show_progress: bool,
             caches: bool = True) -> None:
@@ -292,7 +294,7 @@ class Builder:
                 if len(held) < min(FIT_CHUNKS, len(todo)):
                     continue
                 _fit_codec(self.kvstore.codec, [h[1] for h in held], self.codec_state_dir)
-                (self.codec_state_dir / "fitted").touch()
+                (self.codec_state_dir / IndexLayout.FITTED).touch()
                 pending += [self._submit(writer, todo[j].record.key, h, self.stream_levels) for j, h in held]
                 bar.update(sum(len(todo[j].ids) for j, _ in held))
                 held = []
@@ -318,7 +320,7 @@ class Builder:
         computed = list(chunk_caches(self.lm, self.prefix, list(leads.values()), self.batch_tokens))
         if not self.codec_ready:
             _fit_codec(self.kvstore.codec, [kv for _, kv in computed[:FIT_CHUNKS]], self.codec_state_dir)
-            (self.codec_state_dir / "fitted").touch()
+            (self.codec_state_dir / IndexLayout.FITTED).touch()
         stats.prefilled_tokens += sum(len(leads[keys[i]]) for i, _ in computed) if plain else 0
         stats.prefilled_chunks += len(computed) if plain else 0
         pending = [self._submit(writer, stored_as(keys[i]), kv) for i, kv in computed]

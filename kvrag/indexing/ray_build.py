@@ -5,8 +5,9 @@ Contract (`add_on_ray`: ``KVRag.build(..., engine="ray")``, ``KVRag.add`` and ``
 - **Who does what.** Each worker is one Ray actor holding the model (on a GPU when the cluster has them), the
   embedder and the codec, loaded once (`kvrag.indexing.ray_worker.KVBuildWorker`); workers split the documents,
   embed the chunks, compute and encode their caches (at the index's stream levels too) and return the blobs.
-  The driver alone writes, under the index's `writer_lock`: the blobs into the index's store (its ``chunks/``
-  folder or a remote one such as ``redis://``), the codec state, the FAISS vectors and the SQLite rows.
+  The driver alone writes, under the index's writer lock (`IndexLayout.writer_lock`): the blobs into the index's
+  store (its ``chunks/`` folder or a remote one such as ``redis://``), the codec state, the FAISS vectors and the
+  SQLite rows.
 - **The same index as the single-process build**: the same chunk keys and texts (without pretrained Punkt
   data the driver trains Punkt on all the documents, as `KVSplitter.split_many` does, and hands it out); the
   same caches, bit for bit with the ``raw`` codec on the same device (the driver cuts each group into the
@@ -41,7 +42,7 @@ from kvrag.indexing.documents import Loaded
 from kvrag.indexing.manifest import stored_stream_levels
 from kvrag.indexing.ray_worker import Blobs, KVBuildWorker, WorkerSetup, codec_state_files, load_codec_state
 from kvrag.storage.chunk_index import ChunkRecord
-from kvrag.storage.verify import writer_lock
+from kvrag.storage.index_layout import IndexLayout
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +209,7 @@ def _ignore(_: Any) -> None:
 
 def _codec_ready(codec: Any, state_dir: Path) -> bool:
     """As `Builder.codec_ready`: the codec needs no fitting, or its state is fitted (or marked so)."""
-    return not codec.needs_fit or bool(getattr(codec, "fitted", (state_dir / "fitted").is_file()))
+    return not codec.needs_fit or bool(getattr(codec, "fitted", (state_dir / IndexLayout.FITTED).is_file()))
 
 
 class _Run:
@@ -218,7 +219,7 @@ class _Run:
 
     def __init__(self, pool: WorkerPool, rag: Any, stats: BuildStats, bar: Any, levels: tuple[int, ...]) -> None:
         self.pool, self.rag, self.stats, self.bar, self.levels = pool, rag, stats, bar, levels
-        self.codec, self.state_dir = rag.kvstore.codec, Path(rag.path) / "codec"
+        self.codec, self.state_dir = rag.kvstore.codec, IndexLayout.of(rag.path).codec_state
 
     def group(self, group: list[Candidate], caches: bool) -> None:
         kvstore, texts, t0 = self.rag.kvstore, [c.record.text for c in group], time.perf_counter()
@@ -273,7 +274,7 @@ class _Run:
         self._files, blobs = result
         load_codec_state(self.codec, self._files)
         self.codec.save_state(self.state_dir)
-        (self.state_dir / "fitted").touch()
+        (self.state_dir / IndexLayout.FITTED).touch()
         self._store(blobs, caches)
 
     def _store(self, chunks: list[tuple[str, Blobs, int]], caches: bool) -> None:
@@ -314,14 +315,15 @@ def add_on_ray(rag: Any, loaded: Loaded, stats: BuildStats, show_progress: bool 
     t0 = time.perf_counter()
     split, codec = SplitConfig(**rag.manifest["split"]), rag.kvstore.codec
     levels = stored_stream_levels(rag.manifest, codec)
-    state = codec_state_files(codec) if codec.needs_fit and _codec_ready(codec, Path(rag.path) / "codec") else None
+    ready = codec.needs_fit and _codec_ready(codec, IndexLayout.of(rag.path).codec_state)
+    state = codec_state_files(codec) if ready else None
     source = str(Path(rag.lm.source).resolve()) if Path(rag.lm.source).exists() else rag.lm.source  # any cwd
     setup = WorkerSetup(source, rag.lm.spec.dtype, rag.lm.fingerprint, rag.embedder.name,
                         tuple(rag.layout.prefix_ids), codec.name, codec.level, state, split,
                         _punkt(loaded, rag.lm, split), rag.batch_tokens, 1, levels)
     pool = WorkerPool(ray, setup, address, workers)
     try:
-        with writer_lock(Path(rag.path)):  # one writer at a time, as for the local build
+        with IndexLayout.of(rag.path).writer_lock():  # one writer at a time, as for the local build
             candidates = _split(pool, loaded)
             new = [c for c in candidates if c.record.key not in rag.index]
             stored = rag.kvstore.contains_levels

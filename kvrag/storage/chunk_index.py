@@ -48,6 +48,7 @@ from kvrag.errors import IndexCorruptError, IndexNotFoundError, KVRagError
 from kvrag.storage import atomic, chunk_db
 from kvrag.storage.chunk_db import COLUMNS as _COLUMNS
 from kvrag.storage.chunk_db import ChunkRecord
+from kvrag.storage.index_layout import IndexLayout
 from kvrag.storage.integrity import check_confined, read_manifest, sha256_hex, write_manifest
 from kvrag.storage.vectors import HNSW_M, load_vectors, new_faiss, rewrite_vectors, unit_rows  # noqa: F401
 
@@ -56,14 +57,13 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 KINDS = ("flat", "hnsw")
 HNSW_EF_SEARCH = 64
-_DB, _VECTORS, _LOCK = "chunks.sqlite", "vectors.faiss", "index.lock"
 _RESERVED = "vectors"
 
 
 def _vectors_section(manifest: dict[str, Any], path: Path) -> dict[str, Any]:
     section = manifest.get(_RESERVED)
     if not isinstance(section, dict) or "dim" not in section or section.get("kind") not in KINDS:
-        raise IndexCorruptError(path / ChunkIndex.MANIFEST, f"lacks a valid {_RESERVED!r} section", path)
+        raise IndexCorruptError(IndexLayout.of(path).manifest, f"lacks a valid {_RESERVED!r} section", path)
     if int(section.get("format_version", 0)) > FORMAT_VERSION:
         raise KVRagError(f"index at {path} is newer than this kvrag reads; upgrade kvrag")
     return section
@@ -81,11 +81,12 @@ class ChunkIndex:
         idx.search(query_vec, k=5)  # [(ChunkRecord, cosine), ...] best first
     """
 
-    MANIFEST = "manifest.json"
+    MANIFEST = IndexLayout.MANIFEST
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         """Open an existing index; prefer `ChunkIndex.open`, which checks that it exists."""
         self.path = Path(path)
+        self.files = IndexLayout(self.path)
         check_confined(self.path)
         self._lock = threading.RLock()
         self._manifest: dict[str, Any] = {}
@@ -93,7 +94,7 @@ class ChunkIndex:
         self._load_manifest()
         section = _vectors_section(self._manifest, self.path)
         self.dim, self.kind = int(section["dim"]), str(section["kind"])
-        self._conn: sqlite3.Connection | None = chunk_db.connect(self.path / _DB, self.path)
+        self._conn: sqlite3.Connection | None = chunk_db.connect(self.files.db, self.path)
         self._n = 0
         self._keys: dict[str, int] = {}  # key -> row, for rows < self._n
         self._vectors = new_faiss(self.dim, self.kind)
@@ -126,23 +127,24 @@ class ChunkIndex:
                    "format_version": FORMAT_VERSION}
         path.mkdir(parents=True, exist_ok=True)
         check_confined(path)
-        with atomic.exclusive_lock(path / _LOCK):
+        files = IndexLayout(path)
+        with atomic.exclusive_lock(files.index_lock):
             # The manifest goes last: until it exists the directory is no index, so a create
             # killed half-way is simply redone.
             if cls.exists(path):
                 raise KVRagError(f"an index already exists at {path}; refusing to overwrite it")
-            if (path / _DB).exists():
-                chunk_db.check_no_rows(path / _DB, path / ChunkIndex.MANIFEST, path)
-            with contextlib.closing(chunk_db.connect(path / _DB, path, create=True)) as conn:
+            if files.db.exists():
+                chunk_db.check_no_rows(files.db, files.manifest, path)
+            with contextlib.closing(chunk_db.connect(files.db, path, create=True)) as conn:
                 vectors = faiss.serialize_index(new_faiss(dim, kind)).tobytes()
-                with chunk_db.guarded(path / _DB, path), conn:
+                with chunk_db.guarded(files.db, path), conn:
                     chunk_db.set_meta(conn, **{chunk_db.VECTORS_PENDING: sha256_hex(vectors)})
-                atomic.atomic_write_bytes(path / _VECTORS, vectors)
-                with chunk_db.guarded(path / _DB, path), conn:
+                atomic.atomic_write_bytes(files.vectors, vectors)
+                with chunk_db.guarded(files.db, path), conn:
                     chunk_db.set_meta(conn, **{chunk_db.VECTORS_SHA: sha256_hex(vectors),
                                                chunk_db.VECTORS_PENDING: None})
-                stored = write_manifest(path / cls.MANIFEST, {**manifest, _RESERVED: section})
-                with chunk_db.guarded(path / _DB, path):
+                stored = write_manifest(files.manifest, {**manifest, _RESERVED: section})
+                with chunk_db.guarded(files.db, path):
                     chunk_db.store_manifest_copy(conn, stored)
         logger.info("created %s index at %s (dim=%d)", kind, path, dim)
         return cls(path)
@@ -150,17 +152,17 @@ class ChunkIndex:
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> ChunkIndex:
         """Open the index in ``path``; IndexNotFoundError without one, IndexCorruptError if damaged."""
+        files = IndexLayout.of(path)
         if not cls.exists(path):
-            if (Path(path) / _DB).is_file() and (Path(path) / _DB).stat().st_size:
-                raise IndexCorruptError(Path(path) / cls.MANIFEST, "is missing but the index's chunks are there",
-                                        path)
+            if files.db.is_file() and files.db.stat().st_size:
+                raise IndexCorruptError(files.manifest, "is missing but the index's chunks are there", path)
             raise IndexNotFoundError(f"no kvrag index at {path} (missing {cls.MANIFEST})")
         return cls(path)
 
     @staticmethod
     def exists(path: str | os.PathLike[str]) -> bool:
         """Tell whether ``path`` holds an index (i.e. its manifest)."""
-        return (Path(path) / ChunkIndex.MANIFEST).is_file()
+        return IndexLayout.of(path).manifest.is_file()
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -175,21 +177,21 @@ class ChunkIndex:
         """
         if _RESERVED in fields:
             raise ValueError(f"manifest key {_RESERVED!r} is reserved for the index itself")
-        with self._lock, atomic.exclusive_lock(self.path / _LOCK):
-            current = read_manifest(self.path / self.MANIFEST, self.path)
-            stored = write_manifest(self.path / self.MANIFEST, {**current, **fields})
-            with chunk_db.guarded(self.path / _DB, self.path):
+        with self._lock, atomic.exclusive_lock(self.files.index_lock):
+            current = read_manifest(self.files.manifest, self.path)
+            stored = write_manifest(self.files.manifest, {**current, **fields})
+            with chunk_db.guarded(self.files.db, self.path):
                 chunk_db.store_manifest_copy(self._db, stored)
             self._load_manifest()
 
     def _load_manifest(self) -> None:
         try:
-            st = (self.path / self.MANIFEST).stat()
+            st = (self.files.manifest).stat()
         except FileNotFoundError:
-            raise IndexCorruptError(self.path / self.MANIFEST, "is missing", self.path) from None
+            raise IndexCorruptError(self.files.manifest, "is missing", self.path) from None
         sig = (st.st_ino, st.st_mtime_ns, st.st_size)
         if sig != self._manifest_sig:
-            self._manifest = read_manifest(self.path / self.MANIFEST, self.path)
+            self._manifest = read_manifest(self.files.manifest, self.path)
             self._manifest_sig = sig
 
     def __len__(self) -> int:
@@ -212,7 +214,7 @@ class ChunkIndex:
 
     def records(self) -> list[ChunkRecord]:
         """Return every chunk of the current snapshot, in insertion order."""
-        db = self.path / _DB
+        db = self.files.db
         with self._lock, chunk_db.guarded(db, self.path):
             sql = f"SELECT {_COLUMNS}, digest FROM chunks WHERE row < ? ORDER BY row"
             return [ChunkRecord(*chunk_db.checked_row(r, db, self.path)[1:])
@@ -221,7 +223,7 @@ class ChunkIndex:
     def _fetch_rows(self, rows: Sequence[int]) -> dict[int, ChunkRecord]:
         # json_each keeps this one query with one parameter, whatever the number of rows.
         sql = f"SELECT {_COLUMNS}, digest FROM chunks WHERE row IN (SELECT value FROM json_each(?))"
-        db = self.path / _DB
+        db = self.files.db
         with self._lock, chunk_db.guarded(db, self.path):
             cur = self._db.execute(sql, (json.dumps(list(rows)),))
             out = {r[0]: ChunkRecord(*r[1:]) for r in (chunk_db.checked_row(row, db, self.path) for row in cur)}
@@ -268,7 +270,7 @@ class ChunkIndex:
 
     def _sync(self, full: bool) -> None:
         """Load rows past the snapshot (all rows if ``full``: at open, after a failed append)."""
-        db = self.path / _DB
+        db = self.files.db
         with chunk_db.guarded(db, self.path):
             n = chunk_db.row_count(self._db)
             start = 0 if full else self._n
@@ -277,7 +279,7 @@ class ChunkIndex:
             if n < start:
                 raise IndexCorruptError(db, f"shrank from {self._n} to {n} chunks", fix=chunk_db.db_fix(self.path))
             n, data = self._read_vectors_file()  # the row count and the file, consistent: see the commit protocol
-            vectors = load_vectors(data, n, self.dim, self.kind, self.path / _VECTORS, self.path)
+            vectors = load_vectors(data, n, self.dim, self.kind, self.files.vectors, self.path)
             sql = "SELECT key, row FROM chunks WHERE row >= ? AND row < ?"
             keys = {key: int(row) for key, row in self._db.execute(sql, (start, n))}
         if len(keys) != n - start:
@@ -289,7 +291,7 @@ class ChunkIndex:
 
     def _read_vectors_file(self) -> tuple[int, bytes]:
         """``(row count, vectors file bytes)`` whose hash the database records, retried while a writer commits."""
-        file = self.path / _VECTORS
+        file = self.files.vectors
         for attempt in range(50):
             n, hashes = chunk_db.snapshot(self._db)
             try:
@@ -325,7 +327,7 @@ class ChunkIndex:
         vecs = unit_rows(embeddings, self.dim, "embeddings")  # [n, dim]
         if vecs.shape[0] != len(records):
             raise ValueError(f"got {len(records)} records but {vecs.shape[0]} embedding rows")
-        with self._lock, atomic.exclusive_lock(self.path / _LOCK):
+        with self._lock, atomic.exclusive_lock(self.files.index_lock):
             self.refresh()
             fresh = self._new_positions(records)
             if fresh:
@@ -342,13 +344,13 @@ class ChunkIndex:
     def _append(self, records: list[ChunkRecord], vecs: np.ndarray) -> None:
         """Write the vectors, then commit the rows; the caller holds both locks."""
         start = self._n
-        atomic.remove_stale_temps(self.path / _VECTORS)
+        atomic.remove_stale_temps(self.files.vectors)
         try:
             self._vectors.add(vecs)
             data = faiss.serialize_index(self._vectors).tobytes()
-            with chunk_db.guarded(self.path / _DB, self.path), self._db:
+            with chunk_db.guarded(self.files.db, self.path), self._db:
                 chunk_db.set_meta(self._db, **{chunk_db.VECTORS_PENDING: sha256_hex(data)})
-            atomic.atomic_write_bytes(self.path / _VECTORS, data)
+            atomic.atomic_write_bytes(self.files.vectors, data)
             self._commit_rows(records, start, sha256_hex(data))
         except BaseException:
             self._sync(full=True)  # the in-memory index may hold uncommitted vectors
@@ -359,7 +361,7 @@ class ChunkIndex:
     def _commit_rows(self, records: Sequence[ChunkRecord], start: int, vectors_sha: str) -> None:
         """Insert the metadata rows and commit the vectors file's hash in one transaction: the commit point."""
         rows = [(start + i, *dataclasses.astuple(r)) for i, r in enumerate(records)]
-        with chunk_db.guarded(self.path / _DB, self.path), self._db:
+        with chunk_db.guarded(self.files.db, self.path), self._db:
             chunk_db.insert_rows(self._db, rows)
             chunk_db.set_meta(self._db, **{chunk_db.VECTORS_SHA: vectors_sha, chunk_db.VECTORS_PENDING: None})
 
@@ -371,8 +373,9 @@ class ChunkIndex:
         not (so it need not open): the hash is committed in the same steps as an append's.
         """
         path = Path(path)
-        section = _vectors_section(read_manifest(path / cls.MANIFEST, path), path)
-        rewrite_vectors(path, path / _DB, path / _VECTORS, path / _LOCK, int(section["dim"]), str(section["kind"]),
+        files = IndexLayout(path)
+        section = _vectors_section(read_manifest(files.manifest, path), path)
+        rewrite_vectors(path, files.db, files.vectors, files.index_lock, int(section["dim"]), str(section["kind"]),
                         embeddings)
 
     @property

@@ -11,10 +11,6 @@ it is computed on first use), in the index's store (`open_index_store`: its ``ch
 under its namespace in a network store, listed with ``SCAN``; a store that does not answer is a problem
 that repair cannot fix). It returns a `VerifyReport`
 with one `Problem` per damaged part; ``report.ok`` is True when there is none.
-
-Also here, shared by the facade and `kvrag.repair`: `writer_lock` (one writer per index: a
-second one waits for the first) and `load_codec_state` (a damaged state is an `IndexCorruptError`; a
-state that was never written because a build was killed before its first cache is no error).
 """
 
 from __future__ import annotations
@@ -23,19 +19,18 @@ import contextlib
 import logging
 import os
 import sqlite3
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvrag.errors import IndexCorruptError, IndexNotFoundError
-from kvrag.storage import atomic, chunk_db
+from kvrag.storage import chunk_db
+from kvrag.storage.codec_state import load_codec_state
+from kvrag.storage.index_layout import IndexLayout
 from kvrag.storage.integrity import is_chunk_key, links_out, manifest_problem, parse_manifest, sha256_hex
 
 log = logging.getLogger(__name__)
 
-MANIFEST, DB, VECTORS, CODEC, CHUNKS, WRITER_LOCK = ("manifest.json", "chunks.sqlite", "vectors.faiss", "codec",
-                                                     "chunks", "writer.lock")
 
 
 @dataclass
@@ -83,38 +78,6 @@ class VerifyReport:
         self.problems.append(Problem(part, str(file), what, repairable))
 
 
-@contextlib.contextmanager
-def writer_lock(path: str | os.PathLike[str]) -> Iterator[None]:
-    """Hold the index's writer lock (``writer.lock``, ``flock``): a second writer waits until the first ends."""
-    with atomic.exclusive_lock(Path(path) / WRITER_LOCK):
-        yield
-
-
-def _has_blobs(path: Path) -> bool:
-    return next((path / CHUNKS).glob("*/*.kvc"), None) is not None
-
-
-def load_codec_state(codec: Any, path: Path) -> None:
-    """Load the fitted state of ``codec`` from ``path/codec``; `IndexCorruptError` when it is damaged.
-
-    A state that is missing (or half-written) while no chunk cache is stored is no error: a build was
-    killed before its first cache, and the next build fits the codec again.
-    """
-    state_dir = path / CODEC
-    present = state_dir.is_dir() and any(state_dir.iterdir())
-    if not present:
-        if _has_blobs(path):
-            raise IndexCorruptError(state_dir, "is missing, but chunk caches coded with it are stored", path)
-        return
-    try:
-        codec.load_state(state_dir)
-    except (ValueError, OSError) as exc:
-        if not _has_blobs(path) and not (state_dir / "fitted").is_file():
-            log.info("codec state in %s was not finished (%s); the next build fits it again", state_dir, exc)
-            return
-        raise IndexCorruptError(state_dir, f"is damaged: {str(exc).splitlines()[0]}", path) from None
-
-
 def verify_index(path: str | os.PathLike[str], caches: bool = True) -> VerifyReport:
     """Check every file of the index at ``path`` (see the module docstring); never writes."""
     path = Path(path)
@@ -126,11 +89,12 @@ def verify_index(path: str | os.PathLike[str], caches: bool = True) -> VerifyRep
         report._add("links", link, f"is a link to {target}, outside the index; remove it", False)
     if outside:
         return report
-    report.manifest, problem = manifest_problem(path / MANIFEST)
+    report.manifest, problem = manifest_problem(IndexLayout(path).manifest)
     keys = _check_db(path, report)
     if report.manifest is None:
         can = report.manifest_copy is not None
-        report._add("manifest", path / MANIFEST, problem + ("" if can else "; no sound copy to restore it from"), can)
+        what = problem + ("" if can else "; no sound copy to restore it from")
+        report._add("manifest", IndexLayout(path).manifest, what, can)
         return report
     _check_vectors(path, report)
     codec = _check_codec(path, report)
@@ -141,7 +105,7 @@ def verify_index(path: str | os.PathLike[str], caches: bool = True) -> VerifyRep
 
 def _check_db(path: Path, report: VerifyReport) -> list[str]:
     """Check ``chunks.sqlite``; returns the keys of the sound rows, in row order."""
-    db = path / DB
+    db = IndexLayout(path).db
     if not db.is_file():
         report._add("chunks", db, "is missing: the chunk texts are gone", False)
         return []
@@ -192,10 +156,11 @@ def _check_vectors(path: Path, report: VerifyReport) -> None:
     import faiss
     import numpy as np
 
-    file = path / VECTORS
+    file = IndexLayout(path).vectors
     section = report.manifest.get("vectors", {}) if report.manifest else {}
     try:
-        with contextlib.closing(sqlite3.connect(f"file:{path / DB}?mode=ro", uri=True, timeout=30.0)) as conn:
+        db = IndexLayout(path).db
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30.0)) as conn:
             hashes = {chunk_db.get_meta(conn, chunk_db.VECTORS_SHA), chunk_db.get_meta(conn, chunk_db.VECTORS_PENDING)}
     except sqlite3.DatabaseError:
         hashes = set()
@@ -246,10 +211,10 @@ def _check_caches(path: Path, report: VerifyReport, codec: Any, keys: list[str])
     url = (manifest.get("store") or {}).get("url")
     levels = [lv for lv in manifest.get("stream_levels", []) if lv != codec.level]
     with_leads = bool(manifest.get("neighbour_context", 0))
-    if url is None and not (path / CHUNKS).is_dir():
+    if url is None and not IndexLayout(path).chunks.is_dir():
         report.caches_missing = len(keys) * (1 + with_leads + len(levels))
         return
-    where = path / CHUNKS if url is None else public_url(url)
+    where = IndexLayout(path).chunks if url is None else public_url(url)
     store = open_index_store(path, manifest, StoreConfig(cache_mb=0, fsync=False))
     try:
         held = set(store.keys())

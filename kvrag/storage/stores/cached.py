@@ -37,6 +37,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvrag.config import StoreConfig
 from kvrag.errors import StoreUnavailableError
+from kvrag.storage.index_layout import IndexLayout
 from kvrag.storage.stores.base import ByteStore, LinkMeter, available_stores, make_store, network_class
 
 log = logging.getLogger(__name__)
@@ -352,7 +353,7 @@ def open_index_store(path: Path, manifest: Mapping[str, Any], store: str | Store
     config = store if isinstance(store, StoreConfig) else StoreConfig(backend=store or "disk")
     url = config.backend if config.backend.lower() not in _OWN else (manifest.get("store") or {}).get("url")
     if url is None:
-        return make_store("disk", Path(path) / "chunks", fsync=config.fsync)
+        return make_store("disk", IndexLayout.of(path).chunks, fsync=config.fsync)
     if not is_remote_url(url):  # (a local store has no password: the registry's error for one need not show it)
         return make_store(public_url(url), fsync=config.fsync)
     inner = make_store(url, namespace=_namespace(manifest), connect_timeout_s=config.connect_timeout_s,

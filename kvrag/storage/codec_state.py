@@ -1,0 +1,34 @@
+"""`load_codec_state`: an index's fitted codec state, loaded for opening, verifying and repairing it.
+
+Contract: a damaged state is an `IndexCorruptError`; a state that is missing or half-written while no chunk
+cache is stored is no error (a build was killed before its first cache, and the next build fits it again).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from kvrag.errors import IndexCorruptError
+from kvrag.storage.index_layout import IndexLayout
+
+log = logging.getLogger(__name__)
+
+
+def load_codec_state(codec: Any, path: Path) -> None:
+    """Load the fitted state of ``codec`` from the index at ``path`` (its `IndexLayout.codec_state`)."""
+    layout = IndexLayout.of(path)
+    state_dir = layout.codec_state
+    present = state_dir.is_dir() and any(state_dir.iterdir())
+    if not present:
+        if layout.has_blobs():
+            raise IndexCorruptError(state_dir, "is missing, but chunk caches coded with it are stored", path)
+        return
+    try:
+        codec.load_state(state_dir)
+    except (ValueError, OSError) as exc:
+        if not layout.has_blobs() and not layout.fitted_marker.is_file():
+            log.info("codec state in %s was not finished (%s); the next build fits it again", state_dir, exc)
+            return
+        raise IndexCorruptError(state_dir, f"is damaged: {str(exc).splitlines()[0]}", path) from None

@@ -57,7 +57,7 @@ except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the
     ) from exc
 
 from kvrag.integrations.langchain_chat import ChatKVRag
-from kvrag.integrations.prompt_llm import answer_metadata, stream_prompt_answer
+from kvrag.integrations.prompt_llm import MODE_HELP, RATIO_HELP, answer_metadata, stream_prompt_answer
 
 from kvrag.query.answer import finish
 
@@ -116,8 +116,8 @@ class KVCachedLLM(LLM):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     rag: Any = Field(description="An opened `kvrag.KVRag`.")
-    mode: str | None = Field(default=None, description="A fixed fusion mode; None: probe under the gate.")
-    ratio: float | None = Field(default=None, gt=0.0, le=1.0, description="cacheblend's or probe's ratio.")
+    mode: str | None = Field(default=None, description=MODE_HELP)
+    ratio: float | None = Field(default=None, gt=0.0, le=1.0, description=RATIO_HELP)
     gate: Any = Field(default=None, description="A `kvrag.GateConfig`, True or False; None: kvrag's default.")
     max_new_tokens: int = Field(default=64, gt=0, description="Most tokens generated per call.")
     temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy decoding.")

@@ -60,6 +60,8 @@ except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the
         "kvrag.integrations.langchain_chat needs langchain-core: pip install 'kvrag[langchain]'"
     ) from exc
 
+from kvrag.integrations.prompt_llm import MODE_HELP, RATIO_HELP
+
 __all__ = ["ChatKVRag", "to_kvrag_messages"]
 
 _OPTIONS = ("k", "mode", "ratio", "retrieve", "max_new_tokens", "temperature", "top_p", "seed", "history_cache")
@@ -174,8 +176,8 @@ class ChatKVRag(BaseChatModel):
 
     rag: Any = Field(description="An opened `kvrag.KVRag`.")
     k: int = Field(default=4, ge=0, description="Chunks retrieved for the last user message (0: none).")
-    mode: str | None = Field(default=None, description="A fusion mode; None: kvrag's default under its gate.")
-    ratio: float | None = Field(default=None, gt=0.0, le=1.0, description="The fusion mode's recompute ratio.")
+    mode: str | None = Field(default=None, description=MODE_HELP)
+    ratio: float | None = Field(default=None, gt=0.0, le=1.0, description=RATIO_HELP)
     retrieve: bool = Field(default=True, description="Fuse the chunks retrieved for the last user message.")
     max_new_tokens: int = Field(default=256, gt=0, alias="max_tokens", description="Most tokens per answer.")
     temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy decoding.")

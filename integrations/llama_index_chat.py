@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvrag.integrations.llama_index import KVRetriever, _node, _trimmed
+from kvrag.integrations.prompt_llm import MODE_HELP, RATIO_HELP
 
 try:
     from llama_index.core.base.llms.types import TextBlock
@@ -135,8 +136,8 @@ class KVRagChatLLM(CustomLLM):
     rag: Any = Field(description="An opened `kvrag.KVRag`.")
     retrieve: bool = Field(default=False, description="Fuse the chunks retrieved for the last user message.")
     k: int = Field(default=4, ge=0, description="Chunks retrieved when `retrieve` is True (0: none).")
-    mode: str | None = Field(default=None, description="A fusion mode; None: kvrag's default under its gate.")
-    ratio: float | None = Field(default=None, gt=0.0, le=1.0, description="The fusion mode's recompute ratio.")
+    mode: str | None = Field(default=None, description=MODE_HELP)
+    ratio: float | None = Field(default=None, gt=0.0, le=1.0, description=RATIO_HELP)
     max_new_tokens: int = Field(default=256, gt=0, description="Most tokens generated per call.")
     temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy decoding.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling's probability mass.")

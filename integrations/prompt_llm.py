@@ -3,7 +3,8 @@
 Both frameworks hand their LLM one string. `stream_prompt_answer` wraps it in the model's chat template
 when asked, answers it with kvrag's defaults (the gate included) or the settings given, and returns this
 call's own `kvrag.Answer`, so that concurrent calls never read each other's. `answer_metadata` is what
-LangChain's ``generation_info`` and LlamaIndex's ``additional_kwargs`` report of it.
+LangChain's ``generation_info`` and LlamaIndex's ``additional_kwargs`` report of it; `MODE_HELP` and
+`RATIO_HELP` describe their ``mode`` and ``ratio`` fields from the registry of fusion modes.
 """
 
 from __future__ import annotations
@@ -11,7 +12,13 @@ from __future__ import annotations
 from collections.abc import Generator, Mapping
 from typing import Any
 
+from kvrag.fusion import available_modes, selector_class
 from kvrag.query.locate import chat_prompt
+
+# the fields' descriptions, from the registry of fusion modes (as the command line's choices are)
+MODE_HELP = f"A fixed fusion mode ({', '.join(available_modes())}); None: kvrag's default under its gate."
+_RATIO_MODES = [m for m in available_modes() if selector_class(m).scales_with_ratio]
+RATIO_HELP = f"The recompute ratio of {' or '.join(_RATIO_MODES)}; None: the mode's default."
 
 # the per-call options a framework may pass through ``invoke(..., **kwargs)`` or ``complete(..., **kwargs)``
 CALL_OPTIONS = ("mode", "ratio", "gate", "max_new_tokens", "temperature", "top_p", "seed", "stop")

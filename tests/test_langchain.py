@@ -200,3 +200,17 @@ def test_a_concurrent_batch_gives_each_prompt_its_own_answer_and_metadata(rag):
         info = generation[0].generation_info
         assert generation[0].text == single.text and info["chunk_ids"] == single.generation_info["chunk_ids"]
         assert info["chunk_ids"] == [d.metadata["chunk_id"] for d in found][: len(info["chunk_ids"])]
+
+
+def test_the_mode_and_ratio_fields_describe_the_registered_modes():
+    from kvrag.fusion import available_modes, selector_class
+    from kvrag.integrations.langchain import ChatKVRag, KVCachedLLM
+    from kvrag.integrations.prompt_llm import MODE_HELP, RATIO_HELP
+
+    for model in (KVCachedLLM, ChatKVRag):
+        assert model.model_fields["mode"].description == MODE_HELP
+        assert model.model_fields["ratio"].description == RATIO_HELP
+    assert all(mode in MODE_HELP for mode in available_modes())
+    scaled = [m for m in available_modes() if selector_class(m).scales_with_ratio]
+    assert scaled and all(m in RATIO_HELP for m in scaled)
+    assert not any(m in RATIO_HELP for m in available_modes() if m not in scaled)

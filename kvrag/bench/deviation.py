@@ -4,7 +4,7 @@ For each question of a QA JSONL file, its passages' stored caches (one passage =
 compared with the K/V that a full prefill of the same fused prompt computes for those tokens. The
 first chunk is left out (it follows the prefix alone, so its cache is exact). A token's deviation
 at a layer is its squared K change plus its squared V change, each relative to the mean squared
-norm of that layer's full-prefill keys (values) — the scale `kvrag.fusion.fuse.kv_deviation` uses.
+norm of that layer's full-prefill keys (values) — the scale `kvrag.fusion.scores.kv_deviation` uses.
 Reported, summed over the questions:
 
 - **per layer**: K and V deviation energy relative to the full-prefill energy;

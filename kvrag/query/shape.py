@@ -83,7 +83,7 @@ def fusion_shape(chunk_tokens: Sequence[int], suffix_tokens: int, n_layers: int,
                  prefix_tokens: int = 0, half_cost_keys: float = math.inf, window: int | None = None
                  ) -> FusionShape:
     """The `FusionShape` of a prompt: every chunk after the first is stale, the first too unless its
-    cache is exact where the prompt places it (see `kvrag.fusion.fuse.FusionInput`).
+    cache is exact where the prompt places it (see `kvrag.fusion.FusionInput`).
     """
     stale = tuple(j > 0 or not first_exact for j in range(len(chunk_tokens)))
     return FusionShape(tuple(int(n) for n in chunk_tokens), stale, int(suffix_tokens), n_layers,

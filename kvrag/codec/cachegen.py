@@ -1,47 +1,15 @@
 """The ``cachegen`` codec: CacheGen-style KV compression with statistics fitted once per index.
 
-Per layer, separately for pre-RoPE K and for V, on the ``C = kv_heads * head_dim`` channels:
-
-1. *Anchor.* Tokens are coded against the per-channel mean fitted on the index's sample chunks (the
-   anchor shared by all chunks), not against the first token of their group of ~10 as in CacheGen:
-   once the mean is removed, channels correlate only ~0.3 with the next token and ~0.1 with the
-   ninth, so a delta has ~1.8× the variance of the value and the 8-bit anchors cost ~0.5
-   bits/element more.
-2. *Transform.* A KLT (PCA) basis per head, then a second KLT across heads over the ``m = 16``
-   strongest components of every head (pre-RoPE keys are nearly low-rank and heads correlate
-   mostly in their strong directions). On SmolLM2 this keeps most of a 192-channel KLT's gain
-   (ideal 2.49 bits/element at level 1, vs 2.29 for one 192-channel KLT and 2.59 per head alone)
-   while decoding costs ``2 * head_dim + 2 * (H*m)**2 / C`` flops per element instead of ``2 * C``.
-3. *Layer-wise quantisation.* One uniform step ``Δ = steps[level][kind][group] * rms(layer, kind)``
-   on every coded component; steps grow over three layer groups, early layers finer, as in CacheGen.
-   Both transforms are orthonormal, so every token's error is at most ``Δ/2 * sqrt(C)`` in L2 norm,
-   unless a coefficient exceeds ``32767 Δ`` (clamped, with a logged warning naming the layer).
-4. *Entropy coding.* Components are cut into segments by their ``sigma/Δ`` band; each (kind, band)
-   has one fitted distribution over codes ``-E..E`` plus an escape (escaped codes follow the blob
-   header as int16). ``k <= 4`` codes share one symbol of a product model over
-   ``(2E+2)**k <= 256`` tuples. Symbols are coded with kvrag's interleaved rANS coder
-   (`kvrag.codec.rans`: 32 lanes, 12-bit probabilities, 16-bit words), whose numba decoder writes
-   the dequantised codes straight into the matrices that two batched matmuls turn back into K/V.
-
-Measured on SmolLM2-135M (60 chunks of <= 256 tokens, fitted on 120 others, one core of a shared
-2-core EPYC): level 1 takes 2.61 bits/element (6.1× smaller than bf16, container included; format 1
-with constriction: 2.40 bits, decoded at 0.064 GB/s); ``mix_dims`` 8 / 24 give 2.65 / 2.57 bits at
-about the same speed. On MuSiQue passages of ~590 tokens level 1 decodes at 0.41–0.46 GB/s of bf16
-output into new tensors and ~0.6 GB/s into a reused buffer (`decode_layer_into`), one core. That
-time is about 25% the rANS kernel (~0.58 symbols per element), 55% the per-head matmul, the rest the
-cross-head matmul and glue.
-
-`decode_region` decodes a layer (or several) of many chunks together, side by side as fusion lays
-them out: on CUDA with the Triton rANS decoder (`kvrag.kernels.rans_decode`, one launch for every
-blob) and two batched matmuls for the region (`kvrag.codec.cachegen_region`).
-
-Levels 0–3 (higher = finer steps, larger blobs); `default_level` is 2. ``params()`` records the
-level, the blob format and the fitted state's id; a blob of another level, state or format raises
-ValueError on decode (the container turns it into `CorruptChunkError`). Decoding is thread-safe and
-releases the GIL in the entropy decoder (tables are built once per level under a lock).
-
-The blob format lives in `kvrag.codec.cachegen_format`, the per-level tables in
-`kvrag.codec.cachegen_tables`, the fitted statistics in `kvrag.codec.cachegen_state`.
+Contract: per layer, separately for pre-RoPE K and V, tokens are coded against a fitted per-channel mean,
+transformed by a per-head KLT and a cross-head KLT of the strongest components, quantised with one uniform step
+per layer group and kind, and entropy-coded with kvrag's interleaved rANS coder (`kvrag.codec.rans`). Both
+transforms are orthonormal, so every token's error is at most ``Δ/2 * sqrt(C)`` in L2 norm unless a coefficient
+is clamped (logged, naming the layer). Levels 0–3 (higher = finer, larger); `default_level` is 2. ``params()``
+records the level, blob format and fitted state's id; a blob of another level, state or format raises ValueError
+on decode (the container makes it a `CorruptChunkError`). Decoding is thread-safe and releases the GIL in the
+entropy decoder. `decode_region` decodes a region of many chunks at once (on CUDA with the Triton decoder).
+The blob format is in `kvrag.codec.cachegen_format`, the per-level tables in `kvrag.codec.cachegen_tables`,
+the fitted statistics in `kvrag.codec.cachegen_state`; docs/codecs.md gives the design and its measurements.
 """
 
 from __future__ import annotations

@@ -41,8 +41,11 @@ def test_parse_modes() -> None:
         parse_modes("full,blend@0.1")
     with pytest.raises(ValueError, match="takes no"):
         parse_modes("reuse@3")
+    with pytest.raises(ValueError, match="unknown mode"):
+        parse_modes("oracle@0.2", quality=True)  # a research selection, registered by its experiment only
+    _script("oracle_quality").register()
     oracle = parse_modes("oracle@0.2", quality=True)[1]
-    assert oracle.oracle and oracle.config.mode == "reuse" and oracle.config.ratio == 0.2
+    assert oracle.selector_for is not None and oracle.config.mode == "reuse" and oracle.config.ratio == 0.2
     with pytest.raises(ValueError, match="only `kvrag bench quality`"):
         parse_modes("full,oracle@0.2")
     # full@DTYPE is a second full prefill, never the reference; the plain full still comes first
@@ -189,6 +192,7 @@ def _qa_file(path: Path) -> Path:
 
 
 def test_bench_quality_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
+    _script("oracle_quality").register()  # oracle@R: the deviation oracle's selection, from benchmarks/experiments
     data = _qa_file(tmp_path / "q.jsonl")
     out = tmp_path / "out"
     rc = main(
@@ -288,7 +292,7 @@ def test_bench_codec_answer_effect_tiny(tmp_path: Path, tiny_model_dir: Path) ->
 
 
 def test_deviation_helpers_on_known_values() -> None:
-    from kvrag.bench.deviation import top_overlap, top_share
+    top_overlap, top_share = _script("deviation").top_overlap, _script("deviation").top_share
 
     dev = torch.tensor([8.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
     assert top_share(dev, 0.1) == pytest.approx(0.8)
@@ -303,8 +307,9 @@ def test_deviation_helpers_on_known_values() -> None:
 def test_bench_deviation_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
     data = _qa_file(tmp_path / "q.jsonl")
     out = tmp_path / "out"
-    rc = main(["bench", "deviation", "--data", str(data), "--model", str(tiny_model_dir), "--n", "2",
-               "--neutral-passages", "2", "--device", "cpu", "--out", str(out)])
+    deviation = _script("deviation").main
+    rc = deviation(["--data", str(data), "--model", str(tiny_model_dir), "--n", "2",
+                    "--neutral-passages", "2", "--device", "cpu", "--out", str(out)])
     assert rc == 0
     payload = json.loads((out / "deviation.json").read_text())
     assert {"command", "hardware", "versions", "date"} <= payload.keys()
@@ -328,14 +333,15 @@ def test_bench_deviation_tiny(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert len(places) == max(len(row["chunk_n"]) for row in payload["rows"]) >= 2
     assert sum(r * c for r, c in zip(places, counts)) / sum(counts) == pytest.approx(1.0, rel=1e-6)
     assert "## Position in the prompt" in (out / "deviation.md").read_text()
-    assert main(["bench", "deviation", "--data", str(data), "--model", str(tiny_model_dir), "--n", "3",
-                 "--neutral-passages", "1", "--out", str(out)]) == 2  # no passages left after 3 questions
+    with pytest.raises(ValueError, match="at least two passages|passages"):  # none left after 3 questions
+        deviation(["--data", str(data), "--model", str(tiny_model_dir), "--n", "3", "--neutral-passages", "1",
+                   "--out", str(out)])
 
 
 def test_oracle_picks_the_tokens_whose_stored_cache_deviates_most(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from kvrag.bench.deviation import oracle_positions
     from kvrag.bench.qa_data import build_index, load_questions
 
+    oracle_positions = _script("deviation").oracle_positions
     items = load_questions(_qa_file(tmp_path / "q.jsonl"), 1)
     args = argparse.Namespace(model=str(tiny_model_dir), device="cpu", max_chunk_tokens=2048)
     rag, _ = build_index(args, items, tmp_path / "idx")

@@ -203,9 +203,10 @@ def test_a_concurrent_batch_gives_each_prompt_its_own_answer_and_metadata(rag):
 
 
 def test_the_mode_and_ratio_fields_describe_the_registered_modes():
-    from kvrag.fusion import available_modes, selector_class
     from kvrag.integrations.langchain import ChatKVRag, KVCachedLLM
     from kvrag.integrations.prompt_llm import MODE_HELP, RATIO_HELP
+
+    from kvrag.fusion import available_modes, selector_class
 
     for model in (KVCachedLLM, ChatKVRag):
         assert model.model_fields["mode"].description == MODE_HELP

@@ -3,4 +3,4 @@ mounted as ``kvrag bench NAME``. Every speed figure is a ratio against ``full`` 
 run.
 """
 
-BENCHES = ("quality", "speed", "codec", "decode", "deviation", "build")
+BENCHES = ("quality", "speed", "codec", "decode", "build")

@@ -1,12 +1,12 @@
 """Helpers shared by the benchmarks: mode specs, hardware/version stamps, output files, plots.
 
 A mode spec is ``full``, ``prefix``, ``reuse``, ``cacheblend@RATIO``, ``probe@RATIO`` or
-``attnlink@K`` (leading tokens recomputed per chunk), and in the quality benchmark also
-``oracle@RATIO`` (the tokens whose stored K/V deviate most from a full prefill) and ``full@DTYPE``
-(full prefill with the model loaded in another dtype). Any mode but ``full`` may end in ``+adaptive``:
-the same mode planned by the loading controller (`FuseConfig.adaptive`). `parse_modes` turns a comma
-list into labelled `FuseConfig`s. Nothing here imports torch at module level, so mounting ``kvrag bench``
-stays cheap.
+``attnlink@K`` (leading tokens recomputed per chunk), and in the quality benchmark also ``full@DTYPE``
+(full prefill with the model loaded in another dtype) and the modes `register_question_mode` adds (a
+selection chosen per question, e.g. the deviation oracle of ``benchmarks/experiments``). Any mode but
+``full`` may end in ``+adaptive``: the same mode planned by the loading controller (`FuseConfig.adaptive`).
+`parse_modes` turns a comma list into labelled `FuseConfig`s. Nothing here imports torch at module level, so
+mounting ``kvrag bench`` stays cheap.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import math
 import os
 import platform
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,7 +35,9 @@ class ModeSpec:
 
     label: str
     config: FuseConfig
-    oracle: bool = False  # recompute the stale tokens a full prefill shows deviate most (quality bench only)
+    # a selection chosen per question outside the answer's timing: (rag, question item, config) -> Selector
+    # (quality bench only; `register_question_mode`)
+    selector_for: Callable[[Any, dict[str, Any], FuseConfig], Selector] | None = None
     dtype: str | None = None  # full prefill with the model loaded in this dtype instead (quality bench only)
     gate: bool = False  # answer under the correctness gate's default settings (``NAME+gate``, quality bench only)
 
@@ -46,6 +48,17 @@ class ModeSpec:
 
 
 PRECISIONS = ("bfloat16", "float16", "float32")
+# modes of the quality benchmark beyond the registered selectors: name -> (label, @value text) -> ModeSpec
+QUESTION_MODES: dict[str, Callable[[str, str], ModeSpec]] = {}
+
+
+def register_question_mode(name: str, make: Callable[[str, str], ModeSpec]) -> None:
+    """Let ``kvrag bench quality --modes`` take ``NAME@VALUE``: ``make(label, value)`` gives its `ModeSpec`, whose
+    ``selector_for`` chooses each question's tokens (research selections such as an oracle, kept out of kvrag).
+    """
+    if name in available_modes():
+        raise ValueError(f"{name!r} is a fusion mode already")
+    QUESTION_MODES[name] = make
 
 
 def parse_mode(text: str) -> ModeSpec:
@@ -59,7 +72,7 @@ def parse_mode(text: str) -> ModeSpec:
     body, plus, extra = text.strip().partition("+")
     if plus and extra == "gate":
         base = parse_mode(body)
-        if base.config.mode == "full" or base.oracle or base.dtype:
+        if base.config.mode == "full" or base.selector_for or base.dtype:
             raise ValueError(f"+gate checks a fused cache; {body!r} fuses none")
         return dataclasses.replace(base, label=text.strip(), gate=True)
     if plus and extra in ATTENTION_KERNELS:
@@ -71,15 +84,15 @@ def parse_mode(text: str) -> ModeSpec:
             raise ValueError(f"a mode takes only '+adaptive', '+gate' or an attention kernel "
                              f"({', '.join(ATTENTION_KERNELS)}) after it, got {text!r}")
         base = parse_mode(body)
-        if base.config.mode == "full" or base.oracle:
+        if base.config.mode == "full" or base.selector_for:
             raise ValueError(f"+adaptive plans loading from the store; {body!r} loads nothing")
         return dataclasses.replace(base, label=text.strip(),
                                    config=dataclasses.replace(base.config, adaptive=True))
     spec, _, option = body.partition("/")
     name, _, arg = spec.partition("@")
     label = text.strip()
-    if name == "oracle" and not option:
-        return ModeSpec(label, FuseConfig(mode="reuse", ratio=float(arg or 0.15)), oracle=True)
+    if name in QUESTION_MODES and not option:
+        return QUESTION_MODES[name](label, arg)
     if name == "full" and arg and not option:
         if arg not in PRECISIONS:
             raise ValueError(f"full@DTYPE takes one of {PRECISIONS}, got {text!r}")
@@ -110,12 +123,13 @@ def _field_value(selector: type[Selector], name: str, text: str) -> Any:
 
 def parse_modes(text: str, quality: bool = False) -> list[ModeSpec]:
     """Parse a comma list of mode specs; ``full`` is always included (first): every ratio needs it.
-    ``oracle@R`` and ``full@DTYPE`` are accepted only with ``quality`` (the quality benchmark, which
-    runs them).
+    ``full@DTYPE`` and the modes of `register_question_mode` are accepted only with ``quality`` (the quality
+    benchmark, which runs them).
     """
     specs = [parse_mode(t) for t in text.split(",") if t.strip()]
-    if not quality and any(s.oracle for s in specs):
-        raise ValueError("oracle@R needs a full prefill of real passages; only `kvrag bench quality` runs it")
+    per_question = [s.label for s in specs if s.selector_for is not None]
+    if not quality and per_question:
+        raise ValueError(f"{per_question[0]} chooses its tokens per question; only `kvrag bench quality` runs it")
     if not quality and any(s.dtype for s in specs):
         raise ValueError("full@DTYPE compares answers across precisions; only `kvrag bench quality` runs it")
     labels = [s.label for s in specs]

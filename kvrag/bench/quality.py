@@ -41,10 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, default=20, help="questions (the first N of the file)")
     parser.add_argument(
         "--modes", default=DEFAULT_MODES,
-        help="comma list: full, prefix, reuse, cacheblend@R, probe@R, attnlink@K, oracle@R (recompute the R of the "
-             "tokens whose stored K/V deviate most from a full prefill: the bound of a KV-deviation selector; its "
-             "TTFT leaves out that prefill), full@DTYPE (full prefill with the model loaded in bfloat16/float16/"
-             "float32: how far precision alone moves the answer, the floor under every agreement and ΔNLL)",
+        help="comma list: full, prefix, reuse, cacheblend@R, probe@R, attnlink@K, full@DTYPE (full prefill with "
+             "the model loaded in bfloat16/float16/float32: how far precision alone moves the answer, the floor "
+             "under every agreement and ΔNLL)",
     )
     common.add_schedule_flags(parser)
     parser.add_argument("--max-new-tokens", type=int, default=24)
@@ -89,11 +88,8 @@ def answer_row(
 
     cfg = spec.config
     selector = None
-    if spec.oracle:  # chosen from a full prefill, outside the answer's timing
-        from kvrag.bench.deviation import oracle_positions
-        from kvrag.fusion import FixedSelector
-
-        selector = FixedSelector(oracle_positions(rag, item, cfg.ratio))
+    if spec.selector_for is not None:  # chosen per question, outside the answer's timing
+        selector = spec.selector_for(rag, item, cfg)
     fused = rag.prepare(item["question"], chunks=keys, fuse_config=cfg, selector=selector, gate=spec.gate)
     ans = fused.generate(GenerateConfig(max_new_tokens=max_new_tokens))
     gate = ans.gate.to_json() if ans.gate is not None else None

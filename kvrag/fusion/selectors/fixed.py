@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 class FixedSelector(Selector):
     """Recompute given positions of the fused prompt (with the forced ones) through every layer.
 
-    For selections made outside fusion: e.g. the benchmark's deviation oracle, which ranks the stale
+    For selections made outside fusion: e.g. the deviation oracle of benchmarks/experiments, which ranks the stale
     tokens by how far their stored K/V are from a full prefill's.
 
     Args:

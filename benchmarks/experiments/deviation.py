@@ -1,4 +1,4 @@
-"""Where stored chunk caches deviate from a full prefill: by layer, by token, by position in a chunk.
+"""Experiment: where stored chunk caches deviate from a full prefill: by layer, by token, by position in a chunk.
 
 For each question of a QA JSONL file, its passages' stored caches (one passage = one chunk) are
 compared with the K/V that a full prefill of the same fused prompt computes for those tokens. The
@@ -21,7 +21,10 @@ Reported, summed over the questions:
 - with ``--neutral-passages K``: the same per-layer energies for chunk caches computed after the
   prefix plus K passages of other questions (whether a generic context at KV generation helps).
 
-Outputs in ``--out``: ``deviation.json``, ``deviation.md`` and ``deviation_layers.png``.
+Outputs in ``--out``: ``deviation.json``, ``deviation.md`` and ``deviation_layers.png``. `oracle_positions` is the
+selection of ``oracle_quality.py``.
+
+    python benchmarks/experiments/deviation.py --data QA.jsonl --model smollm2 --n 20 --out bench-out/deviation
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -314,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
                "neutral_passages": args.neutral_passages, "neutral_tokens": neutral_tokens,
                "summary": summary, "rows": rows}
     common.write_json(out / "deviation.json", payload)
-    header = (f"# kvrag bench deviation\n\n`{payload['command']}`\n\n{len(rows)} questions from "
+    header = (f"# deviation of stored caches\n\n`{payload['command']}`\n\n{len(rows)} questions from "
               f"`{Path(args.data).name}`, model `{args.model}`, {sum(r['tokens'] for r in rows)} chunk tokens "
               f"compared (chunks after the first)"
               + (f"; neutral context: {neutral_tokens} tokens" if args.neutral_passages else "") + ".")
@@ -323,3 +327,14 @@ def run(args: argparse.Namespace) -> int:
     layer_plot(summary, out / "deviation_layers.png", f"{Path(args.data).name}, {len(rows)} q, {args.model}")
     print(text)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    sys.exit(main())

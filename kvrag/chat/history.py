@@ -25,7 +25,8 @@ import torch
 
 from kvrag.errors import InputError
 from kvrag.indexing.kvgen import PrefixCache
-from kvrag.model import LoadedModel, apply_rope, hf_compat, rope_at, unapply_rope
+from kvrag.model import LoadedModel, hf_compat
+from kvrag.model.rope import layer_ropes, rotate_layers
 
 
 @dataclass
@@ -134,8 +135,7 @@ def truncated(lm: LoadedModel, history: HistoryKV, keep_from: int) -> HistoryKV:
     keys = history.keys[:, :, rows]
     if not torch.equal(rows, new_pos):
         like = keys[:1, :1]
-        old_cos, old_sin = rope_at(lm.model, rows, like)
-        new_cos, new_sin = rope_at(lm.model, new_pos, like)
-        keys = apply_rope(unapply_rope(keys, old_cos, old_sin), new_cos, new_sin)
+        old = layer_ropes(lm.model, lm.family, rows, like)  # each layer's own rotary embedding
+        keys = rotate_layers(rotate_layers(keys, old, inverse=True), layer_ropes(lm.model, lm.family, new_pos, like))
     ids = [history.ids[r] for r in rows.tolist()]
     return HistoryKV(ids, [history.spans[i] for i in keep], keys.contiguous(), history.values[:, :, rows].contiguous())

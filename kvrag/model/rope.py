@@ -82,7 +82,7 @@ def rotate_layers(keys: torch.Tensor, ropes: list[Rope], inverse: bool = False) 
 def _check_rope_is_pointwise(model: Any, family: Family, device: torch.device) -> None:
     """cos/sin at a position must not depend on the other positions in the same call."""
     probe = torch.zeros(1, 1, device=device)
-    far = torch.cat([torch.arange(8), torch.tensor([4 * model.config.max_position_embeddings])]).to(device)
+    far = torch.cat([torch.arange(8), torch.tensor([family.far_position()])]).to(device)
     for key in {kind.rope for kind in family.kinds}:
         alone = family.rope(model, key, probe, torch.arange(8, device=device)[None])[0]
         mixed = family.rope(model, key, probe, far[None])[0][:, :8]

@@ -90,6 +90,12 @@ class Family:
                     f"this model runs {running!r}")
         return None
 
+    def far_position(self) -> int:
+        """A position past the model's context: a rotary embedding whose values at the first positions change
+        when a call also holds this one rescales with the sequence length (`kvrag.model.rope.check_rope`).
+        """
+        return 4 * int(self.config.max_position_embeddings)
+
     def eager_reason(self) -> str:
         return "SDPA does not run its attention"
 

@@ -28,3 +28,9 @@ class Phi3Family(Family):
         parts = qkv.split([q_size, kv_size, kv_size], dim=-1)
         queries, keys, values = (p.reshape(1, h.shape[1], -1, d).transpose(1, 2) for p in parts)
         return hf_compat.apply_rope(queries, *rope), hf_compat.apply_rope(keys, *rope), values
+
+    def far_position(self) -> int:
+        # longrope switches to its long factors past its original context, which `refusal` keeps the model within
+        if hf_compat.rope_parameters(self.config).get("rope_type") == "longrope":
+            return int(self.config.max_position_embeddings) - 1
+        return super().far_position()

@@ -85,7 +85,7 @@ def extend(lm: LoadedModel, history: HistoryKV | None, pieces: Sequence[tuple[in
     device = lm.device
     ids = torch.tensor(new_ids, dtype=torch.long, device=device)[None]
     positions = torch.arange(start, start + len(new_ids), device=device)[None]
-    past = None
+    past = hf_compat.full_cache()
     if history is not None:
         past = hf_compat.dynamic_cache([(history.keys[i][None].to(device), history.values[i][None].to(device))
                                         for i in range(history.keys.shape[0])])

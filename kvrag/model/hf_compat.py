@@ -115,10 +115,18 @@ def dynamic_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
     return cache
 
 
+def full_cache() -> DynamicCache:
+    """An empty cache that keeps every row of every layer: given none, a model with windowed layers makes one that
+    keeps only their last window.
+    """
+    return dynamic_cache([])
+
+
 def first_layer_keys(model: Any, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Rotated layer-0 keys ``[1, H, S, D]`` of ``ids`` placed at ``positions``."""
     with torch.no_grad():
-        out = base_model(model)(input_ids=ids, position_ids=positions, use_cache=True)
+        base = base_model(model)
+        out = base(input_ids=ids, position_ids=positions, **with_cache(base, full_cache()), use_cache=True)
     return cache_layers(returned_cache(out))[0][0]
 
 

@@ -206,3 +206,14 @@ def test_what_cannot_be_exact_is_refused_in_one_line(change):
 def test_the_tiny_models_load_with_the_attention_their_family_needs():
     assert tiny_model("gemma2").config._attn_implementation == "eager"
     assert tiny_model("smollm3").config._attn_implementation == "sdpa"
+
+
+def test_contributings_worked_family_is_granites_module():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    guide = (root / "CONTRIBUTING.md").read_text()
+    section = guide[guide.index("## Adding a model family"):]
+    shown = section[section.index("```python\n") + len("```python\n"):section.index("```\n\nImport")]
+    module = (root / "kvrag" / "model" / "families" / "granite.py").read_text()
+    assert shown == module[module.index("from __future__"):]

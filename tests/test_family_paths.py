@@ -1,13 +1,16 @@
 """The whole path on a tiny model of every family: build an index (the default codec fitted on its layers), answer
-under the default gate, score a continuation as transformers does, hold a conversation's turn."""
+under the default gate, score a continuation as transformers does, hold a conversation's turn, serve a chat
+completion."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from conftest import FAMILIES, save_tiny_model
+from test_serve import serving
 
 from kvrag import GateConfig, KVRag, SplitConfig
 from kvrag.query.pipeline import prompt_ids
@@ -50,5 +53,10 @@ def test_build_answer_score_and_chat_on_every_family(arch: str, tmp_path: Path):
         assert abs(prepared.nll(TARGET) - reference) <= 1e-4
         turn = rag.chat([{"role": "user", "content": Q}], k=2, max_new_tokens=3)
         assert turn.token_ids and turn.history is not None
+        with serving(rag, model_name="kvrag-tiny", k=2) as url:
+            body = {"model": "kvrag-tiny", "messages": [{"role": "user", "content": Q}], "max_tokens": 3}
+            served = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        assert served.status_code == 200, served.text
+        assert served.json()["usage"]["completion_tokens"] > 0
     finally:
         rag.close()

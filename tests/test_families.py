@@ -177,8 +177,17 @@ def _phi3_longrope(max_positions: int):
 
 
 def test_longrope_is_fused_within_its_original_context_and_refused_past_it():
+    from kvrag.indexing.kvgen import chunk_caches, prefix_cache
+
     lm = wrap_model(_phi3_longrope(256), None)
-    assert lm.family.name == "phi3"
+    gen = torch.Generator().manual_seed(0)
+    prefix = prefix_cache(lm, torch.randint(3, lm.spec.vocab_size, (6,), generator=gen).tolist())
+    chunks = [torch.randint(3, lm.spec.vocab_size, (n,), generator=gen) for n in (23, 17)]
+    kv = dict(chunk_caches(lm, prefix, [c.tolist() for c in chunks]))
+    suffix = torch.randint(3, lm.spec.vocab_size, (7,), generator=gen)
+    result = fuse(lm, FusionInput(prefix, chunks, [kv[0], kv[1]], suffix), FuseConfig(mode="cacheblend", ratio=1.0))
+    ids = torch.cat([prefix.ids, *chunks, suffix])
+    assert (result.logits - _reference_logits(lm, ids)).abs().max().item() <= TOLERANCE
     with pytest.raises(UnsupportedModelError, match="longrope.*max_position_embeddings=256") as refused:
         wrap_model(_phi3_longrope(4096), None)
     assert "\n" not in str(refused.value)

@@ -1,6 +1,6 @@
 """The whole path on a tiny model of every family: build an index (the default codec fitted on its layers), answer
 under the default gate, score a continuation as transformers does, hold a conversation's turn, serve a chat
-completion."""
+completion, answer a LangChain chain's flat prompt."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ DOCS = [
 ]
 Q = "Who commands beta station?"
 TARGET = [5, 6, 7, 8]
+TEMPLATE = "Context:\n{context}Answer the question with a short answer of a few words.\nQuestion: {question}"
 
 
 def _transformers_nll(rag: KVRag, chunks, question: str, target: list[int]) -> float:
@@ -58,5 +59,22 @@ def test_build_answer_score_and_chat_on_every_family(arch: str, tmp_path: Path):
             served = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
         assert served.status_code == 200, served.text
         assert served.json()["usage"]["completion_tokens"] > 0
+        _langchain_chain_reads_the_stored_caches(rag)
     finally:
         rag.close()
+
+
+def _langchain_chain_reads_the_stored_caches(rag: KVRag) -> None:
+    """A stuff chain's flat prompt: its passages are found and read, and its answer is the full prefill's."""
+    pytest.importorskip("langchain_core")
+    from kvrag.integrations.langchain import KVCachedLLM, KVRetriever, format_docs
+    from langchain_core.prompts import PromptTemplate
+    from langchain_core.runnables import RunnablePassthrough
+
+    def chain(llm: KVCachedLLM):
+        return ({"context": KVRetriever(rag=rag, k=2) | format_docs, "question": RunnablePassthrough()}
+                | PromptTemplate.from_template(TEMPLATE) | llm)
+
+    default, full = KVCachedLLM(rag=rag, max_new_tokens=3), KVCachedLLM(rag=rag, mode="full", max_new_tokens=3)
+    assert chain(default).invoke(Q) == chain(full).invoke(Q)
+    assert len(default.last_answer.chunks) == 2 and default.last_answer.gate is not None

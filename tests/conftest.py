@@ -38,18 +38,58 @@ def tiny_config(arch: str):
         return tf.MistralConfig(vocab_size=vocab, sliding_window=4096, **_COMMON)
     if arch == "qwen3":
         return tf.Qwen3Config(vocab_size=vocab, head_dim=16, **_COMMON)
-    raise ValueError(arch)
+    return family_config(arch, vocab)
 
 
 ARCHS = ("llama", "llama3", "qwen2", "mistral", "qwen3")
+# the other families kvrag supports, each tiny, with the settings that make it differ from Llama switched on
+# (windows of 16 tokens, strong multipliers and caps, partial rotary, NoPE layers, experts)
+FAMILIES = ("granite", "olmo2", "phi3", "smollm3", "qwen3_moe", "mixtral", "gemma2", "gemma3", "gpt_oss")
+_ALTERNATING = ["sliding_attention", "full_attention"] * 2
+
+
+def family_config(arch: str, vocab: int):
+    """A tiny config of one of `FAMILIES`."""
+    import transformers as tf
+
+    common = dict(_COMMON, vocab_size=vocab)
+    if arch == "granite":
+        return tf.GraniteConfig(embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.22,
+                                attention_multiplier=0.015625, **common)
+    if arch == "olmo2":
+        return tf.Olmo2Config(**common)
+    if arch == "phi3":
+        return tf.Phi3Config(partial_rotary_factor=0.5, pad_token_id=0, **common)
+    if arch == "smollm3":
+        return tf.SmolLM3Config(no_rope_layers=[1, 1, 0, 1], pad_token_id=0, **common)
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                 **common)
+    if arch == "mixtral":
+        return tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
+    if arch == "gemma2":
+        return tf.Gemma2Config(head_dim=16, query_pre_attn_scalar=16, sliding_window=16, layer_types=_ALTERNATING,
+                               attn_logit_softcapping=2.0, final_logit_softcapping=5.0, pad_token_id=0, **common)
+    if arch == "gemma3":
+        return tf.Gemma3TextConfig(head_dim=16, query_pre_attn_scalar=16, sliding_window=16,
+                                   layer_types=_ALTERNATING, pad_token_id=0, **common)
+    if arch == "gpt_oss":
+        rope = {"rope_type": "yarn", "factor": 16.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 256, "rope_theta": 150000.0}
+        return tf.GptOssConfig(head_dim=16, sliding_window=16, layer_types=_ALTERNATING, num_local_experts=4,
+                               num_experts_per_tok=2, rope_parameters=rope, pad_token_id=0, **common)
+    raise ValueError(arch)
 
 
 def tiny_model(arch: str, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
+    from kvrag.model.families import family_of
+
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32,
-                                             attn_implementation="sdpa")
+    config = tiny_config(arch)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                             attn_implementation=family_of(config).attn_implementation())
     return model.eval()
 
 

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from kvrag.errors import InputError
-from kvrag.model import LoadedModel, apply_rope, hf_compat, rope_at, unapply_rope
+from kvrag.model import LoadedModel, hf_compat
 from kvrag.model.prefix import PrefixCache
+from kvrag.model.rope import layer_ropes, rotate_layers
 
 
 @dataclass
@@ -84,7 +85,7 @@ def extend(lm: LoadedModel, history: HistoryKV | None, pieces: Sequence[tuple[in
     device = lm.device
     ids = torch.tensor(new_ids, dtype=torch.long, device=device)[None]
     positions = torch.arange(start, start + len(new_ids), device=device)[None]
-    past = None
+    past = hf_compat.full_cache()
     if history is not None:
         past = hf_compat.dynamic_cache([(history.keys[i][None].to(device), history.values[i][None].to(device))
                                         for i in range(history.keys.shape[0])])
@@ -134,8 +135,7 @@ def truncated(lm: LoadedModel, history: HistoryKV, keep_from: int) -> HistoryKV:
     keys = history.keys[:, :, rows]
     if not torch.equal(rows, new_pos):
         like = keys[:1, :1]
-        old_cos, old_sin = rope_at(lm.model, rows, like)
-        new_cos, new_sin = rope_at(lm.model, new_pos, like)
-        keys = apply_rope(unapply_rope(keys, old_cos, old_sin), new_cos, new_sin)
+        old = layer_ropes(lm.model, lm.family, rows, like)  # each layer's own rotary embedding
+        keys = rotate_layers(rotate_layers(keys, old, inverse=True), layer_ropes(lm.model, lm.family, new_pos, like))
     ids = [history.ids[r] for r in rows.tolist()]
     return HistoryKV(ids, [history.spans[i] for i in keep], keys.contiguous(), history.values[:, :, rows].contiguous())

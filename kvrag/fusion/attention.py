@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from kvrag.fusion import reading_attention, scatter_attention, tiled_attention
-from kvrag.model import LoadedModel, hf_compat
+from kvrag.model import LoadedModel
+from kvrag.model.families import DEFAULT_ROPE
 
 ATTENTION_BLOCKS = 4  # selected tokens run through a layer in up to this many position-ordered blocks
 MIN_BLOCK_TOKENS = 64  # on the CPU a block pays for itself from a few dozen tokens
@@ -61,7 +62,8 @@ def causal_lower_right(n: int, total: int) -> Any:
 
 
 def layer_blocks(lm: LoadedModel, sel: torch.Tensor, total: int, dtype: torch.dtype, window: int | None,
-                 causal_ok: bool, flex_from: int | None = None, tiled: bool = False) -> list[Block]:
+                 causal_ok: bool, flex_from: int | None = None, tiled: bool = False,
+                 rope: str | None = DEFAULT_ROPE) -> list[Block]:
     """How the selected tokens run through each layer.
 
     Every position selected and a kernel that masks causally by itself (``causal_ok``): one block,
@@ -74,14 +76,14 @@ def layer_blocks(lm: LoadedModel, sel: torch.Tensor, total: int, dtype: torch.dt
     matrix product each. Otherwise (a kernel that needs a dense mask) it is cut into position-ordered blocks run in
     order; a block attends only to the positions up to its last token, so the attention reads about
     half the keys it would with one block over all of them. Exact: a block sees the fresh
-    rows written by the blocks before it, and no row after it. Each block's rotary embeddings are
-    computed here, once per pass.
+    rows written by the blocks before it, and no row after it. Each block's rotary embeddings (the model's
+    embedding ``rope``, `kvrag.model.families.LayerKind`) are computed here, once per pass.
     """
     n = int(sel.numel())
     like = torch.empty(0, dtype=dtype, device=sel.device)  # the dtype and device of the embeddings
 
     def block(part: slice, limit: int, mask: torch.Tensor | None) -> Block:
-        return part, limit, mask, hf_compat.position_embeddings(lm.model, like, sel[part])
+        return part, limit, mask, lm.family.rope(lm.model, rope, like, sel[part][None])
 
     causal_ok = causal_ok and (window is None or total <= window)  # the window masks nothing here
     if causal_ok and n == total:

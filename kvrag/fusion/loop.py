@@ -23,7 +23,9 @@ from kvrag.fusion.inputs import FusionInput, FusionResult, Segments, segments
 from kvrag.fusion.scores import question_attention, token_scores
 from kvrag.fusion.selectors import Selector, make_selector
 from kvrag.loading.feed import ChunkFeed
-from kvrag.model import LoadedModel, hf_compat, plain_layer, rope_at
+from kvrag.model import LoadedModel, hf_compat, plain_layer
+from kvrag.model.families import LayerKind
+from kvrag.model.rope import Rope, layer_ropes
 
 
 def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig, selector: Selector | None = None) -> FusionResult:
@@ -61,19 +63,19 @@ def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig, selector: Select
             placing = None
             if feed is not None:
                 positions = torch.arange(seg.prefix_len, seg.suffix_start, device=device)
-                placing = (feed, *rope_at(lm.model, positions, layers[0][0]))
+                placing = (feed, layer_ropes(lm.model, lm.family, positions, layers[0][0]))
             probe_counts: list[int] = []
             probe_logits = None
             probe_from = selector.probe_from(seg, lm.spec.n_layers)
             if probe_from is not None:
                 attention = torch.zeros(seg.total, dtype=torch.float32, device=device)  # [N]
                 probe_hidden, _, probe_counts = loop.run(sel, placing, attention, probe_from)
-                probe_logits = hf_compat.final_logits(lm.model, probe_hidden[:, -1:])[0, -1]
+                probe_logits = lm.family.logits(lm.model, probe_hidden[:, -1:])[0, -1]
                 sel, placing = selector.choose(attention.cpu(), seg).nonzero().squeeze(1).to(device), None
             hidden, sel, n_selected = loop.run(sel, placing)
             if probe_counts:
                 n_selected = [a + b for a, b in zip(probe_counts, n_selected)]
-            logits = hf_compat.final_logits(lm.model, hidden[:, -1:])[0, -1]
+            logits = lm.family.logits(lm.model, hidden[:, -1:])[0, -1]
     finally:
         plain_layer.forget_rotations()
         if feed is not None:
@@ -95,45 +97,49 @@ def run_layer(lm: LoadedModel, layer_idx: int, hidden: torch.Tensor, sel: torch.
 
 
 class _LayerLoop:
-    """One pass of the selected tokens through every decoder layer, writing their rows into the cache."""
+    """One pass of the selected tokens through every decoder layer, writing their rows into the cache.
+
+    Layers of one `LayerKind` (window and rotary embedding, from the model's family) share their blocks.
+    """
 
     def __init__(self, lm: LoadedModel, ids: torch.Tensor, seg: Segments, cache: hf_compat.ScatterCache,
                  selector: Selector, score: str, flex_from: int | None = None, tiled: bool = False) -> None:
         self.lm, self.ids, self.seg, self.cache = lm, ids, seg, cache
         self.selector, self.score, self.flex_from, self.tiled = selector, score, flex_from, tiled
-        self.window, self.causal_ok = lm.spec.sliding_window, attn.causal_kernel(lm)
+        self.kinds, self.causal_ok = lm.family.kinds, attn.causal_kernel(lm)
 
-    def blocks(self, sel: torch.Tensor, dtype: torch.dtype) -> list[attn.Block]:
-        """`attn.layer_blocks` for ``sel`` under this loop's model, window and kernel."""
-        return attn.layer_blocks(self.lm, sel, self.seg.total, dtype, self.window, self.causal_ok, self.flex_from,
-                                 self.tiled)
+    def blocks(self, sel: torch.Tensor, dtype: torch.dtype) -> dict[LayerKind, list[attn.Block]]:
+        """`attn.layer_blocks` for ``sel`` under this loop's model and kernel, per kind of layer."""
+        return {kind: attn.layer_blocks(self.lm, sel, self.seg.total, dtype, kind.window, self.causal_ok,
+                                        self.flex_from, self.tiled, kind.rope) for kind in dict.fromkeys(self.kinds)}
 
     def run(
-        self, sel: torch.Tensor, placing: tuple[ChunkFeed, torch.Tensor, torch.Tensor] | None,
+        self, sel: torch.Tensor, placing: tuple[ChunkFeed, list[Rope]] | None,
         attention: torch.Tensor | None = None, attention_from: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Run ``sel`` (sorted positions) through all layers; the last hidden states, the final
         selection and the per-layer counts.
 
-        ``placing`` (feed, cos, sin) writes each stored layer into the cache before it runs.
+        ``placing`` (feed, each layer's (cos, sin)) writes each stored layer into the cache before it runs.
         ``attention`` ``[N]`` accumulates the suffix's attention over all positions at the layers
         from ``attention_from`` up.
         """
         lm, seg, selector = self.lm, self.seg, self.selector
-        hidden = hf_compat.embed_tokens(lm.model, self.ids[sel])[None]  # [1, n_sel, hidden]
+        hidden = lm.family.embed(lm.model, self.ids[sel])[None]  # [1, n_sel, hidden]
         blocks = self.blocks(sel, hidden.dtype)
         n_suffix = seg.total - seg.suffix_start
         if attention is not None:  # the question's rotary embeddings, for its queries at every layer
-            q_rope = hf_compat.position_embeddings(lm.model, hidden, sel[-n_suffix:])
+            q_ropes = {kind.rope: lm.family.rope(lm.model, kind.rope, hidden, sel[-n_suffix:][None])
+                       for kind in self.kinds}
         reading = self.reading(blocks, sel, n_suffix, attention)
         n_selected = []
         for layer_idx in range(lm.spec.n_layers):
-            scatter = self.cache.layer(layer_idx)
+            scatter, kind = self.cache.layer(layer_idx), self.kinds[layer_idx]
             if placing is not None:
-                feed, cos, sin = placing
-                placement.place_layer(scatter, feed.layer(layer_idx), seg, cos, sin)
+                feed, ropes = placing
+                placement.place_layer(scatter, feed.layer(layer_idx), seg, *ropes[layer_idx])
             if selector.checks(layer_idx):
-                keep = self.narrow(layer_idx, sel, hidden, scatter, attn.rope_of(blocks))
+                keep = self.narrow(layer_idx, sel, hidden, scatter, attn.rope_of(blocks[kind]))
                 if keep is not None:
                     sel, hidden = sel[keep], hidden[:, keep]
                     blocks = self.blocks(sel, hidden.dtype)
@@ -141,19 +147,23 @@ class _LayerLoop:
             n_selected.append(int(sel.numel()))
             hidden_in = hidden
             reads = attention is not None and layer_idx >= attention_from
-            hidden = run_layer(lm, layer_idx, hidden, sel, reading if reads and reading else blocks, self.cache)
-            if reads and not reading:
+            read = reading.get(kind) if reads else None
+            hidden = run_layer(lm, layer_idx, hidden, sel, read or blocks[kind], self.cache)
+            if reads and not read:
                 assert attention is not None
                 attention += question_attention(lm, layer_idx, hidden_in[:, -n_suffix:], sel[-n_suffix:],
-                                                q_rope, None, scatter)
+                                                q_ropes[kind.rope], None, scatter)
         return hidden, sel, n_selected
 
-    def reading(self, blocks: list[attn.Block], sel: torch.Tensor, readers: int,
-                attention: torch.Tensor | None) -> list[attn.Block] | None:
-        """`attn.reading_blocks` for this pass (None without an ``attention`` to accumulate, or without tiles)."""
+    def reading(self, blocks: dict[LayerKind, list[attn.Block]], sel: torch.Tensor, readers: int,
+                attention: torch.Tensor | None) -> dict[LayerKind, list[attn.Block] | None]:
+        """`attn.reading_blocks` for this pass per kind of layer (none without an ``attention`` to accumulate,
+        or without tiles).
+        """
         if attention is None or not self.tiled:
-            return None
-        return attn.reading_blocks(self.lm, blocks, sel, self.window, self.causal_ok, readers, attention)
+            return {}
+        return {kind: attn.reading_blocks(self.lm, kind_blocks, sel, kind.window, self.causal_ok, readers, attention)
+                for kind, kind_blocks in blocks.items()}
 
     def narrow(self, layer_idx: int, sel: torch.Tensor, hidden_in: torch.Tensor,
                scatter: hf_compat.ScatterLayer, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
@@ -168,7 +178,7 @@ class _LayerLoop:
         """
         keys, values, _ = scatter.full()
         stored = keys[:, :, sel], values[:, :, sel]
-        fresh = hf_compat.layer_keys_values(self.lm.model, layer_idx, hidden_in, rope)
+        fresh = self.lm.family.keys_values(self.lm.model, layer_idx, hidden_in, rope)
         keys[:, :, sel] = fresh[0].to(keys.dtype)
         values[:, :, sel] = fresh[1].to(values.dtype)
         score = token_scores(self.lm, self.score, layer_idx, hidden_in, sel, scatter, self.seg, stored, fresh, rope)

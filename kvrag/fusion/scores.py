@@ -70,14 +70,16 @@ def question_attention(
     the norm of that key's value row in the head: the size of what the key adds to the head's output.
 
     Each query's softmax runs over the keys it may see among ``key_pos`` (causal, and within the
-    model's sliding window if it has one). The products run in the model's dtype (accumulated in
-    float32 by the matrix kernels), the softmax in float32.
+    layer's sliding window if it has one). The products run in the model's dtype (accumulated in
+    float32 by the matrix kernels), the softmax in float32. It ranks tokens: the plain ``1/sqrt(D)`` scale,
+    without a family's own scale, soft-cap or attention sinks.
     """
-    q = hf_compat.layer_queries(lm.model, layer_idx, hidden_q, q_rope)  # [1, H_q, n_q, D]
+    q = lm.family.queries(lm.model, layer_idx, hidden_q, q_rope)  # [1, H_q, n_q, D]
     keys, values, _ = layer.full()
     if key_pos is not None:
         keys = keys[:, :, key_pos]  # [1, H_kv, n_keys, D]
-    weights = causal_weights(q, keys, q_pos, key_pos, 1 / math.sqrt(q.shape[-1]), lm.spec.sliding_window)
+    window = lm.family.kinds[layer_idx].window
+    weights = causal_weights(q, keys, q_pos, key_pos, 1 / math.sqrt(q.shape[-1]), window)
     if weigh_values:
         chosen = values if key_pos is None else values[:, :, key_pos]
         weights = weights * chosen.float().norm(dim=-1)[:, :, None, None]

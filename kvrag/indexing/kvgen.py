@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from kvrag.model import LoadedModel, apply_rope, hf_compat, rope_at, unapply_rope
+from kvrag.model import LoadedModel, hf_compat
 from kvrag.model.prefix import KV, PrefixCache, prefix_cache  # noqa: F401  (re-exported)
+from kvrag.model.rope import layer_ropes, rotate_layers
 from kvrag.storage.keys import chunk_key, lead_key  # noqa: F401  (re-exported)
 
 
@@ -73,11 +74,11 @@ def _prefill_batch(lm: LoadedModel, prefix: PrefixCache, chunks: list[list[int]]
     layers = hf_compat.cache_layers(hf_compat.returned_cache(out))
     keys = torch.stack([k[:, :, p:] for k, _ in layers], dim=1)  # [B, L, H, n_max, D]
     values = torch.stack([v[:, :, p:] for _, v in layers], dim=1)
-    cos, sin = rope_at(lm.model, positions, keys)
     results = []
     for row, chunk in enumerate(chunks):
         n = len(chunk)
-        k_pre = unapply_rope(keys[row, :, :, :n], cos[:, :n], sin[:, :n])  # [L, H, n, D]
+        ropes = layer_ropes(lm.model, lm.family, positions[:n], keys)  # each layer's own rotary embedding
+        k_pre = rotate_layers(keys[row, :, :, :n], ropes, inverse=True)  # [L, H, n, D]
         results.append((k_pre.contiguous(), values[row, :, :, :n].contiguous()))
     return results
 
@@ -127,8 +128,8 @@ def placed_prefix(lm: LoadedModel, prefix: PrefixCache, context: Sequence[tuple[
         n = len(tokens)
         if k.shape[2] != n or v.shape[2] != n:
             raise ValueError(f"a context cache holds {k.shape[2]} tokens, its ids {n}")
-        cos, sin = rope_at(lm.model, torch.arange(pos, pos + n, device=like.device), like)
-        rotated = apply_rope(k.to(like.device, like.dtype), cos, sin)  # every layer at once: [L, H, n, D]
+        ropes = layer_ropes(lm.model, lm.family, torch.arange(pos, pos + n, device=like.device), like)
+        rotated = rotate_layers(k.to(like.device, like.dtype), ropes)  # [L, H, n, D]
         for layer in range(len(keys)):
             keys[layer].append(rotated[layer][None])
             values[layer].append(v[layer][None].to(like.device, like.dtype))

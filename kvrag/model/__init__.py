@@ -1,7 +1,8 @@
-"""The model stage: loading a Hugging Face, local or GGUF model, its fingerprint, and RoPE helpers.
+"""The model stage: loading a Hugging Face, local or GGUF model, its fingerprint, its family, and RoPE helpers.
 
-Everything that depends on transformers internals lives in `kvrag.model.hf_compat`; the rest of kvrag
-reaches the model through `LoadedModel` and the helpers re-exported here.
+What depends on transformers internals lives in `kvrag.model.hf_compat` and in the families
+(`kvrag.model.families`, one module per architecture, found by ``model_type``); the rest of kvrag reaches the
+model through `LoadedModel` (``LoadedModel.family``) and the helpers re-exported here.
 """
 
 from kvrag.model.loading import (

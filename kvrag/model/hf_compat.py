@@ -1,5 +1,6 @@
-"""Every call into version-sensitive transformers internals lives here, and in `kvrag.model.plain_layer`, which
-runs Llama-family decoder layers from their parts (`run_decoder_layer` chooses it).
+"""Every call into version-sensitive transformers internals lives here, in `kvrag.model.plain_layer`, which
+runs Llama-family decoder layers from their parts (`run_decoder_layer` chooses it), and in the families
+(`kvrag.model.families`), which say what differs from a Llama in each architecture.
 
 Layout: ``[batch, kv_heads, seq, head_dim]``.
 """
@@ -114,10 +115,18 @@ def dynamic_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
     return cache
 
 
+def full_cache() -> DynamicCache:
+    """An empty cache that keeps every row of every layer: given none, a model with windowed layers makes one that
+    keeps only their last window.
+    """
+    return dynamic_cache([])
+
+
 def first_layer_keys(model: Any, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Rotated layer-0 keys ``[1, H, S, D]`` of ``ids`` placed at ``positions``."""
     with torch.no_grad():
-        out = base_model(model)(input_ids=ids, position_ids=positions, use_cache=True)
+        base = base_model(model)
+        out = base(input_ids=ids, position_ids=positions, **with_cache(base, full_cache()), use_cache=True)
     return cache_layers(returned_cache(out))[0][0]
 
 
@@ -189,11 +198,12 @@ def apply_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def layer_queries(model: Any, idx: int, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Rotated queries ``[1, n_heads, n, D]`` that decoder layer ``idx`` computes for ``hidden``
-    (its input, ``[1, n, hidden]``) whose positions have the `position_embeddings` ``rope`` (q-norm
-    applied where the model has one).
+    (its input, ``[1, n, hidden]``) whose positions have the `position_embeddings` ``rope`` (as its
+    family computes them: `kvrag.model.families.Family.queries`).
     """
-    layer = decoder_layers(model)[idx]
-    return _queries(layer.self_attn, layer.input_layernorm(hidden), rope)
+    from kvrag.model.families import family_of
+
+    return family_of(model.config).queries(model, idx, hidden, rope)
 
 
 def layer_keys_values(
@@ -201,22 +211,11 @@ def layer_keys_values(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotated keys and the values ``[1, n_kv_heads, n, D]`` decoder layer ``idx`` writes to its
     cache for ``hidden`` (its input, ``[1, n, hidden]``) at the positions of ``rope``, without
-    running the rest of the layer.
+    running the rest of the layer (`kvrag.model.families.Family.keys_values`).
     """
-    layer = decoder_layers(model)[idx]
-    return _keys_values(layer.self_attn, layer.input_layernorm(hidden), rope)
+    from kvrag.model.families import family_of
 
-
-def _queries(attn: Any, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotated queries ``[1, n_heads, n, D]`` of attention module ``attn`` for its normed input ``h``."""
-    return apply_rope(plain_layer.heads(attn.q_proj, getattr(attn, "q_norm", None), h, attn.head_dim), *rope)
-
-
-def _keys_values(attn: Any, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotated keys and values ``[1, n_kv_heads, n, D]`` of attention module ``attn`` for its normed input ``h``."""
-    keys = apply_rope(plain_layer.heads(attn.k_proj, getattr(attn, "k_norm", None), h, attn.head_dim), *rope)
-    return keys, plain_layer.heads(attn.v_proj, None, h, attn.head_dim)
+    return family_of(model.config).keys_values(model, idx, hidden, rope)
 
 
 def position_embeddings(model: Any, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

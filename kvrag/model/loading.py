@@ -1,13 +1,12 @@
-"""Model loading, the model fingerprint, RoPE helpers and the position-decoupling self-check.
+"""Model loading, the model fingerprint, and the checks a model passes before kvrag fuses its caches.
 
 Tensor layout everywhere in kvrag: ``[batch, kv_heads, seq, head_dim]`` (a single chunk drops the
 batch dimension: ``[kv_heads, seq, head_dim]``; a whole cache stacks layers first:
 ``[layers, kv_heads, seq, head_dim]``).
 
-Stored keys are *pre-RoPE*: the model's rotated keys un-rotated at the positions they were computed
-at. RoPE is a per-position rotation (times an optional scalar ``attention_scaling``), so
-un-rotating and re-rotating at new positions through the model's own rotary module is exact up to
-float rounding for every static RoPE variant (default, linear, llama3, yarn) and partial rotary.
+What fusion needs from an architecture comes from its family (`kvrag.model.families`, by the config's
+``model_type``): the attention implementation it loads with, and what it refuses. Stored keys are pre-RoPE
+(`kvrag.model.rope`).
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import logging
 import os
 import pickle
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +27,15 @@ import torch
 
 from kvrag.errors import ModelNotFoundError, UnsupportedModelError
 from kvrag.model import hf_compat
-from kvrag.model.hf_compat import apply_rope, rotate_half
+from kvrag.model.families import Family, family_of, registered_families
+from kvrag.model.hf_compat import apply_rope
+from kvrag.model.rope import check_rope, rope_at, unapply_rope
+
+__all__ = ["LoadedModel", "ModelSpec", "apply_rope", "check_rope", "load_model", "model_fingerprint", "rope_at",
+           "unapply_rope", "wrap_model"]
 
 log = logging.getLogger(__name__)
 
-# RoPE variants whose frequencies depend on the sequence length of the call: keys cannot move.
-_POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 SMOLLM2_ALIASES = ("smollm2", "smollm2-135m-instruct")
 HOW_TO_NAME_A_MODEL = ("pass a Hugging Face hub id (e.g. HuggingFaceTB/SmolLM2-135M-Instruct), a local folder "
                        "with config.json, a .gguf file, or 'smollm2'")
@@ -95,6 +97,11 @@ class LoadedModel:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @cached_property
+    def family(self) -> Family:
+        """What fusion needs from the model's architecture (`kvrag.model.families`)."""
+        return family_of(self.model.config)
 
 
 def default_device() -> str:
@@ -219,12 +226,13 @@ def _not_found_message(name: str, source: str, exc: OSError | None) -> str:
 
 def _from_pretrained(name: str, source: str, dtype: torch.dtype) -> tuple[Any, Any]:
     """The model and tokenizer at ``source``; a missing or unreadable model raises a one-line KVRagError."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if Path(source).is_dir() and not (Path(source) / "config.json").is_file():
         raise ModelNotFoundError(_not_found_message(name, source, None))
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+        attention = family_of(AutoConfig.from_pretrained(source)).attn_implementation()
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attention)
         tokenizer = AutoTokenizer.from_pretrained(source)
     except OSError as exc:  # not found locally nor on the hub (transformers reports both as OSError)
         raise ModelNotFoundError(_not_found_message(name, source, exc)) from exc
@@ -266,11 +274,16 @@ def load_model(
 
 
 def wrap_model(model: Any, tokenizer: Any, source: str = "") -> LoadedModel:
-    """Wrap an already loaded model (checks and fingerprints it)."""
+    """Wrap an already loaded model (checks and fingerprints it).
+
+    Raises:
+        UnsupportedModelError: a model kvrag cannot fuse exactly (one line naming the reason).
+    """
     model.eval()
     spec = ModelSpec.from_model(model)
-    if spec.arch not in SUPPORTED_ARCHS:
-        log.warning("architecture %r is untested with kvrag (tested: %s)", spec.arch, SUPPORTED_ARCHS)
+    if not family_of(model.config).tested:
+        log.warning("architecture %r is untested with kvrag (tested: %s)", spec.arch,
+                    ", ".join(registered_families()))
     check_rope(model)
     return LoadedModel(model, tokenizer, spec, model_fingerprint(model, spec, source), source)
 
@@ -292,64 +305,3 @@ def model_fingerprint(model: Any, spec: ModelSpec, source: str = "") -> str:
     """Hash of what determines a chunk's KV: weights (sampled), dtype and KV-relevant config."""
     payload = {"spec": asdict(spec), "weights": _weights_digest(model)}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
-
-
-def rope_at(model: Any, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's own ``(cos, sin)`` at ``positions`` (``[S]`` or ``[B, S]``): ``[B, S, rot_dim]``."""
-    pos = positions if positions.dim() == 2 else positions[None]
-    return hf_compat.rotary(model)(like, pos.to(like.device))
-
-
-def unapply_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Inverse of `apply_rope` (divides out ``attention_scaling``, since cos² + sin² = scale²)."""
-    cos, sin = cos[:, None].to(torch.float32), sin[:, None].to(torch.float32)
-    rot = cos.shape[-1]
-    k_rot, k_pass = k[..., :rot].to(torch.float32), k[..., rot:]
-    scale_sq = cos * cos + sin * sin
-    out = ((k_rot * cos - rotate_half(k_rot) * sin) / scale_sq).to(k.dtype)
-    return torch.cat((out, k_pass), dim=-1) if k_pass.shape[-1] else out
-
-
-def _check_rope_is_pointwise(model: Any, device: torch.device) -> None:
-    """cos/sin at a position must not depend on the other positions in the same call."""
-    probe = torch.zeros(1, 1, device=device)
-    alone = rope_at(model, torch.arange(8, device=device), probe)[0]
-    far = torch.cat([torch.arange(8), torch.tensor([4 * model.config.max_position_embeddings])])
-    mixed = rope_at(model, far.to(device), probe)[0][:, :8]
-    if not torch.allclose(alone.float(), mixed.float(), atol=1e-5):
-        raise UnsupportedModelError(
-            "the model's rotary embedding changes with the positions in the call (dynamic scaling), "
-            "so cached keys cannot be moved to new positions"
-        )
-
-
-def check_rope(model: Any, offset: int | None = None) -> None:
-    """Refuse RoPE variants whose keys cannot be moved to new positions.
-
-    Checks the config's rope type, that cos/sin at a position do not depend on the other positions
-    of the call, and that layer-0 keys computed at ``offset`` equal keys computed at 0, un-rotated
-    and re-rotated at ``offset``.
-    """
-    rope = hf_compat.rope_parameters(model.config)
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type in _POSITION_DEPENDENT_ROPE:
-        raise UnsupportedModelError(
-            f"RoPE type {rope_type!r} rescales frequencies with the sequence length, so cached keys "
-            "cannot be moved to new positions; use a model with static RoPE (default, linear, llama3, yarn)"
-        )
-    device = next(model.parameters()).device
-    _check_rope_is_pointwise(model, device)
-    ids = torch.arange(1, 9, device=device)[None] % model.config.vocab_size
-    offset = offset if offset is not None else min(1000, model.config.max_position_embeddings // 2)
-    k0 = hf_compat.first_layer_keys(model, ids, torch.arange(8, device=device)[None])
-    k1 = hf_compat.first_layer_keys(model, ids, torch.arange(offset, offset + 8, device=device)[None])
-    cos0, sin0 = rope_at(model, torch.arange(8, device=device), k0)
-    cos1, sin1 = rope_at(model, torch.arange(offset, offset + 8, device=device), k0)
-    moved = apply_rope(unapply_rope(k0, cos0, sin0), cos1, sin1)
-    tol = 1e-3 if k0.dtype == torch.float32 else 5e-2
-    err = (moved.float() - k1.float()).abs().max().item() / max(1.0, k1.float().abs().max().item())
-    if err > tol:
-        raise UnsupportedModelError(
-            f"re-rotated keys differ from keys computed at position {offset} (relative error "
-            f"{err:.2e} > {tol}); this model's position encoding is not supported"
-        )

@@ -47,17 +47,21 @@ def runs_plain(layer: Any) -> bool:
     """Whether `run` takes ``layer`` (checked once per layer and remembered on it)."""
     known = getattr(layer, "_kvrag_runs_plain", None)
     if known is None:
-        attn, mlp = layer.self_attn, layer.mlp
-        norms = [layer.input_layernorm, layer.post_attention_layernorm,
-                 *(n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n is not None)]
-        known = (type(layer).__name__ in PLAIN_DECODER_LAYERS
-                 and all(type(n).__name__ in _RMS_NORMS for n in norms)
-                 and type(getattr(mlp, "act_fn", None)).__name__ in _SILU
-                 and getattr(attn.config, "_attn_implementation", None) == "sdpa"
-                 # accelerate's hooks (device maps, offloading) move weights in before a module's forward
-                 and not any(hasattr(m, "_hf_hook") for m in layer.modules()))
+        known = type(layer).__name__ in PLAIN_DECODER_LAYERS and _plain_parts(layer)
         layer._kvrag_runs_plain = known
     return bool(known)
+
+
+def _plain_parts(layer: Any) -> bool:
+    """Whether a layer of a `PLAIN_DECODER_LAYERS` class has the plain norms, activation and attention."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = [layer.input_layernorm, layer.post_attention_layernorm,
+             *(n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n is not None)]
+    return (all(type(n).__name__ in _RMS_NORMS for n in norms)
+            and type(getattr(mlp, "act_fn", None)).__name__ in _SILU
+            and getattr(attn.config, "_attn_implementation", None) == "sdpa"
+            # accelerate's hooks (device maps, offloading) move weights in before a module's forward
+            and not any(hasattr(m, "_hf_hook") for m in layer.modules()))
 
 
 def rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:

@@ -93,8 +93,9 @@ def fusion_shape(chunk_tokens: Sequence[int], suffix_tokens: int, n_layers: int,
 def prompt_shape(lm: LoadedModel, chunk_tokens: Sequence[int], suffix_tokens: int, prefix_tokens: int,
                  first_exact: bool = True) -> FusionShape:
     """`fusion_shape` for a prompt of ``lm``'s, its attention weighted by the model's `half_cost_keys`."""
+    windows = {kind.window for kind in lm.family.kinds}  # a window that not every layer has costs as none
     return fusion_shape(chunk_tokens, suffix_tokens, lm.spec.n_layers, first_exact, prefix_tokens,
-                        half_cost_keys(lm.model), lm.spec.sliding_window)
+                        half_cost_keys(lm.model), windows.pop() if len(windows) == 1 else None)
 
 
 def half_cost_keys(model: Any) -> float:

@@ -1,0 +1,30 @@
+"""gpt-oss: learned attention sinks (one extra logit per head in every softmax), sliding-window layers alternating
+with global ones, YaRN rotary scaling (static: exact when keys move), a routed expert MLP. Its rotary module
+gives half-width ``(cos, sin)`` (one angle per pair of dimensions), which `full_width` repeats.
+
+SDPA has no sinks, so its layers run their own forward with transformers' eager attention, under the dense masks
+fusion builds for them (each layer's window applied).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvrag.model.families.base import Family, register_family
+
+
+@register_family
+class GptOssFamily(Family):
+    """Eager attention; otherwise Llama-shaped projections (with biases)."""
+
+    model_types = ("gpt_oss",)
+
+    def attn_implementation(self) -> str:
+        return "eager"
+
+    def eager_reason(self) -> str:
+        return "SDPA has no attention sinks"
+
+    def full_width(self, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rope  # [B, S, D/2]: x₁' = x₁ cos - x₂ sin, x₂' = x₂ cos + x₁ sin
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)

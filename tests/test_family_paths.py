@@ -1,0 +1,80 @@
+"""The whole path on a tiny model of every family: build an index (the default codec fitted on its layers), answer
+under the default gate, score a continuation as transformers does, hold a conversation's turn, serve a chat
+completion, answer a LangChain chain's flat prompt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from conftest import FAMILIES, save_tiny_model
+from test_serve import serving
+
+from kvrag import GateConfig, KVRag, SplitConfig
+from kvrag.query.pipeline import prompt_ids
+
+DOCS = [
+    ("alpha", "The alpha reactor was designed by Mira Okafor in 1987. It runs on molten salt. " * 2),
+    ("beta", "Beta station orbits the moon. Its commander is Jonas Reyes. The crew rotates yearly. " * 2),
+    ("gamma", "Gamma rays are photons of very high energy. They come from nuclear decay. " * 2),
+]
+Q = "Who commands beta station?"
+TARGET = [5, 6, 7, 8]
+TEMPLATE = "Context:\n{context}Answer the question with a short answer of a few words.\nQuestion: {question}"
+
+
+def _transformers_nll(rag: KVRag, chunks, question: str, target: list[int]) -> float:
+    """Mean NLL of ``target`` after the same prompt ids, by the model's own forward."""
+    ctx = rag.context
+    chunk_ids, suffix = prompt_ids(ctx, question, chunks)
+    ids = torch.cat([ctx.prefix.ids.cpu(), *chunk_ids, suffix, torch.tensor(target)])
+    with torch.no_grad():
+        logits = rag.lm.model(ids[None]).logits[0, -len(target) - 1: -1].float()
+    return float(torch.nn.functional.cross_entropy(logits, torch.tensor(target)))
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_build_answer_score_and_chat_on_every_family(arch: str, tmp_path: Path):
+    model_dir = save_tiny_model(arch, tmp_path / "model")
+    rag = KVRag.build(DOCS, tmp_path / "idx", model=str(model_dir), split=SplitConfig(mode="document"),
+                      show_progress=False)
+    try:
+        assert rag.lm.family.tested and rag.lm.family.name.startswith(arch)
+        default = rag.answer(Q, k=3, max_new_tokens=3)
+        full = rag.answer(Q, k=3, mode="full", max_new_tokens=3)
+        assert default.gate is not None and default.token_ids[0] == full.token_ids[0]
+        # the fused path over ~370 tokens: 23 windows of the windowed families
+        fused = rag.answer(Q, k=3, gate=GateConfig(full_below_tokens=0), max_new_tokens=3)
+        assert fused.gate.decision != "short" and fused.recompute_fraction < 1
+        assert fused.n_prompt_tokens > 8 * 16 and fused.token_ids[0] == full.token_ids[0]
+        prepared = rag.prepare(Q, k=3, mode="full")
+        reference = _transformers_nll(rag, prepared.chunks, Q, TARGET)
+        assert abs(prepared.nll(TARGET) - reference) <= 1e-4
+        turn = rag.chat([{"role": "user", "content": Q}], k=2, max_new_tokens=3)
+        assert turn.token_ids and turn.history is not None
+        with serving(rag, model_name="kvrag-tiny", k=2) as url:
+            body = {"model": "kvrag-tiny", "messages": [{"role": "user", "content": Q}], "max_tokens": 3}
+            served = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        assert served.status_code == 200, served.text
+        assert served.json()["usage"]["completion_tokens"] > 0
+        _langchain_chain_reads_the_stored_caches(rag)
+    finally:
+        rag.close()
+
+
+def _langchain_chain_reads_the_stored_caches(rag: KVRag) -> None:
+    """A stuff chain's flat prompt: its passages are found and read, and its answer is the full prefill's."""
+    pytest.importorskip("langchain_core")
+    from kvrag.integrations.langchain import KVCachedLLM, KVRetriever, format_docs
+    from langchain_core.prompts import PromptTemplate
+    from langchain_core.runnables import RunnablePassthrough
+
+    def chain(llm: KVCachedLLM):
+        return ({"context": KVRetriever(rag=rag, k=2) | format_docs, "question": RunnablePassthrough()}
+                | PromptTemplate.from_template(TEMPLATE) | llm)
+
+    default, full = KVCachedLLM(rag=rag, max_new_tokens=3), KVCachedLLM(rag=rag, mode="full", max_new_tokens=3)
+    assert chain(default).invoke(Q) == chain(full).invoke(Q)
+    assert len(default.last_answer.chunks) == 2 and default.last_answer.gate is not None

@@ -30,7 +30,14 @@ from kvrag.indexing.build import Builder, BuildStats, check_neighbour_kv, split_
 from kvrag.indexing.documents import Document, Loaded, load_documents
 from kvrag.indexing.embed import Embedder
 from kvrag.indexing.kvgen import KV, PrefixCache, prefix_cache
-from kvrag.indexing.manifest import check_build_args, check_format, check_model, new_manifest
+from kvrag.indexing.manifest import (
+    check_build_args,
+    check_embedder,
+    check_format,
+    check_model,
+    manifest_codec,
+    new_manifest,
+)
 from kvrag.indexing.ray_build import add_on_ray
 from kvrag.indexing.recompute import recompute_chunk
 from kvrag.model import LoadedModel, load_model
@@ -126,7 +133,8 @@ class KVRag(PromptAnswers):
             raise InputError("no documents to index" + (
                 f" (skipped: {', '.join(s for s, _ in loaded.skipped)})" if loaded.skipped else ""))
         if ChunkIndex.exists(path):
-            rag = cls.open(path, model=model if isinstance(model, LoadedModel) else None, device=device, store=store)
+            rag = cls.open(path, model=model if isinstance(model, LoadedModel) else None, device=device, store=store,
+                           embedder=embedder)
             check_build_args(rag.manifest, path, model, embedder, codec, neighbour_context, neighbour_kv, instruction,
                              question_tail, stream_levels)
         else:
@@ -154,17 +162,24 @@ class KVRag(PromptAnswers):
 
     @classmethod
     def open(cls, path: str | Path, *, model: str | LoadedModel | None = None,
-             device: str | None = None, dtype: str | None = None, store: str | StoreConfig | None = None) -> KVRag:
-        """Open an index; its manifest names the model and the caches' store unless ``model`` / ``store`` is given.
+             device: str | None = None, dtype: str | None = None, store: str | StoreConfig | None = None,
+             embedder: str | None = None) -> KVRag:
+        """Open an index; its manifest names the model, the embedder and the caches' store unless ``model`` /
+        ``embedder`` / ``store`` is given. An embedder the manifest names by a path outside the index is loaded only
+        when ``embedder`` names it too (docs/reliability.md: what opening an index trusts).
 
         Raises:
             IndexNotFoundError: no index at ``path``.
-            IndexMismatchError: ``model`` is not the model the index was built with.
+            IndexMismatchError: ``model`` or ``embedder`` is not the one the index was built with.
+            UntrustedPathError: the manifest's embedder is a path outside the index and ``embedder`` is None.
+            IndexCorruptError: the manifest names a codec or level this kvrag does not offer.
         """
         path = Path(path)
         index = ChunkIndex.open(path)
         manifest = index.manifest
         check_format(manifest, path)
+        check_embedder(manifest, path, embedder)
+        codec = manifest_codec(manifest, path)  # before the model loads: a manifest naming no codec fails at once
         stored = manifest["model"]
         if isinstance(model, LoadedModel):
             lm = model
@@ -176,7 +191,6 @@ class KVRag(PromptAnswers):
         if bad is not None:
             raise IndexCorruptError(path / "chunks.sqlite", f"holds chunk key {bad[:60]!r}, which kvrag never writes",
                                     fix=f"rebuild the index from its documents (kvrag index DOCS --index {path})")
-        codec = make_codec(manifest["codec"]["name"], manifest["codec"].get("level"))
         if codec.needs_fit:
             load_codec_state(codec, path)
         prompt = manifest["prompt"]

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvrag.cli.common import non_negative_int, positive_int
+from kvrag.cli.common import add_embedder_flag, non_negative_int, positive_int
 from kvrag.errors import IndexNotFoundError
 
 HELP = "serve an index over an OpenAI-compatible HTTP API"
@@ -61,6 +61,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                         "it is the same model")
     p.add_argument("--device", default=None,
                    help="torch device for the model and the embedder, e.g. cpu or cuda (default: cuda if available)")
+    add_embedder_flag(p)
     p.set_defaults(func=run)
 
 
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         from kvrag.rag import KVRag  # torch and the rest load only now
 
-        rag = KVRag.open(args.index, model=args.model, device=args.device)
+        rag = KVRag.open(args.index, model=args.model, device=args.device, embedder=args.embedder)
     except BaseException:
         sock.close()
         raise

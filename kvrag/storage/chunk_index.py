@@ -44,7 +44,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-from kvrag.errors import IndexCorruptError, IndexNotFoundError, KVRagError
+from kvrag.errors import ChunkNotFoundError, IndexCorruptError, IndexNotFoundError, KVRagError
 from kvrag.storage import atomic, chunk_db
 from kvrag.storage.chunk_db import COLUMNS as _COLUMNS
 from kvrag.storage.chunk_db import ChunkRecord
@@ -204,10 +204,14 @@ class ChunkIndex:
             return set(self._keys)
 
     def get(self, key: str) -> ChunkRecord:
-        """Return the chunk stored under ``key``; raise KeyError naming the key if absent."""
+        """Return the chunk stored under ``key``; raise `ChunkNotFoundError` (a `KeyError`) naming the key, the
+        index and how to check it if absent.
+        """
         row = self._keys.get(key)
         if row is None:
-            raise KeyError(f"no chunk with key {key!r} in index {self.path}")
+            raise ChunkNotFoundError(f"no chunk with key {str(key)[:60]!r} in index {self.path}: a key from another "
+                                     f"index, or its row was lost from a damaged chunks.sqlite (check with "
+                                     f"'kvrag verify {self.path}', then 'kvrag repair {self.path}')")
         return self._fetch_rows([row])[row]
 
     def records(self) -> list[ChunkRecord]:

@@ -30,14 +30,7 @@ from kvrag.indexing.build import Builder, BuildStats, check_neighbour_kv, split_
 from kvrag.indexing.documents import Document, Loaded, load_documents
 from kvrag.indexing.embed import Embedder
 from kvrag.indexing.kvgen import KV, PrefixCache, prefix_cache
-from kvrag.indexing.manifest import (
-    check_build_args,
-    check_embedder,
-    check_format,
-    check_model,
-    manifest_codec,
-    new_manifest,
-)
+from kvrag.indexing.manifest import check_build_args, check_model, check_opened, new_manifest
 from kvrag.indexing.ray_build import add_on_ray
 from kvrag.indexing.recompute import recompute_chunk
 from kvrag.model import LoadedModel, load_model
@@ -161,25 +154,18 @@ class KVRag(PromptAnswers):
         return cls(path, index, lm, embedder, codec, layout, batch_tokens, neighbour_context, neighbour_kv, store)
 
     @classmethod
-    def open(cls, path: str | Path, *, model: str | LoadedModel | None = None,
-             device: str | None = None, dtype: str | None = None, store: str | StoreConfig | None = None,
-             embedder: str | None = None) -> KVRag:
-        """Open an index; its manifest names the model, the embedder and the caches' store unless ``model`` /
-        ``embedder`` / ``store`` is given. An embedder the manifest names by a path outside the index is loaded only
-        when ``embedder`` names it too (docs/reliability.md: what opening an index trusts).
+    def open(cls, path: str | Path, *, model: str | LoadedModel | None = None, device: str | None = None,
+             dtype: str | None = None, store: str | StoreConfig | None = None, embedder: str | None = None) -> KVRag:
+        """Open an index; its manifest names the model, embedder and caches' store unless ``model`` / ``embedder`` /
+        ``store`` is given (a manifest's embedder path outside the index only if ``embedder`` names it: `check_opened`).
 
         Raises:
-            IndexNotFoundError: no index at ``path``.
-            IndexMismatchError: ``model`` or ``embedder`` is not the one the index was built with.
-            UntrustedPathError: the manifest's embedder is a path outside the index and ``embedder`` is None.
-            IndexCorruptError: the manifest names a codec or level this kvrag does not offer.
+            IndexNotFoundError, IndexMismatchError: no index at ``path``, another model; more: `check_opened`.
         """
         path = Path(path)
         index = ChunkIndex.open(path)
         manifest = index.manifest
-        check_format(manifest, path)
-        check_embedder(manifest, path, embedder)
-        codec = manifest_codec(manifest, path)  # before the model loads: a manifest naming no codec fails at once
+        codec = check_opened(manifest, path, embedder)  # before the model loads
         stored = manifest["model"]
         if isinstance(model, LoadedModel):
             lm = model
@@ -256,7 +242,7 @@ class KVRag(PromptAnswers):
         return pipeline.retrieve(self.context, question, k)
 
     def resolve_chunks(self, chunks: Sequence[str | RetrievedChunk]) -> list[RetrievedChunk]:
-        """Chunk keys (or chunks) to `RetrievedChunk`s; unknown keys raise KeyError naming the key."""
+        """Chunk keys (or chunks) to `RetrievedChunk`s; an unknown key raises `ChunkNotFoundError` (a `KeyError`)."""
         return pipeline.resolve_chunks(self.index, chunks)
 
     def prompt_text(self, question: str, chunks: Sequence[str | RetrievedChunk]) -> str:

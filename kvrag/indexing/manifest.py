@@ -158,6 +158,19 @@ def check_embedder(manifest: dict[str, Any], path: Path, given: str | None) -> N
                                  f"--embedder PATH")
 
 
+def check_opened(manifest: dict[str, Any], path: Path, embedder: str | None) -> Codec:
+    """Check an index's manifest before opening it; return its codec (unfitted).
+
+    Raises:
+        IndexMismatchError: another format version, or ``embedder`` is not the index's.
+        UntrustedPathError: the manifest's embedder is a path outside the index and ``embedder`` is None.
+        IndexCorruptError: the manifest names a codec or level this kvrag does not offer.
+    """
+    check_format(manifest, path)
+    check_embedder(manifest, path, embedder)
+    return manifest_codec(manifest, path)
+
+
 def check_build_args(manifest: dict[str, Any], path: Path, model: Any, embedder: str | None, codec: str | None,
                      neighbour_context: int | None, neighbour_kv: str | None, instruction: str,
                      question_tail: str, stream_levels: Iterable[int] | None = None) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvrag.cli.common import add_embedder_flag, non_negative_int, positive_int
+from kvrag.cli.common import add_embedder_flag, non_negative_float, non_negative_int, positive_int
 from kvrag.errors import IndexNotFoundError
 
 HELP = "serve an index over an OpenAI-compatible HTTP API"
@@ -32,6 +32,11 @@ def port_number(text: str) -> int:
     if value > 65535:
         raise argparse.ArgumentTypeError(f"must be a port number from 0 to 65535, got {text!r}")
     return value
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a duration in seconds, ``10`` or ``10s``, zero or more."""
+    return non_negative_float(text.strip().removesuffix("s"))
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -54,6 +59,13 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                    help="conversations generating at once, stepped token by token in turn (default 8)")
     p.add_argument("--max-queue", type=non_negative_int, default=64, metavar="N",
                    help="requests that may wait for a generation slot; more are refused with 429 (default 64)")
+    p.add_argument("--max-wait", type=seconds, default=10.0, metavar="SECONDS",
+                   help="refuse with 429 and Retry-After a request whose expected wait for its first token, "
+                        "estimated from measured service times, exceeds this (e.g. 10 or 10s; 0: no bound; "
+                        "default 10)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="serve at once, without answering one warm-up question first (the first service times "
+                        "are then measured on the first requests)")
     p.add_argument("--model-name", default=None, metavar="NAME",
                    help="the model's name in /v1/models and responses (default: the index's model)")
     p.add_argument("--model", default=None,
@@ -91,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
 
     options = ServeOptions(model_name=args.model_name, api_key=args.api_key or None,
                            history_cache=not args.no_history_cache, k=args.k, max_tokens=args.max_tokens,
-                           max_active=args.max_active, max_queue=args.max_queue)
+                           max_active=args.max_active, max_queue=args.max_queue,
+                           max_wait=args.max_wait or None, warmup=not args.no_warmup)
     sock = bind(args.host, args.port)  # a taken port fails here, before the model loads
     try:
         from kvrag.rag import KVRag  # torch and the rest load only now

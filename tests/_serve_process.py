@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,9 @@ def free_port() -> int:
 class ServeProcess:
     """``python -m kvrag.cli serve INDEX --port P ARGS…`` on one CPU thread; ``url`` once `start` returned."""
 
-    def __init__(self, index: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None) -> None:
-        self.index, self.args, self.port = index, args, port or free_port()
+    def __init__(self, index: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None,
+                 preexec: Callable[[], None] | None = None) -> None:
+        self.index, self.args, self.port, self.preexec = index, args, port or free_port(), preexec
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
         self.log: Any = None
@@ -44,7 +46,8 @@ class ServeProcess:
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen([sys.executable, "-m", "kvrag.cli", "serve", str(self.index), "--port",
                                       str(self.port), "--device", "cpu", *self.args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
+                                     preexec_fn=self.preexec)
         deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

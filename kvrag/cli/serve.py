@@ -20,7 +20,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvrag.cli.common import add_embedder_flag, non_negative_float, non_negative_int, positive_int
+from kvrag.cli.common import (
+    add_embedder_flag,
+    add_store_flags,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    store_arg,
+)
+from kvrag.config import SessionConfig
 from kvrag.errors import IndexNotFoundError
 
 HELP = "serve an index over an OpenAI-compatible HTTP API"
@@ -73,6 +81,15 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                         "it is the same model")
     p.add_argument("--device", default=None,
                    help="torch device for the model and the embedder, e.g. cpu or cuda (default: cuda if available)")
+    p.add_argument("--session-host-mb", type=non_negative_float, default=None, metavar="MB",
+                   help=f"host memory for conversations' kept KV (default {SessionConfig.host_bytes >> 20})")
+    p.add_argument("--session-disk-mb", type=non_negative_float, default=None, metavar="MB",
+                   help=f"disk for conversations' kept KV, below host memory "
+                        f"(default {SessionConfig.disk_bytes >> 20}; 0: none)")
+    p.add_argument("--session-dir", default=None, metavar="DIR",
+                   help="the disk tier's folder; its conversations are found again after a restart (default: a "
+                        "temporary folder, removed on exit)")
+    add_store_flags(p, building=False)
     add_embedder_flag(p)
     p.set_defaults(func=run)
 
@@ -93,6 +110,17 @@ def _ready(args: argparse.Namespace, api_key: str | None) -> Callable[[str], Non
     return announce
 
 
+def session_config(args: argparse.Namespace) -> SessionConfig | None:
+    """The conversations' tiers the flags ask for (None: the defaults)."""
+    if args.session_host_mb is None and args.session_disk_mb is None and args.session_dir is None:
+        return None
+    default = SessionConfig()
+    host, disk = args.session_host_mb, args.session_disk_mb
+    return SessionConfig(host_bytes=default.host_bytes if host is None else int(host * (1 << 20)),
+                         disk_bytes=default.disk_bytes if disk is None else int(disk * (1 << 20)),
+                         disk_dir=args.session_dir)
+
+
 def run(args: argparse.Namespace) -> int:
     from kvrag.serve import check_installed
 
@@ -109,7 +137,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         from kvrag.rag import KVRag  # torch and the rest load only now
 
-        rag = KVRag.open(args.index, model=args.model, device=args.device, embedder=args.embedder)
+        rag = KVRag.open(args.index, model=args.model, device=args.device, embedder=args.embedder,
+                         store=store_arg(args))
+        if sessions := session_config(args):
+            rag.configure_sessions(sessions)
     except BaseException:
         sock.close()
         raise

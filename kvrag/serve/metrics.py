@@ -19,9 +19,10 @@ cache). Metric names, all prefixed ``kvrag_``:
 - ``kvrag_inter_token_seconds``: time between a streamed answer's text pieces (histogram);
 - ``process_resident_memory_bytes`` and the other ``process_*`` figures (where /proc exists);
 - ``kvrag_session_lookups_total``, ``kvrag_session_misses_total``, ``kvrag_session_saves_total``,
-  ``kvrag_session_save_errors_total``, ``kvrag_session_save_seconds_total``, and per tier (``device``/``host``/``disk``)
-  ``kvrag_session_tier_hits_total``, ``kvrag_session_tier_bytes``, ``kvrag_session_tier_limit_bytes``,
-  ``kvrag_session_tier_entries``.
+  ``kvrag_session_save_errors_total``, ``kvrag_session_save_seconds_total``,
+  ``kvrag_session_disk_write_errors_total``, ``kvrag_session_disk_read_errors_total``, and per tier
+  (``device``/``host``/``disk``) ``kvrag_session_tier_hits_total``, ``kvrag_session_tier_bytes``,
+  ``kvrag_session_tier_limit_bytes``, ``kvrag_session_tier_entries``.
 """
 
 from __future__ import annotations
@@ -67,7 +68,11 @@ class SessionCollector(Collector):
                                 ("misses", "kvrag_session_misses", "history lookups that found nothing"),
                                 ("saves", "kvrag_session_saves", "conversation histories saved"),
                                 ("save_errors", "kvrag_session_save_errors", "conversation histories not saved"),
-                                ("save_s", "kvrag_session_save_seconds", "seconds spent saving histories")):
+                                ("save_s", "kvrag_session_save_seconds", "seconds spent saving histories"),
+                                ("write_errors", "kvrag_session_disk_write_errors",
+                                 "histories the disk tier could not write (a full disk): dropped"),
+                                ("read_errors", "kvrag_session_disk_read_errors",
+                                 "histories the disk tier could not read back: dropped, recomputed")):
             if key in stats:
                 yield CounterMetricFamily(name, what, value=float(stats[key]))
         tiers = stats.get("tiers") or {}

@@ -5,8 +5,10 @@ Contract: a missing index folder, or FastAPI/uvicorn/prometheus-client not insta
 line, before anything is served. The model is the index's (``--model`` as in ``kvrag ask``). Prints
 one line on stderr once the port is bound, then serves until SIGTERM (exit status 0) or Ctrl-C (130,
 as every command); either way the server stops gracefully and the index is closed. ``--api-key``
-(default: the ``KVRAG_API_KEY`` environment variable) guards the ``/v1`` routes. ``-v`` shows
-uvicorn's access log.
+(default: the ``KVRAG_API_KEY`` environment variable) guards the ``/v1`` routes. ``--max-wait`` bounds a
+request's expected wait for its first token (429 with ``Retry-After`` beyond it); the ``--session-*`` flags
+bound the conversations' tiers (``--session-dir`` keeps the disk tier across restarts); ``--store`` and
+``--embedder`` are as in ``kvrag ask``. ``-v`` shows uvicorn's access log.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -106,7 +107,8 @@ def start_servers(index: Path, f32: Path, threads: int, k: int, max_wait: float,
                               "--model-name", "smollm2"], stdout=out, stderr=subprocess.STDOUT, env=env)
     llama = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(f32), "--port", str(lport),
                               "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "4096",
-                              "--cache", "true", "--model_alias", "smollm2", "--verbose", "false"],
+                              "--cache", "true", "--model_alias", "smollm2", "--verbose", "false",
+                              "--interrupt_requests", "false"],  # its default cuts a stream when another arrives
                              stdout=out, stderr=subprocess.STDOUT, env=env)
     _wait_ready(f"http://127.0.0.1:{kport}", kvrag, "/health")
     _wait_ready(f"http://127.0.0.1:{lport}", llama, "/v1/models")
@@ -149,7 +151,12 @@ class PeakRss:
         self._thread.join(2)
 
 
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops the servers too
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _interrupted)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--work", type=Path, default=Path("/tmp/kvrag-serve-load"))
@@ -185,4 +192,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)

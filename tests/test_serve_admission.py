@@ -56,6 +56,9 @@ def test_the_expected_wait_grows_with_the_work_ahead():
     assert idle is not None and full is not None and queued is not None and longer is not None
     assert idle < full < queued and full < longer
     assert expected_wait(times, busy[:3], [], 4) < full  # a slot free beside three busy ones: no waiting for one
+    # beside jobs that have just begun, its first step waits for theirs (seconds each), not for a token each
+    fresh, going = expected_wait(times, [Pending(20, False)] * 3, [], 4), expected_wait(times, busy[:3], [], 4)
+    assert fresh is not None and going is not None and fresh >= 4 * times.first_s > going
     times.observe_tokens(10)  # answers end sooner than their limit: the estimate follows what was measured
     assert expected_wait(times, busy, [], 4) < full
 

@@ -72,8 +72,10 @@ def expected_wait(times: ServiceTimes, active: list[Pending], queued: list[Pendi
     """
     if times.first_s is None:
         return None
-    running = [times.work(job) for job in active]
-    waiting = [times.work(job) for job in queued]
+    first, step = times.first_s, times.step_s if times.step_s is not None else times.first_s
+    # each job as [work left, first-step work left]: a job's next step is its first (seconds) until that is done
+    running = [[times.work(job), 0.0 if job.started else first] for job in active]
+    waiting = [[times.work(job), 0.0 if job.started else first] for job in queued]
 
     def fill() -> None:
         while waiting and len(running) < max_active:
@@ -82,9 +84,9 @@ def expected_wait(times: ServiceTimes, active: list[Pending], queued: list[Pendi
     fill()
     clock = 0.0
     while len(running) >= max_active:  # the new job waits for a slot: replay processor sharing until one frees
-        least = min(running)
+        least = min(left for left, _ in running)
         clock += least * len(running)
-        running = [r - least for r in running if r > least]
+        running = [[left - least, max(head - least, 0.0)] for left, head in running if left > least]
         fill()
-    # its first step shares the worker with one step of each other active job
-    return clock + times.first_s + len(running) * (times.step_s or 0.0)
+    # its first step comes after one step of each job ahead of it in the round: a first step for those just begun
+    return clock + first + sum(head if head > 0 else step for _, head in running)

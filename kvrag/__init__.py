@@ -24,6 +24,7 @@ from kvrag.config import (
     StoreConfig,
 )
 from kvrag.errors import (
+    ChunkNotFoundError,
     CorruptChunkError,
     IndexCorruptError,
     IndexMismatchError,
@@ -32,6 +33,7 @@ from kvrag.errors import (
     KVRagError,
     ModelNotFoundError,
     UnsupportedModelError,
+    UntrustedPathError,
 )
 from kvrag.lazy import lazy_exports
 
@@ -54,8 +56,8 @@ __getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [
-    "Answer", "CodecConfig", "CorruptChunkError", "FuseConfig", "FusedPrompt", "GateConfig", "GenerateConfig",
-    "IndexCorruptError", "IndexMismatchError",
+    "Answer", "ChunkNotFoundError", "CodecConfig", "CorruptChunkError", "FuseConfig", "FusedPrompt", "GateConfig",
+    "GenerateConfig", "IndexCorruptError", "IndexMismatchError", "UntrustedPathError",
     "IndexNotFoundError", "InputError", "KVRag", "KVRagError", "ModelNotFoundError", "RetrievedChunk", "SplitConfig",
     "RepairReport", "SessionConfig", "StoreConfig", "UnsupportedModelError", "VerifyReport", "__version__",
     "repair_index",

@@ -11,6 +11,12 @@ class IndexMismatchError(KVRagError):
     """An index was opened with a model (or embedder) other than the one that built it."""
 
 
+class UntrustedPathError(KVRagError):
+    """An index names a local path outside itself to load code or weights from; kvrag loads it only when the
+    caller names that path too.
+    """
+
+
 class IndexNotFoundError(KVRagError):
     """The directory holds no kvrag index."""
 
@@ -28,6 +34,15 @@ class IndexCorruptError(KVRagError):
         self.file, self.problem = str(file), problem
         self.fix = fix if fix is not None else (f"run 'kvrag repair {index}'" if index is not None else "")
         super().__init__(f"{self.file}: {problem}" + (f"; {self.fix}" if self.fix else ""))
+
+
+class ChunkNotFoundError(KVRagError, KeyError):
+    """A chunk key that the index does not hold: a key from another index, or a row lost from a damaged
+    ``chunks.sqlite``. Also a `KeyError`, which an unknown key raised before; its text is the plain message.
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 class CorruptChunkError(KVRagError):

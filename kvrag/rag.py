@@ -30,7 +30,7 @@ from kvrag.fusion import Selector
 from kvrag.indexing.build import Builder, BuildStats, check_neighbour_kv, split_documents
 from kvrag.indexing.documents import Document, Loaded, load_documents
 from kvrag.indexing.kvgen import KV, PrefixCache, prefix_cache
-from kvrag.indexing.manifest import check_build_args, check_format, check_model, new_manifest
+from kvrag.indexing.manifest import check_build_args, check_model, check_opened, new_manifest
 from kvrag.indexing.ray_build import add_on_ray
 from kvrag.indexing.recompute import recompute_chunk
 from kvrag.model import LoadedModel, load_model
@@ -127,7 +127,8 @@ class KVRag(PromptAnswers):
             raise InputError("no documents to index" + (
                 f" (skipped: {', '.join(s for s, _ in loaded.skipped)})" if loaded.skipped else ""))
         if ChunkIndex.exists(path):
-            rag = cls.open(path, model=model if isinstance(model, LoadedModel) else None, device=device, store=store)
+            rag = cls.open(path, model=model if isinstance(model, LoadedModel) else None, device=device, store=store,
+                           embedder=embedder)
             check_build_args(rag.manifest, path, model, embedder, codec, neighbour_context, neighbour_kv, instruction,
                              question_tail, stream_levels)
         else:
@@ -154,18 +155,18 @@ class KVRag(PromptAnswers):
         return cls(path, index, lm, embedder, codec, layout, batch_tokens, neighbour_context, neighbour_kv, store)
 
     @classmethod
-    def open(cls, path: str | Path, *, model: str | LoadedModel | None = None,
-             device: str | None = None, dtype: str | None = None, store: str | StoreConfig | None = None) -> KVRag:
-        """Open an index; its manifest names the model and the caches' store unless ``model`` / ``store`` is given.
+    def open(cls, path: str | Path, *, model: str | LoadedModel | None = None, device: str | None = None,
+             dtype: str | None = None, store: str | StoreConfig | None = None, embedder: str | None = None) -> KVRag:
+        """Open an index; its manifest names the model, embedder and caches' store unless ``model`` / ``embedder`` /
+        ``store`` is given (a manifest's embedder path outside the index only if ``embedder`` names it: `check_opened`).
 
         Raises:
-            IndexNotFoundError: no index at ``path``.
-            IndexMismatchError: ``model`` is not the model the index was built with.
+            IndexNotFoundError, IndexMismatchError: no index at ``path``, another model; more: `check_opened`.
         """
         path = Path(path)
         index = ChunkIndex.open(path)
         manifest = index.manifest
-        check_format(manifest, path)
+        codec = check_opened(manifest, path, embedder)  # before the model loads
         stored = manifest["model"]
         lm = model if isinstance(model, LoadedModel) else load_model(model or stored["source"], device=device,
                                                                        dtype=dtype or stored["spec"]["dtype"])
@@ -174,7 +175,6 @@ class KVRag(PromptAnswers):
         if bad is not None:
             raise IndexCorruptError(index.files.db, f"holds chunk key {bad[:60]!r}, which kvrag never writes",
                                     fix=f"rebuild the index from its documents (kvrag index DOCS --index {path})")
-        codec = make_codec(manifest["codec"]["name"], manifest["codec"].get("level"))
         if codec.needs_fit:
             load_codec_state(codec, path)
         prompt = manifest["prompt"]
@@ -240,7 +240,7 @@ class KVRag(PromptAnswers):
         return pipeline.retrieve(self.context, question, k)
 
     def resolve_chunks(self, chunks: Sequence[str | RetrievedChunk]) -> list[RetrievedChunk]:
-        """Chunk keys (or chunks) to `RetrievedChunk`s; unknown keys raise KeyError naming the key."""
+        """Chunk keys (or chunks) to `RetrievedChunk`s; an unknown key raises `ChunkNotFoundError` (a `KeyError`)."""
         return pipeline.resolve_chunks(self.index, chunks)
 
     def prompt_text(self, question: str, chunks: Sequence[str | RetrievedChunk]) -> str:

@@ -67,8 +67,9 @@ class RepairReport:
 
 
 def repair_index(path: str | os.PathLike[str], model: Any = None, device: str | None = None,
-                 show_progress: bool = False) -> RepairReport:
-    """Repair the index at ``path`` (see the module docstring) and return a `RepairReport`.
+                 show_progress: bool = False, embedder: str | None = None) -> RepairReport:
+    """Repair the index at ``path`` (see the module docstring) and return a `RepairReport`. ``embedder``: the
+    index's embedder when the manifest names it by a path outside the index (loaded only when named here).
 
     Raises:
         IndexCorruptError: what cannot be rebuilt from what is left (a link out of the folder, a manifest
@@ -95,10 +96,10 @@ def repair_index(path: str | os.PathLike[str], model: Any = None, device: str | 
         renumbered = _repair_db(path, manifest, found, report)
         parts = {p.part for p in found.problems}
         if renumbered or "vectors" in parts:
-            _reembed(path, manifest, report, device)
+            _reembed(path, manifest, report, device, embedder)
         redo = _damaged_caches(path, manifest, found, report, "codec" in parts)
         if redo:
-            _recompute(path, redo, report, model, device, show_progress)
+            _recompute(path, redo, report, model, device, show_progress, embedder)
     report.after = verify_index(path)
     return report
 
@@ -204,12 +205,15 @@ def _salvage(db: Path) -> tuple[list[tuple[Any, ...]], list[str]]:
     return rows, lost
 
 
-def _reembed(path: Path, manifest: dict[str, Any], report: RepairReport, device: str | None) -> None:
-    files = IndexLayout.of(path)
+def _reembed(path: Path, manifest: dict[str, Any], report: RepairReport, device: str | None,
+             given: str | None) -> None:
     import numpy as np
 
     from kvrag.embedder import Embedder
+    from kvrag.indexing.manifest import check_embedder
 
+    files = IndexLayout.of(path)
+    check_embedder(manifest, path, given)
     with contextlib.closing(chunk_db.connect(files.db, path)) as conn, chunk_db.guarded(files.db, path):
         texts = [t for (t,) in conn.execute("SELECT text FROM chunks ORDER BY row")]
     embedder = Embedder(manifest["embedder"], device=device)
@@ -268,14 +272,14 @@ def _damaged_caches(path: Path, manifest: dict[str, Any], found: VerifyReport, r
 
 
 def _recompute(path: Path, keys: set[str], report: RepairReport, model: Any, device: str | None,
-               show_progress: bool) -> None:
+               show_progress: bool, embedder: str | None) -> None:
     """Run the build loop over the chunks ``keys`` (in row order): it stores the caches they lack."""
     from kvrag.indexing.build import Builder, BuildStats, Candidate
     from kvrag.prompt import chunk_token_ids
     from kvrag.rag import KVRag
 
     files = IndexLayout.of(path)
-    rag = KVRag.open(path, model=model, device=device)
+    rag = KVRag.open(path, model=model, device=device, embedder=embedder)
     try:
         records = [r for r in rag.index.records() if r.key in keys]
         candidates = [Candidate(r, chunk_token_ids(rag.lm.tokenizer, r.text)) for r in records]

@@ -55,7 +55,7 @@ class ChatSessions:
                  config: SessionConfig | None = None) -> None:
         self.lm, self.conversation_of = lm, conversation_of
         self.config = config or SessionConfig()
-        self.tiers = SessionTiers(self.config, lm.device)
+        self.tiers = SessionTiers(self.config, lm.device, scope=lm.fingerprint[:16])
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvrag-keep")
         self._pending: dict[str, Future[None]] = {}  # keeps still running, by the key they keep under
         self._lock = threading.Lock()

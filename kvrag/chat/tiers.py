@@ -13,13 +13,22 @@ Contract:
   only when nothing else can go, and an expected entry on disk is read back to host memory ahead of its
   request, in the background. `release` ends that. Among the rest, the least recently used goes first.
 - `put` may be called from a background thread; every method is thread-safe.
+- The disk tier degrades, never fails a request: an entry that cannot be written (a full disk) or read back
+  (a damaged file) is dropped, counted (``write_errors``, ``read_errors``) and warned about once.
+- A disk tier in a folder of the caller's (``disk_dir``) outlives the process: its entries sit in a subfolder
+  named by ``scope`` (the model's fingerprint), each file written whole under a temporary name and renamed, and a
+  new `SessionTiers` over that folder finds them again, least recently written first, up to its bound; only
+  ``<32 hex digits>.safetensors`` files are entries, so a file a killed writer left half-written (its temporary
+  name) is never read, and one older than a minute is removed.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -33,6 +42,9 @@ from kvrag.config import SessionConfig
 from kvrag.storage.atomic import atomic_write_bytes
 
 log = logging.getLogger(__name__)
+
+ENTRY_NAME = re.compile(r"[0-9a-f]{32}\.safetensors")
+STALE_TEMP_S = 60.0  # a temporary file older than this was left by a killed writer
 
 
 class _Tier:
@@ -55,7 +67,7 @@ class _Tier:
 class SessionTiers:
     """The tiered store of conversations' KV (see the module contract)."""
 
-    def __init__(self, config: SessionConfig, device: torch.device) -> None:
+    def __init__(self, config: SessionConfig, device: torch.device, scope: str = "") -> None:
         self.config = config
         self.device = device
         names = (["device"] if device.type == "cuda" and config.device_bytes else []) + ["host"]
@@ -65,13 +77,38 @@ class SessionTiers:
             if config.disk_dir is None:
                 self._tmp = tempfile.TemporaryDirectory(prefix="kvrag-sessions-")
             self.disk_dir = Path(config.disk_dir or self._tmp.name)  # type: ignore[union-attr]
+            if config.disk_dir is not None and scope:
+                self.disk_dir = self.disk_dir / scope
             self.disk_dir.mkdir(parents=True, exist_ok=True)
             self.tiers.append(_Tier("disk", config.disk_bytes))
-        self.lookups = self.misses = 0
+        self.lookups = self.misses = self.write_errors = self.read_errors = 0
         self.expected: dict[str, int] = {}
         self.aliases: dict[str, tuple[str, int]] = {}  # a prefix's key -> (the entry holding it, its tokens)
         self._lock = threading.RLock()
         self._reading: dict[str, threading.Event] = {}
+        if config.disk_bytes and config.disk_dir is not None:
+            self._find_kept_entries()
+
+    def _find_kept_entries(self) -> None:
+        """Take up the entries an earlier process left in the disk folder (oldest first), within the bound."""
+        disk, now = self.tiers[-1], time.time()
+        found = []
+        for path in self.disk_dir.iterdir():
+            try:
+                stat = path.stat()
+            except OSError:
+                continue
+            if ENTRY_NAME.fullmatch(path.name):
+                found.append((stat.st_mtime, path, stat.st_size))
+            elif path.name.endswith(".tmp") and now - stat.st_mtime > STALE_TEMP_S:
+                path.unlink(missing_ok=True)  # half-written by a killed writer: never an entry
+        for _, path, size in sorted(found, reverse=True):  # the most recent first, while they fit
+            if disk.used + size > disk.limit:
+                path.unlink(missing_ok=True)
+                continue
+            disk.entries[path.name.removesuffix(".safetensors")] = path
+            disk.sizes[path.name.removesuffix(".safetensors")] = size
+        disk.entries = OrderedDict(reversed(list(disk.entries.items())))  # least recent first, as in LRU order
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -89,8 +126,12 @@ class SessionTiers:
                 target, length = self.aliases.get(key, (key, None)) if not self.contains(key) else (key, None)
                 for tier in self.tiers:
                     if target in tier.entries:
+                        try:
+                            entry = self._take(tier, target)
+                        except Exception as exc:  # a damaged disk entry: dropped, a miss
+                            self._count_error("read", exc)
+                            break
                         tier.hits += 1
-                        entry = self._take(tier, target)
                         self._insert(0, target, entry)
                         return (entry if length is None else entry.head(length)), tier.name
             self.misses += 1
@@ -111,9 +152,19 @@ class SessionTiers:
         tier.sizes.pop(key)
         if tier.name == "disk":
             path = value
-            value = _read_file(path, self._device_of(0))
-            path.unlink(missing_ok=True)
+            try:
+                value = _read_file(path, self._device_of(0))
+            finally:
+                path.unlink(missing_ok=True)
         return value.to(self._device_of(0))
+
+    def _count_error(self, kind: str, exc: BaseException) -> None:
+        """Count a disk tier ``kind`` ("read"/"write") error; warn on the first of each kind."""
+        count = getattr(self, f"{kind}_errors") + 1
+        setattr(self, f"{kind}_errors", count)
+        if count == 1:
+            log.warning("the conversations' disk tier could not %s an entry (%s); it is dropped and recomputed "
+                        "when needed (further failures are counted, not logged)", kind, exc)
 
     def _device_of(self, level: int) -> torch.device:
         return self.device if self.tiers[level].name == "device" else torch.device("cpu")
@@ -138,7 +189,7 @@ class SessionTiers:
 
     def _insert(self, level: int, key: str, entry: HistoryKV) -> None:
         if level >= len(self.tiers):  # off the bottom tier, with the prefixes that pointed into it
-            self.aliases = {a: (k, n) for a, (k, n) in self.aliases.items() if k != key}
+            self._forget(key)
             return
         tier = self.tiers[level]
         size = entry.nbytes
@@ -147,15 +198,27 @@ class SessionTiers:
             return
         while tier.used + size > tier.limit:
             victim = self._victim(tier)
-            moved = self._take(tier, victim)
-            self._insert(level + 1, victim, moved)
+            if level + 1 >= len(self.tiers):  # off the bottom: nothing to read back
+                self._drop(tier, victim)
+                self._forget(victim)
+                continue
+            self._insert(level + 1, victim, self._take(tier, victim))
         if tier.name == "disk":
             path = self.disk_dir / f"{key}.safetensors"
-            atomic_write_bytes(path, _to_bytes(entry), fsync=False)
+            try:
+                atomic_write_bytes(path, _to_bytes(entry), fsync=False)
+            except OSError as exc:  # a full disk: the entry goes off the bottom
+                self._count_error("write", exc)
+                self._insert(level + 1, key, entry)
+                return
             tier.entries[key] = path
         else:
             tier.entries[key] = entry.to(self._device_of(level))
         tier.sizes[key] = size
+
+    def _forget(self, key: str) -> None:
+        """Drop the prefixes that pointed into the entry ``key``, which no tier holds any more."""
+        self.aliases = {a: (k, n) for a, (k, n) in self.aliases.items() if k != key}
 
     def _victim(self, tier: _Tier) -> str:
         """The least recently used entry not expected by a queued request (else the least recently used)."""
@@ -189,8 +252,9 @@ class SessionTiers:
                 if key in disk.entries:
                     entry = self._take(disk, key)
                     self._insert(max(0, len(self.tiers) - 2), key, entry)
-        except Exception as exc:  # a failed read-ahead only costs the read on the request's path
-            log.warning("reading a conversation's KV back from disk failed: %s", exc)
+        except Exception as exc:  # a damaged entry: dropped; the request's path then finds no entry
+            with self._lock:
+                self._count_error("read", exc)
         finally:
             with self._lock:
                 self._reading.pop(key, None)
@@ -208,13 +272,15 @@ class SessionTiers:
     def stats(self) -> dict[str, Any]:
         """Lookups, misses, and per tier its hits, bytes, limit and entries."""
         with self._lock:
-            return {"lookups": self.lookups, "misses": self.misses,
-                    "tiers": {tier.name: tier.stats() for tier in self.tiers}}
+            return {"lookups": self.lookups, "misses": self.misses, "write_errors": self.write_errors,
+                    "read_errors": self.read_errors, "tiers": {tier.name: tier.stats() for tier in self.tiers}}
 
     def close(self) -> None:
-        """Drop every entry (and the temporary disk folder)."""
+        """Drop every entry in memory, and the temporary disk folder; a folder of the caller's keeps its entries."""
         with self._lock:
             for tier in self.tiers:
+                if tier.name == "disk" and self._tmp is None:
+                    continue
                 for key in list(tier.entries):
                     self._drop(tier, key)
             self.aliases.clear()

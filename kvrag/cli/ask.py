@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvrag.cli.common import add_store_flags, fraction, non_negative_int, positive_int, store_arg
+from kvrag.cli.common import add_embedder_flag, add_store_flags, fraction, non_negative_int, positive_int, store_arg
 from kvrag.config import DEFAULT_MODE
 from kvrag.errors import IndexNotFoundError, InputError
 from kvrag.fusion import available_modes
@@ -65,6 +65,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                         "it from its text) that meets it at the store's measured bandwidth (an index built with "
                         "--stream-levels offers several levels); implies --gate off unless --gate is given")
     add_store_flags(p, building=False)
+    add_embedder_flag(p)
     p.set_defaults(func=run)
 
 
@@ -110,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
 
     _check(args)
     t0 = time.perf_counter()
-    rag = KVRag.open(args.index, model=args.model, device=args.device, store=store_arg(args))
+    rag = KVRag.open(args.index, model=args.model, device=args.device, store=store_arg(args),
+                     embedder=args.embedder)
     load_s = time.perf_counter() - t0
     try:
         kwargs: dict[str, Any] = dict(k=args.k, mode=args.mode, ratio=args.ratio, max_new_tokens=args.max_new_tokens,

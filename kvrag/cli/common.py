@@ -5,8 +5,9 @@ Contract: `Parser` reports a usage error as one line ``kvrag: error: …`` on st
 and ``--debug`` on the top-level parser (with defaults) and on each subcommand (without, so that a
 flag given before the subcommand survives); they work in either place. `add_store_flags` adds
 ``--store URL`` and ``--store-cache-mb N`` (where the chunk caches live; `store_arg` turns them into
-``KVRag``'s ``store=``). Argument types name the argument's problem and the value given. Nothing here
-imports torch.
+``KVRag``'s ``store=``); `add_embedder_flag` adds ``--embedder PATH`` (the index's embedder, named by the
+user when the manifest names a path outside the index). Argument types name the argument's problem and the
+value given. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -52,6 +53,13 @@ def add_store_flags(parser: argparse.ArgumentParser, building: bool) -> None:
     parser.add_argument("--store-cache-mb", type=non_negative_float, default=None, metavar="MB",
                         help=f"size of the in-memory cache of hot chunk caches in front of a Redis store "
                              f"(default {StoreConfig.cache_mb:g}; 0: none)")
+
+
+def add_embedder_flag(parser: argparse.ArgumentParser) -> None:
+    """``--embedder``: the index's embedder; a manifest's path outside the index is loaded only when named."""
+    parser.add_argument("--embedder", default=None, metavar="PATH",
+                        help="the index's embedder; needed when its manifest names a local path outside the index, "
+                             "which kvrag loads only when you name it")
 
 
 def store_arg(args: argparse.Namespace) -> str | StoreConfig | None:

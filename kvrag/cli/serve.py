@@ -5,8 +5,10 @@ Contract: a missing index folder, or FastAPI/uvicorn/prometheus-client not insta
 line, before anything is served. The model is the index's (``--model`` as in ``kvrag ask``). Prints
 one line on stderr once the port is bound, then serves until SIGTERM (exit status 0) or Ctrl-C (130,
 as every command); either way the server stops gracefully and the index is closed. ``--api-key``
-(default: the ``KVRAG_API_KEY`` environment variable) guards the ``/v1`` routes. ``-v`` shows
-uvicorn's access log.
+(default: the ``KVRAG_API_KEY`` environment variable) guards the ``/v1`` routes. ``--max-wait`` bounds a
+request's expected wait for its first token (429 with ``Retry-After`` beyond it); the ``--session-*`` flags
+bound the conversations' tiers (``--session-dir`` keeps the disk tier across restarts); ``--store`` and
+``--embedder`` are as in ``kvrag ask``. ``-v`` shows uvicorn's access log.
 """
 
 from __future__ import annotations
@@ -20,7 +22,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvrag.cli.common import non_negative_int, positive_int
+from kvrag.cli.common import (
+    add_embedder_flag,
+    add_store_flags,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    store_arg,
+)
+from kvrag.config import SessionConfig
 from kvrag.errors import IndexNotFoundError
 
 HELP = "serve an index over an OpenAI-compatible HTTP API"
@@ -32,6 +42,11 @@ def port_number(text: str) -> int:
     if value > 65535:
         raise argparse.ArgumentTypeError(f"must be a port number from 0 to 65535, got {text!r}")
     return value
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a duration in seconds, ``10`` or ``10s``, zero or more."""
+    return non_negative_float(text.strip().removesuffix("s"))
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -54,6 +69,13 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                    help="conversations generating at once, stepped token by token in turn (default 8)")
     p.add_argument("--max-queue", type=non_negative_int, default=64, metavar="N",
                    help="requests that may wait for a generation slot; more are refused with 429 (default 64)")
+    p.add_argument("--max-wait", type=seconds, default=10.0, metavar="SECONDS",
+                   help="refuse with 429 and Retry-After a request whose expected wait for its first token, "
+                        "estimated from measured service times, exceeds this (e.g. 10 or 10s; 0: no bound; "
+                        "default 10)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="serve at once, without answering one warm-up question first (the first service times "
+                        "are then measured on the first requests)")
     p.add_argument("--model-name", default=None, metavar="NAME",
                    help="the model's name in /v1/models and responses (default: the index's model)")
     p.add_argument("--model", default=None,
@@ -61,6 +83,16 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                         "it is the same model")
     p.add_argument("--device", default=None,
                    help="torch device for the model and the embedder, e.g. cpu or cuda (default: cuda if available)")
+    p.add_argument("--session-host-mb", type=non_negative_float, default=None, metavar="MB",
+                   help=f"host memory for conversations' kept KV (default {SessionConfig.host_bytes >> 20})")
+    p.add_argument("--session-disk-mb", type=non_negative_float, default=None, metavar="MB",
+                   help=f"disk for conversations' kept KV, below host memory "
+                        f"(default {SessionConfig.disk_bytes >> 20}; 0: none)")
+    p.add_argument("--session-dir", default=None, metavar="DIR",
+                   help="the disk tier's folder; its conversations are found again after a restart (default: a "
+                        "temporary folder, removed on exit)")
+    add_store_flags(p, building=False)
+    add_embedder_flag(p)
     p.set_defaults(func=run)
 
 
@@ -80,6 +112,17 @@ def _ready(args: argparse.Namespace, api_key: str | None) -> Callable[[str], Non
     return announce
 
 
+def session_config(args: argparse.Namespace) -> SessionConfig | None:
+    """The conversations' tiers the flags ask for (None: the defaults)."""
+    if args.session_host_mb is None and args.session_disk_mb is None and args.session_dir is None:
+        return None
+    default = SessionConfig()
+    host, disk = args.session_host_mb, args.session_disk_mb
+    return SessionConfig(host_bytes=default.host_bytes if host is None else int(host * (1 << 20)),
+                         disk_bytes=default.disk_bytes if disk is None else int(disk * (1 << 20)),
+                         disk_dir=args.session_dir)
+
+
 def run(args: argparse.Namespace) -> int:
     from kvrag.serve import check_installed
 
@@ -90,12 +133,16 @@ def run(args: argparse.Namespace) -> int:
 
     options = ServeOptions(model_name=args.model_name, api_key=args.api_key or None,
                            history_cache=not args.no_history_cache, k=args.k, max_tokens=args.max_tokens,
-                           max_active=args.max_active, max_queue=args.max_queue)
+                           max_active=args.max_active, max_queue=args.max_queue,
+                           max_wait=args.max_wait or None, warmup=not args.no_warmup)
     sock = bind(args.host, args.port)  # a taken port fails here, before the model loads
     try:
         from kvrag.rag import KVRag  # torch and the rest load only now
 
-        rag = KVRag.open(args.index, model=args.model, device=args.device)
+        rag = KVRag.open(args.index, model=args.model, device=args.device, embedder=args.embedder,
+                         store=store_arg(args))
+        if sessions := session_config(args):
+            rag.configure_sessions(sessions)
     except BaseException:
         sock.close()
         raise

@@ -7,6 +7,11 @@ than the index's ``chunks/`` folder, without its password, and the namespace of 
 `kvrag.storage.stores.cached.store_record`), and the ``stream_levels``: the codec levels each chunk's cache is
 also stored at for the streaming loader (absent when none; `check_stream_levels`). `new_manifest` writes
 nothing: `ChunkIndex.create` stores it atomically.
+
+A manifest's checksum detects damage, not tampering: whoever can edit the file can recompute it. So what a
+manifest names is checked before it is used: `manifest_codec` turns a codec or level this kvrag does not offer
+into one `IndexCorruptError`, and `check_embedder` refuses an embedder path outside the index (a
+sentence-transformers folder names the Python classes it is built from) unless the caller passes it.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ from typing import Any
 
 from kvrag.codec.base import Codec
 from kvrag.config import SplitConfig, StoreConfig
-from kvrag.errors import IndexMismatchError
+from kvrag.errors import IndexCorruptError, IndexMismatchError, UntrustedPathError
 from kvrag.model import LoadedModel
 from kvrag.prompt import PromptLayout
+from kvrag.storage.index_layout import IndexLayout
 from kvrag.storage.stores.cached import store_record
 
 log = logging.getLogger(__name__)
@@ -102,6 +108,69 @@ def check_model(manifest: dict[str, Any], lm: LoadedModel, path: Path) -> None:
         raise IndexMismatchError(
             f"index {path} was built with model {stored['source']!r} (fingerprint "
             f"{stored['fingerprint']}), but the model given is {lm.source!r} (fingerprint {lm.fingerprint})")
+
+
+def manifest_codec(manifest: dict[str, Any], path: Path) -> Codec:
+    """The codec ``manifest`` names, unfitted; `IndexCorruptError` naming the manifest for one kvrag does not offer."""
+    from kvrag.codec.base import make_codec
+
+    params = manifest.get("codec")
+    name, level = (params.get("name"), params.get("level")) if isinstance(params, dict) else (None, None)
+    try:
+        return make_codec(name, level)  # type: ignore[arg-type]
+    except (ValueError, KeyError, TypeError) as exc:
+        shown = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        raise IndexCorruptError(IndexLayout.of(path).manifest,
+                                f"names codec {str(name)[:40]!r} at level {str(level)[:20]}, which this kvrag cannot "
+                                f"read ({shown})",
+                                fix=f"rebuild the index from its documents (kvrag index DOCS --index {path})") from None
+
+
+def outside_path(name: str, root: Path) -> Path | None:
+    """The folder or file ``name`` loads from when it is a local path outside ``root``; None for a hub id or a
+    path inside ``root``. A name is a local path when it is absolute, starts with ``.`` or ``~``, or exists.
+    """
+    candidate = Path(name).expanduser()
+    if not (candidate.is_absolute() or name.startswith((".", "~")) or candidate.exists()):
+        return None
+    resolved = candidate.resolve()
+    return None if resolved.is_relative_to(root.resolve()) else resolved
+
+
+def check_embedder(manifest: dict[str, Any], path: Path, given: str | None) -> None:
+    """Refuse to load the manifest's embedder from a path outside the index unless the caller names it (``given``).
+
+    Raises:
+        IndexMismatchError: ``given`` is not the index's embedder.
+        UntrustedPathError: the manifest's embedder is a path outside the index and ``given`` is None.
+    """
+    from kvrag.embedder import Embedder
+
+    stored = manifest.get("embedder")
+    if not isinstance(stored, str) or not stored:
+        raise IndexCorruptError(IndexLayout.of(path).manifest, "names no embedder",
+                                fix=f"rebuild the index from its documents (kvrag index DOCS --index {path})")
+    if given is not None:
+        if Embedder(given).name != stored:
+            raise IndexMismatchError(f"index uses embedder {stored!r}, not {given!r}")
+        return
+    if outside_path(stored, path) is not None:
+        raise UntrustedPathError(f"{IndexLayout.of(path).manifest} names embedder {stored[:200]!r}, a path outside "
+                                 f"the index; kvrag loads it only if you name it yourself: KVRag.open(..., "
+                                 f"embedder=PATH) or --embedder PATH")
+
+
+def check_opened(manifest: dict[str, Any], path: Path, embedder: str | None) -> Codec:
+    """Check an index's manifest before opening it; return its codec (unfitted).
+
+    Raises:
+        IndexMismatchError: another format version, or ``embedder`` is not the index's.
+        UntrustedPathError: the manifest's embedder is a path outside the index and ``embedder`` is None.
+        IndexCorruptError: the manifest names a codec or level this kvrag does not offer.
+    """
+    check_format(manifest, path)
+    check_embedder(manifest, path, embedder)
+    return manifest_codec(manifest, path)
 
 
 def check_build_args(manifest: dict[str, Any], path: Path, model: Any, embedder: str | None, codec: str | None,

@@ -1,7 +1,8 @@
 """The FastAPI application: OpenAI-compatible routes over an opened `KVRag`, and running it under uvicorn.
 
-Contract: `create_app(rag, options)` builds the app; its lifespan starts the `Scheduler`'s worker
-thread (the only thread that touches ``rag``) and stops it on shutdown. It never closes ``rag``: the
+Contract: `create_app(rag, options)` builds the app; its lifespan answers one warm-up question (unless
+``options.warmup`` is off), then starts the `Scheduler`'s worker thread (the only thread that touches ``rag``
+from then on) and stops it on shutdown. It never closes ``rag``: the
 caller owns it. Routes:
 
 - ``POST /v1/chat/completions`` (`kvrag.serve.completions`);
@@ -17,6 +18,7 @@ OpenAI's ``{"error": {...}}`` object. `run_server` serves the app with uvicorn u
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import socket
 import time
@@ -37,6 +39,8 @@ from kvrag.serve.metrics import ServeMetrics
 from kvrag.serve.openai_schema import RequestDefaults, RequestError, parse_chat_request
 from kvrag.serve.scheduler import Scheduler
 
+WARMUP_QUESTION = "What are these passages about?"
+
 
 @dataclass(frozen=True)
 class ServeOptions:
@@ -50,6 +54,10 @@ class ServeOptions:
         max_tokens: the answer's length limit when a request names no ``max_tokens``.
         max_active: conversations generating at once, stepped in turn.
         max_queue: requests that may wait for a slot; more get 429.
+        max_wait: seconds; a request whose expected wait for its first token (from measured service times)
+            exceeds it gets 429 with ``Retry-After`` (None: only ``max_queue`` bounds the wait).
+        warmup: answer one question before serving, loading what loads on first use and measuring the first
+            service times.
     """
 
     model_name: str | None = None
@@ -59,6 +67,8 @@ class ServeOptions:
     max_tokens: int = 256
     max_active: int = 8
     max_queue: int = 64
+    max_wait: float | None = 10.0
+    warmup: bool = True
 
 
 def default_model_name(rag: Any) -> str:
@@ -78,10 +88,11 @@ class ServerState:
         self.created = int(time.time())
         self.defaults = RequestDefaults(k=options.k, max_tokens=options.max_tokens,
                                         history_cache=options.history_cache, modes=available_modes())
-        self.scheduler = Scheduler(rag, options.max_active, options.max_queue)
+        self.scheduler = Scheduler(rag, options.max_active, options.max_queue, options.max_wait)
         has_sessions = getattr(rag, "sessions", None) is not None  # created here, before the worker starts
         self.metrics = ServeMetrics(self.scheduler.queue_depth, self.scheduler.active_count,
-                                    (lambda: rag.sessions.stats()) if has_sessions else (lambda: None))
+                                    (lambda: rag.sessions.stats()) if has_sessions else (lambda: None),
+                                    self.scheduler.expected_wait)
 
     def check_key(self, request: Request) -> None:
         """Raise a 401 `RequestError` unless the request carries the API key (when one is set)."""
@@ -129,6 +140,8 @@ def create_app(rag: Any, options: ServeOptions | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if state.options.warmup:  # before the worker starts: this thread is then the only one touching rag
+            await asyncio.to_thread(state.scheduler.warm_up, WARMUP_QUESTION, max(state.options.k, 1))
         state.scheduler.start()
         try:
             yield
@@ -142,7 +155,7 @@ def create_app(rag: Any, options: ServeOptions | None = None) -> FastAPI:
     async def refused(request: Request, exc: RequestError) -> JSONResponse:
         state.metrics.count_request(request.url.path if request.url.path.startswith("/v1/") else "other",
                                     exc.status)
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     app.include_router(_v1_routes(state))
 

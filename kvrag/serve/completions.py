@@ -1,7 +1,8 @@
 """``POST /v1/chat/completions``: a parsed request through the scheduler, answered whole or as SSE chunks.
 
 Contract: `complete(state, request, chat)` queues the chat as a `Job` (429 in OpenAI's error shape when
-the queue is full) and answers it. Events cross from the worker thread to the event loop through an
+the queue is full or its expected wait exceeds ``--max-wait``, with ``Retry-After``) and answers it.
+Events cross from the worker thread to the event loop through an
 `asyncio.Queue` fed with ``loop.call_soon_threadsafe``. A streaming request's response starts only once
 its first event arrives, so a request kvrag refuses (an `InputError`: 400) or that fails (500) gets a
 plain error response. After that, text pieces go out as ``chat.completion.chunk`` events (a first one
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -33,7 +35,7 @@ from kvrag.serve.openai_schema import (
     new_completion_id,
     usage_body,
 )
-from kvrag.serve.scheduler import Done, Event, Failed, Job, Piece, QueueFull, ServerStopping
+from kvrag.serve.scheduler import Done, Event, Failed, Job, Piece, QueueFull, ServerStopping, WaitTooLong
 
 if TYPE_CHECKING:
     from kvrag.serve.app import ServerState
@@ -150,8 +152,10 @@ async def complete(state: ServerState, request: Request, chat: ChatRequest) -> R
     try:
         state.scheduler.submit(job)
     except QueueFull as exc:
-        raise RequestError(f"the server is busy: {exc}; retry later", status=429, kind="rate_limit_error",
-                           code="rate_limit_exceeded") from None
+        retry = math.ceil(exc.retry_after)
+        state.metrics.count_refusal("wait" if isinstance(exc, WaitTooLong) else "queue")
+        raise RequestError(f"the server is busy: {exc}; retry after {retry} s", status=429, kind="rate_limit_error",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(retry)}) from None
     except ServerStopping as exc:
         raise failure(exc) from None
     if chat.stream:
@@ -209,8 +213,13 @@ async def _chunks(state: ServerState, exchange: Exchange, job: Job, chat: ChatRe
     try:
         yield _sse(chunk_body(cid, model, created, {"role": "assistant", "content": ""}))
         event: Event | None = first
+        last_piece: float | None = None
         while event is not None:
             if isinstance(event, Piece):
+                now = time.perf_counter()
+                if last_piece is not None:
+                    state.metrics.observe_inter_token(now - last_piece)
+                last_piece = now
                 if content := text.push(event.text):
                     yield _sse(chunk_body(cid, model, created, {"content": content}))
             elif isinstance(event, Failed):

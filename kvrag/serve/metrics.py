@@ -14,10 +14,15 @@ cache). Metric names, all prefixed ``kvrag_``:
 - ``kvrag_history_reused_tokens_total`` (prefill saved by the history cache),
   ``kvrag_history_prefilled_tokens_total``;
 - ``kvrag_queue_depth``, ``kvrag_active_requests`` (gauges);
+- ``kvrag_expected_wait_seconds`` (gauge: a request's expected wait for its first token now, -1 before anything
+  was measured), ``kvrag_refused_total{reason}`` (429s: ``queue`` full or expected ``wait`` too long);
+- ``kvrag_inter_token_seconds``: time between a streamed answer's text pieces (histogram);
+- ``process_resident_memory_bytes`` and the other ``process_*`` figures (where /proc exists);
 - ``kvrag_session_lookups_total``, ``kvrag_session_misses_total``, ``kvrag_session_saves_total``,
-  ``kvrag_session_save_errors_total``, ``kvrag_session_save_seconds_total``, and per tier (``device``/``host``/``disk``)
-  ``kvrag_session_tier_hits_total``, ``kvrag_session_tier_bytes``, ``kvrag_session_tier_limit_bytes``,
-  ``kvrag_session_tier_entries``.
+  ``kvrag_session_save_errors_total``, ``kvrag_session_save_seconds_total``,
+  ``kvrag_session_disk_write_errors_total``, ``kvrag_session_disk_read_errors_total``, and per tier
+  (``device``/``host``/``disk``) ``kvrag_session_tier_hits_total``, ``kvrag_session_tier_bytes``,
+  ``kvrag_session_tier_limit_bytes``, ``kvrag_session_tier_entries``.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 try:
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
     from prometheus_client.exposition import CONTENT_TYPE_LATEST
     from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
     from prometheus_client.registry import Collector
@@ -37,6 +42,7 @@ except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the
 log = logging.getLogger(__name__)
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 120.0)
 TIER_GAUGES = (("bytes", "kvrag_session_tier_bytes", "bytes held by the tier"),
                ("limit", "kvrag_session_tier_limit_bytes", "the tier's capacity in bytes"),
@@ -62,7 +68,11 @@ class SessionCollector(Collector):
                                 ("misses", "kvrag_session_misses", "history lookups that found nothing"),
                                 ("saves", "kvrag_session_saves", "conversation histories saved"),
                                 ("save_errors", "kvrag_session_save_errors", "conversation histories not saved"),
-                                ("save_s", "kvrag_session_save_seconds", "seconds spent saving histories")):
+                                ("save_s", "kvrag_session_save_seconds", "seconds spent saving histories"),
+                                ("write_errors", "kvrag_session_disk_write_errors",
+                                 "histories the disk tier could not write (a full disk): dropped"),
+                                ("read_errors", "kvrag_session_disk_read_errors",
+                                 "histories the disk tier could not read back: dropped, recomputed")):
             if key in stats:
                 yield CounterMetricFamily(name, what, value=float(stats[key]))
         tiers = stats.get("tiers") or {}
@@ -85,10 +95,12 @@ class ServeMetrics:
         queue_depth: returns how many requests wait for a slot (read at scrape time).
         active: returns how many requests are generating.
         session_stats: returns `rag.sessions.stats()` (or None).
+        expected_wait: returns a request's expected wait for its first token now (None: not measured yet).
     """
 
     def __init__(self, queue_depth: Callable[[], int], active: Callable[[], int],
-                 session_stats: Callable[[], dict[str, Any] | None]) -> None:
+                 session_stats: Callable[[], dict[str, Any] | None],
+                 expected_wait: Callable[[], float | None] = lambda: None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("kvrag_requests", "finished HTTP requests by endpoint and status code",
@@ -107,11 +119,26 @@ class ServeMetrics:
         Gauge("kvrag_queue_depth", "requests waiting for a generation slot",
               registry=r).set_function(lambda: float(queue_depth()))
         Gauge("kvrag_active_requests", "requests generating now", registry=r).set_function(lambda: float(active()))
+        Gauge("kvrag_expected_wait_seconds", "a request's expected wait for its first token now (-1: not measured)",
+              registry=r).set_function(lambda: float(-1.0 if (wait := expected_wait()) is None else wait))
+        self.refused = Counter("kvrag_refused", "requests refused with 429, by reason (queue full, wait too long)",
+                               ["reason"], registry=r)
+        self.inter_token = Histogram("kvrag_inter_token_seconds", "time between a streamed answer's text pieces",
+                                     buckets=TOKEN_BUCKETS, registry=r)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
         r.register(SessionCollector(session_stats))
 
     def count_request(self, endpoint: str, status: int) -> None:
         """Count one finished request."""
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def count_refusal(self, reason: str) -> None:
+        """Count one request refused with 429 (``queue`` or ``wait``)."""
+        self.refused.labels(reason=reason).inc()
+
+    def observe_inter_token(self, seconds: float) -> None:
+        """Record the time between two streamed text pieces."""
+        self.inter_token.observe(max(seconds, 0.0))
 
     def observe_answer(self, answer: Any, queue_s: float) -> None:
         """Record a finished `Answer`: TTFT, tokens, history reuse, and the time it queued."""

@@ -28,9 +28,11 @@ class RequestError(Exception):
     """A request kvrag refuses, with the HTTP status and OpenAI's error fields."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error", code: str | None = None) -> None:
+                 kind: str = "invalid_request_error", code: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
+        self.headers = dict(headers or {})  # e.g. Retry-After on a 429
 
     def body(self) -> dict[str, Any]:
         """The error as OpenAI's ``{"error": {...}}`` JSON object."""

@@ -2,8 +2,11 @@
 
 Contract: `KVRag` is not thread-safe, so every call into it (``chat_stream`` and its generators'
 ``next()``, ``sessions.expect``/``release``) happens on `Scheduler`'s worker thread. `Scheduler.submit`
-(any thread) queues a `Job` or raises `QueueFull` when ``max_queue`` jobs already wait for a slot: the
-queue is bounded, never unbounded memory. The worker keeps up to ``max_active`` jobs' ``chat_stream``
+(any thread) queues a `Job` or raises `QueueFull` when ``max_queue`` jobs already wait for a slot (the
+queue is bounded, never unbounded memory) or, with ``max_wait`` set, `WaitTooLong` when the job's expected
+wait for its first token exceeds it (`kvrag.serve.admission`, from the step times the worker measures); both
+carry ``retry_after``, the seconds after which a retry may be admitted. A cancelled job no longer counts.
+The worker keeps up to ``max_active`` jobs' ``chat_stream``
 generators and calls ``next()`` on each in turn, so concurrent conversations all progress; a job waiting
 for a slot has had ``rag.sessions.expect(messages)`` called (its history is prefetched and kept from
 eviction), and every job, however it ends, has ``rag.sessions.release(messages)`` called once.
@@ -25,11 +28,21 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrag.serve.admission import Pending, ServiceTimes, expected_wait
+
 log = logging.getLogger(__name__)
 
 
 class QueueFull(Exception):
-    """The bounded queue of waiting requests is full."""
+    """The bounded queue of waiting requests is full; ``retry_after``: seconds before a retry may be admitted."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class WaitTooLong(QueueFull):
+    """A request's expected wait for its first token exceeds the server's bound."""
 
 
 class ServerStopping(Exception):
@@ -74,6 +87,7 @@ class Job:
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None
     answer: Any = None
+    steps: int = 0  # next() calls that returned (the first one gives the first token)
     _cancelled: threading.Event = field(default_factory=threading.Event)
     _stream: Iterator[str] | None = None
 
@@ -86,6 +100,11 @@ class Job:
         """Whether `cancel` was called."""
         return self._cancelled.is_set()
 
+    def pending(self) -> Pending:
+        """What this job still needs of the worker, for `expected_wait`."""
+        limit = self.kwargs.get("max_new_tokens") or 256
+        return Pending(max(int(limit) - self.steps, 1), self.steps > 0)
+
 
 class Scheduler:
     """Serve chat jobs on one worker thread, interleaving up to ``max_active`` of them token by token.
@@ -94,12 +113,16 @@ class Scheduler:
         rag: the opened `KVRag`; only the worker thread touches it once `start` is called.
         max_active: how many conversations generate at once (round-robin, one step each in turn).
         max_queue: how many more may wait for a slot; beyond that `submit` raises `QueueFull`.
+        max_wait: the longest expected wait for a first token a job is admitted with (seconds; None: no bound);
+            beyond it `submit` raises `WaitTooLong`.
     """
 
-    def __init__(self, rag: Any, max_active: int = 8, max_queue: int = 64) -> None:
-        if max_active < 1 or max_queue < 0:
-            raise ValueError(f"max_active must be >= 1 and max_queue >= 0, got {max_active}, {max_queue}")
-        self.rag, self.max_active, self.max_queue = rag, max_active, max_queue
+    def __init__(self, rag: Any, max_active: int = 8, max_queue: int = 64, max_wait: float | None = None) -> None:
+        if max_active < 1 or max_queue < 0 or (max_wait is not None and not max_wait > 0):
+            raise ValueError(f"max_active must be >= 1, max_queue >= 0 and max_wait > 0 (or None), got "
+                             f"{max_active}, {max_queue}, {max_wait}")
+        self.rag, self.max_active, self.max_queue, self.max_wait = rag, max_active, max_queue, max_wait
+        self.times = ServiceTimes()  # written by the worker thread, read by submitters
         self._lock = threading.Condition()
         self._arrived: deque[Job] = deque()  # submitted, not yet seen by the worker (no expect() yet)
         self._waiting: deque[Job] = deque()  # seen by the worker (expect() called), waiting for a slot
@@ -112,6 +135,23 @@ class Scheduler:
     def start(self) -> None:
         """Start the worker thread."""
         self._thread.start()
+
+    def warm_up(self, question: str, k: int, tokens: int = 4) -> None:
+        """Answer ``question`` before `start` (loading what loads on first use), then again, taking its step times
+        as the first measurements, so that admission by expected wait holds from the first request on.
+        """
+        assert not self._thread.is_alive(), "warm_up runs before the worker starts"
+        try:
+            self.rag.answer(question, k=k, max_new_tokens=1)  # loads the embedder, fills caches: not measured
+            began = time.perf_counter()
+            answer = self.rag.answer(question, k=k, max_new_tokens=tokens)
+        except Exception as exc:  # the server still serves; admission waits for its own measurements
+            log.warning("the warm-up answer failed (%s); admission by wait starts after the first request", exc)
+            return
+        took, ttft = time.perf_counter() - began, float(getattr(answer, "ttft_s", 0.0) or 0.0)
+        first = ttft if 0.0 < ttft <= took else took
+        self.times.observe_first(first)
+        self.times.observe_step((took - first) / max(len(answer.token_ids) - 1, 1))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the worker: jobs still waiting or active fail with `ServerStopping`."""
@@ -131,13 +171,27 @@ class Scheduler:
         with self._lock:
             if self._stopping or (self._thread.ident is not None and not self._thread.is_alive()):
                 raise ServerStopping("the server is shutting down")
+            wait = self._expected_wait_locked()
             if self._queued_locked() >= self.max_queue + max(0, self.max_active - len(self._active)):
-                raise QueueFull(f"{self.max_queue} requests are already waiting")
+                raise QueueFull(f"{self.max_queue} requests are already waiting", max(wait or 1.0, 1.0))
+            busy = bool(self._active) or self._queued_locked() > 0  # alone, a job waits for nothing but itself
+            if self.max_wait is not None and wait is not None and wait > self.max_wait and busy:
+                raise WaitTooLong(f"its expected wait for a first token, {wait:.1f} s, exceeds the server's bound "
+                                  f"of {self.max_wait:g} s", max(wait - self.max_wait, 1.0))
             self._arrived.append(job)
             self._lock.notify_all()
 
     def _queued_locked(self) -> int:
-        return len(self._arrived) + len(self._waiting)
+        return sum(not job.cancelled for queue in (self._arrived, self._waiting) for job in queue)
+
+    def _expected_wait_locked(self) -> float | None:
+        queued = [job.pending() for queue in (self._waiting, self._arrived) for job in queue if not job.cancelled]
+        return expected_wait(self.times, [job.pending() for job in self._active], queued, self.max_active)
+
+    def expected_wait(self) -> float | None:
+        """Seconds a request submitted now would wait for its first token (None before anything was measured)."""
+        with self._lock:
+            return self._expected_wait_locked()
 
     def queue_depth(self) -> int:
         """Requests waiting for a slot (not yet generating)."""
@@ -210,12 +264,15 @@ class Scheduler:
             self._finish(job, None)
             return
         before = getattr(self.rag, "last_answer", None)
+        began = time.perf_counter()
         try:
             piece = next(job._stream)
         except StopIteration as stop:
             self._note_answer(job, before)
             if stop.value is not None:  # a generator that returns its Answer
                 job.answer = stop.value
+            if job.answer is not None:
+                self.times.observe_tokens(len(job.answer.token_ids))
             queue_s = job.started - job.submitted if job.started else 0.0
             self._finish(job, Done(job.answer, queue_s, self._finish_reason(job)))
             return
@@ -223,6 +280,12 @@ class Scheduler:
             self._close(job)
             self._finish(job, Failed(exc))
             return
+        took = time.perf_counter() - began
+        if job.steps == 0:
+            self.times.observe_first(took)
+        else:
+            self.times.observe_step(took)
+        job.steps += 1
         self._note_answer(job, before)
         if piece:
             job.emit(Piece(piece))

@@ -1,14 +1,12 @@
 """A retrieval index in one directory: FAISS vectors, chunk metadata and a manifest.
 
-Files: ``manifest.json`` (caller fields plus a reserved ``"vectors"`` section and a ``"checksum"`` over
-the rest; it makes a directory an index), ``chunks.sqlite`` (WAL; `kvrag.storage.chunk_db`: rows
-0..n-1 without gaps, each with a checksum, and a ``meta`` table), ``vectors.faiss`` (FAISS's format,
-never pickle; FAISS id ``i`` is ``row i``), ``index.lock`` (writers' ``flock``).
+Files (`kvrag.storage.index_layout`): the manifest (caller fields, a reserved ``"vectors"`` section and a
+checksum; it makes a directory an index), the chunk rows (`kvrag.storage.chunk_db`: WAL, rows 0..n-1 without
+gaps, each with a checksum), the FAISS vectors (never pickle; FAISS id ``i`` is row ``i``), the writers' lock.
 
-Integrity: every byte read is checked. The manifest against its checksum, each row against its
-digest, and ``vectors.faiss`` against the SHA-256 recorded in ``meta`` before it is parsed; damage
-raises `IndexCorruptError` naming the file and ``kvrag repair``. An index folder holding a link that
-leads outside it is refused (`kvrag.storage.integrity.check_confined`).
+Integrity: every byte read is checked (the manifest against its checksum, each row against its digest, the
+vectors against the SHA-256 recorded in ``meta`` before they are parsed); damage raises `IndexCorruptError` naming
+the file and ``kvrag repair``. A link leading out of the folder is refused (`kvrag.storage.integrity`).
 
 Commit protocol: an append records the new vectors file's hash as pending, atomically replaces
 ``vectors.faiss`` with the new vectors added, then inserts the rows and makes the pending hash the
@@ -44,7 +42,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-from kvrag.errors import IndexCorruptError, IndexNotFoundError, KVRagError
+from kvrag.errors import ChunkNotFoundError, IndexCorruptError, IndexNotFoundError, KVRagError
 from kvrag.storage import atomic, chunk_db
 from kvrag.storage.chunk_db import COLUMNS as _COLUMNS
 from kvrag.storage.chunk_db import ChunkRecord
@@ -206,10 +204,14 @@ class ChunkIndex:
             return set(self._keys)
 
     def get(self, key: str) -> ChunkRecord:
-        """Return the chunk stored under ``key``; raise KeyError naming the key if absent."""
+        """Return the chunk stored under ``key``; raise `ChunkNotFoundError` (a `KeyError`) naming the key, the
+        index and how to check it if absent.
+        """
         row = self._keys.get(key)
         if row is None:
-            raise KeyError(f"no chunk with key {key!r} in index {self.path}")
+            raise ChunkNotFoundError(f"no chunk with key {str(key)[:60]!r} in index {self.path}: a key from another "
+                                     f"index, or its row was lost from a damaged chunks.sqlite (check with "
+                                     f"'kvrag verify {self.path}', then 'kvrag repair {self.path}')")
         return self._fetch_rows([row])[row]
 
     def records(self) -> list[ChunkRecord]:

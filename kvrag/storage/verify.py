@@ -188,7 +188,12 @@ def _check_codec(path: Path, report: VerifyReport) -> Any:
     from kvrag.codec.base import make_codec
 
     params = (report.manifest or {}).get("codec", {})
-    codec = make_codec(params["name"], params.get("level"))
+    try:
+        codec = make_codec(params["name"], params.get("level"))
+    except (ValueError, KeyError, TypeError) as exc:  # a manifest edited with its checksum recomputed
+        what = f"names a codec this kvrag cannot read ({str(exc)[:160]})"
+        report._add("manifest", IndexLayout(path).manifest, what, False)
+        return None
     if codec.needs_fit:
         try:
             load_codec_state(codec, path)

@@ -13,7 +13,9 @@ Contract:
   ``contains``/``nbytes``/``sizes`` answer "absent"; a write waits in a pending list (at most
   ``max(max_bytes, PENDING_MIN_BYTES)``, the oldest dropped first). The store logs **one** warning for the
   whole outage. The first operation that reaches the store again stores the pending blobs
-  (`CachedStore.flush`): the chunks recomputed meanwhile are stored again. `close` tries once more.
+  (`CachedStore.flush`): the chunks recomputed meanwhile are stored again. A read served from the pending list
+  tries that too, in the background and at most once every ``PENDING_RETRY_S`` seconds, so that chunks read
+  only from there are stored once the store is back. `close` tries once more.
 - Reads that reach the store are timed in ``meter`` (`kvrag.storage.stores.base.LinkMeter`): the link's
   throughput, which the streaming loader plans with; reads served from memory are not.
 - `open_index_store` opens an index's chunk store: its ``chunks/`` folder by default, or the URL its manifest
@@ -44,6 +46,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MB = 1 << 20
+PENDING_RETRY_S = 1.0  # how often reads of pending blobs try to store them (in the background)
 PENDING_MIN_BYTES = 64 * MB  # room for caches recomputed while the store is away, whatever the cache's size
 _LOCAL = ("", "localhost")  # URL hosts of stores on this machine (``file://``, ``memory://``)
 _OWN = ("disk", "file")  # StoreConfig.backend values that mean "the index's own store"
@@ -77,6 +80,7 @@ class CachedStore(ByteStore):
         self._lock = threading.RLock()
         self._flushing = threading.Lock()
         self._down = False  # in an outage that has been warned about
+        self._last_retry = 0.0  # when a read of a pending blob last tried to store the pending ones
         self.hits = self.misses = 0
         self.meter: LinkMeter = LinkMeter()
 
@@ -161,6 +165,15 @@ class CachedStore(ByteStore):
         if waiting:
             self.flush()
 
+    def _retry_pending(self) -> None:
+        """While blobs wait for the store, try to store them in the background (at most every PENDING_RETRY_S)."""
+        with self._lock:
+            now = time.monotonic()
+            if not self._pending or now - self._last_retry < PENDING_RETRY_S:
+                return
+            self._last_retry = now
+        threading.Thread(target=self.flush, name="kvrag-store-flush", daemon=True).start()
+
     def flush(self) -> int:
         """Store the pending blobs, oldest first, until one fails; how many are still pending."""
         if not self._flushing.acquire(blocking=False):  # another thread is at it
@@ -218,6 +231,7 @@ class CachedStore(ByteStore):
         data = self._local(key)
         if data is not None:
             self.hits += 1
+            self._retry_pending()
             return io.BytesIO(data)
         self.misses += 1
         t0 = time.perf_counter()

@@ -1,0 +1,92 @@
+"""Admission by expected wait: how long a request submitted now would wait for its first token, from measured
+service times.
+
+Contract: `ServiceTimes` keeps moving averages of what the worker thread measured: the seconds of a job's first
+step (retrieval, fusion, prefill and the first token), of one later step (a token), and the tokens a finished
+job generated. `expected_wait(times, active, queued, max_active)` replays the worker's round-robin over the
+jobs ahead (processor sharing: with ``n`` jobs active each gets ``1/n`` of the worker) and returns the seconds
+until the new job's first token, or None while nothing has been measured. Each job is given as the tokens it may
+still generate and whether its first step is done. Nothing here touches the model, FastAPI or a clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SMOOTHING = 0.2  # the weight of each new measurement in the moving averages
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A job ahead of the new one: the tokens it may still generate, and whether its first step is done."""
+
+    tokens: int
+    started: bool
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else old + SMOOTHING * (new - old)
+
+
+@dataclass
+class ServiceTimes:
+    """Moving averages of the worker's measured service times (the worker thread writes, submitters read).
+
+    Attributes:
+        first_s: seconds of a job's first step (retrieval, fusion, prefill, first token); None until measured.
+        step_s: seconds of one later step (one token); None until measured.
+        tokens: tokens a finished job generated; None until a job finished.
+    """
+
+    first_s: float | None = None
+    step_s: float | None = None
+    tokens: float | None = None
+
+    def observe_first(self, seconds: float) -> None:
+        """Record a first step's duration."""
+        self.first_s = _average(self.first_s, max(seconds, 0.0))
+
+    def observe_step(self, seconds: float) -> None:
+        """Record a later step's duration."""
+        self.step_s = _average(self.step_s, max(seconds, 0.0))
+
+    def observe_tokens(self, count: int) -> None:
+        """Record how many tokens a finished job generated."""
+        self.tokens = _average(self.tokens, float(max(count, 1)))
+
+    def work(self, job: Pending) -> float:
+        """The worker seconds ``job`` still needs: its first step unless done, then its expected tokens' steps."""
+        first, step = self.first_s or 0.0, self.step_s if self.step_s is not None else (self.first_s or 0.0)
+        tokens = job.tokens if self.tokens is None else min(job.tokens, self.tokens)
+        return (0.0 if job.started else first) + max(tokens - (0 if job.started else 1), 0) * step
+
+
+def expected_wait(times: ServiceTimes, active: list[Pending], queued: list[Pending], max_active: int) -> float | None:
+    """Seconds until a job submitted now gives its first token, or None before any first step was measured.
+
+    Args:
+        times: the measured service times.
+        active: the jobs generating now.
+        queued: the jobs waiting for a slot, in order (the new job comes after them).
+        max_active: how many jobs generate at once.
+    """
+    if times.first_s is None:
+        return None
+    first, step = times.first_s, times.step_s if times.step_s is not None else times.first_s
+    # each job as [work left, first-step work left]: a job's next step is its first (seconds) until that is done
+    running = [[times.work(job), 0.0 if job.started else first] for job in active]
+    waiting = [[times.work(job), 0.0 if job.started else first] for job in queued]
+
+    def fill() -> None:
+        while waiting and len(running) < max_active:
+            running.append(waiting.pop(0))
+
+    fill()
+    clock = 0.0
+    while len(running) >= max_active:  # the new job waits for a slot: replay processor sharing until one frees
+        least = min(left for left, _ in running)
+        clock += least * len(running)
+        running = [[left - least, max(head - least, 0.0)] for left, head in running if left > least]
+        fill()
+    # its first step comes after one step of each job ahead of it in the round: a first step for those just begun
+    return clock + first + sum(head if head > 0 else step for _, head in running)

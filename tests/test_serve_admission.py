@@ -1,0 +1,110 @@
+"""Admission by expected wait in `kvrag serve`: the estimate from measured service times, 429 with Retry-After in
+OpenAI's error shape, and a client's own timeout freeing its queued place. Real ``kvrag serve`` processes over a
+tiny random model, the ``openai`` client and httpx.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from _serve_process import ServeProcess, metric
+
+from kvrag import KVRag, SplitConfig
+from kvrag.serve.admission import Pending, ServiceTimes, expected_wait
+
+DOCS = ["The alpha reactor was designed by Mira Okafor. It runs on molten salt.",
+        "Beta station orbits the moon. Its commander is Jonas Reyes."]
+LONG = {"model": "m", "messages": [{"role": "user", "content": "Who designed the alpha reactor?"}],
+        "max_tokens": 3000}
+
+
+@pytest.fixture(scope="module")
+def index(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("admission") / "idx"
+    KVRag.build(DOCS, path, model=str(tiny_model_dir), split=SplitConfig(mode="document"), show_progress=False).close()
+    return path
+
+
+def _post_quietly(url: str, body: dict) -> None:
+    """A long answer that holds the server's slot; it ends when the server is stopped."""
+    try:
+        httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    except httpx.HTTPError:
+        pass
+
+
+def _measured() -> ServiceTimes:
+    times = ServiceTimes()
+    times.observe_first(0.5)
+    times.observe_step(0.05)
+    return times
+
+
+def test_the_expected_wait_grows_with_the_work_ahead():
+    assert expected_wait(ServiceTimes(), [], [], 4) is None  # nothing measured: no estimate
+    times = _measured()
+    idle = expected_wait(times, [], [], 4)
+    assert idle == times.first_s  # a free slot: only its own first step
+    busy = [Pending(20, True)] * 4
+    full = expected_wait(times, busy, [], 4)
+    queued = expected_wait(times, busy, [Pending(20, False)] * 4, 4)
+    longer = expected_wait(times, [Pending(200, True)] * 4, [], 4)
+    assert idle is not None and full is not None and queued is not None and longer is not None
+    assert idle < full < queued and full < longer
+    assert expected_wait(times, busy[:3], [], 4) < full  # a slot free beside three busy ones: no waiting for one
+    # beside jobs that have just begun, its first step waits for theirs (seconds each), not for a token each
+    fresh, going = expected_wait(times, [Pending(20, False)] * 3, [], 4), expected_wait(times, busy[:3], [], 4)
+    assert fresh is not None and going is not None and fresh >= 4 * times.first_s > going
+    times.observe_tokens(10)  # answers end sooner than their limit: the estimate follows what was measured
+    assert expected_wait(times, busy, [], 4) < full
+
+
+def test_a_request_whose_wait_exceeds_the_bound_gets_429_with_retry_after(index: Path):
+    import openai
+
+    with ServeProcess(index, "--max-active", "1", "--max-wait", "0.5") as server:
+        hog = threading.Thread(target=_post_quietly, args=(server.url, LONG), daemon=True)
+        hog.start()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{server.url}/health").json()["active"] == 0:  # the long answer holds the only slot
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        refused = httpx.post(f"{server.url}/v1/chat/completions", json=LONG | {"max_tokens": 8}, timeout=30)
+        assert refused.status_code == 429, refused.text
+        error = refused.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "rate_limit_error"
+        assert "expected wait" in error["message"] and int(refused.headers["Retry-After"]) >= 1
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.RateLimitError) as raised:
+            client.chat.completions.create(model="m", messages=LONG["messages"], max_tokens=8)  # type: ignore[arg-type]
+        assert raised.value.response.headers["retry-after"]
+        text = server.metrics()
+        assert metric(text, 'kvrag_refused_total{reason="wait"}') >= 2
+        assert metric(text, "kvrag_expected_wait_seconds") > 0.5
+        assert metric(text, "process_resident_memory_bytes") > 0
+
+
+def test_a_client_timeout_frees_its_place_in_the_queue(index: Path):
+    import openai
+
+    with ServeProcess(index, "--max-active", "1", "--max-queue", "1", "--max-wait", "0") as server:
+        hog = threading.Thread(target=_post_quietly, args=(server.url, LONG), daemon=True)
+        hog.start()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{server.url}/health").json()["active"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=1.0)
+        with pytest.raises(openai.APITimeoutError):  # queued behind the long answer: the client gives up
+            client.chat.completions.create(model="m", messages=LONG["messages"], max_tokens=8)  # type: ignore[arg-type]
+        deadline = time.monotonic() + 5
+        while httpx.get(f"{server.url}/health").json()["queue_depth"] != 0:
+            assert time.monotonic() < deadline, "the abandoned request kept its place in the queue"
+            time.sleep(0.05)
+        with pytest.raises(httpx.TimeoutException):  # the one queue place is free again: queued, not refused
+            httpx.post(f"{server.url}/v1/chat/completions", json=LONG | {"max_tokens": 4}, timeout=1.0)
+        assert 'status="499"' in server.metrics()

@@ -54,13 +54,13 @@ class PromptAnswers:
                       ) -> Generator[str, None, Answer]:
         """Yield the answer to a flat ``prompt`` as it is generated and return its own `Answer`.
 
-        Args mirror `answer_prompt`. Calls from several threads run one at a time.
+        Args mirror `answer_prompt`. Fusion runs one call at a time; the pieces are decoded as the generator is
+        stepped, holding no lock, so it may be stepped from any thread (frameworks step streams from executors).
         """
         generate = GenerateConfig(max_new_tokens, temperature, top_p, tuple(stop), seed)
-        with self._lock:
-            fused = self.prepare_prompt(prompt, mode, ratio, candidates=candidates, fuse_config=fuse_config,
-                                        selector=selector, gate=gate)
-            yield from fused.stream(generate)
+        fused = self.prepare_prompt(prompt, mode, ratio, candidates=candidates, fuse_config=fuse_config,
+                                    selector=selector, gate=gate)
+        yield from fused.stream(generate)
         assert fused.answer is not None
         self.last_answer = fused.answer
         return fused.answer

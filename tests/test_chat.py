@@ -255,8 +255,8 @@ def test_on_a_gpu_the_top_tier_is_device_memory(tmp_path):
                          torch.device("cuda"))
     tiers.put("a", _entry(16))
     tiers.put("b", _entry(16))
-    assert tiers.tiers[0].name == "device" and tiers.tiers[0].entries["b"].keys.is_cuda
-    assert not tiers.tiers[1].entries["a"].keys.is_cuda
+    assert tiers.tiers[0].name == "device" and tiers.tiers[0].entries.peek("b").keys.is_cuda
+    assert not tiers.tiers[1].entries.peek("a").keys.is_cuda
     found, tier = tiers.get("a")
     assert tier == "host" and found.keys.is_cuda
     tiers.close()

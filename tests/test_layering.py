@@ -28,6 +28,7 @@ STAGE: dict[str, int] = {
     "kvrag.lazy": _FOUNDATION,
     "kvrag.atomic_files": _FOUNDATION,
     "kvrag.embedder": _FOUNDATION,
+    "kvrag.byte_lru": _FOUNDATION,
     "kvrag.model": _FOUNDATION,
     # the storage format, and its optional Triton decoder (which checks itself against the CPU one)
     "kvrag.codec": 1,

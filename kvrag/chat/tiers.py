@@ -29,7 +29,6 @@ import re
 import tempfile
 import threading
 import time
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
+from kvrag.byte_lru import ByteLRU
 from kvrag.chat.history import HistoryKV
 from kvrag.config import SessionConfig
 from kvrag.storage.atomic import atomic_write_bytes
@@ -52,16 +52,11 @@ class _Tier:
 
     def __init__(self, name: str, limit: int) -> None:
         self.name, self.limit = name, limit
-        self.entries: OrderedDict[str, Any] = OrderedDict()
-        self.sizes: dict[str, int] = {}
+        self.entries: ByteLRU[str, Any] = ByteLRU(limit)  # a HistoryKV, or on disk its file's path
         self.hits = 0
 
-    @property
-    def used(self) -> int:
-        return sum(self.sizes.values())
-
     def stats(self) -> dict[str, int]:
-        return {"hits": self.hits, "bytes": self.used, "limit": self.limit, "entries": len(self.entries)}
+        return {"hits": self.hits, "bytes": self.entries.nbytes, "limit": self.limit, "entries": len(self.entries)}
 
 
 class SessionTiers:
@@ -102,13 +97,15 @@ class SessionTiers:
                 found.append((stat.st_mtime, path, stat.st_size))
             elif path.name.endswith(".tmp") and now - stat.st_mtime > STALE_TEMP_S:
                 path.unlink(missing_ok=True)  # half-written by a killed writer: never an entry
+        kept, used = [], 0
         for _, path, size in sorted(found, reverse=True):  # the most recent first, while they fit
-            if disk.used + size > disk.limit:
+            if used + size > disk.limit:
                 path.unlink(missing_ok=True)
                 continue
-            disk.entries[path.name.removesuffix(".safetensors")] = path
-            disk.sizes[path.name.removesuffix(".safetensors")] = size
-        disk.entries = OrderedDict(reversed(list(disk.entries.items())))  # least recent first, as in LRU order
+            kept.append((path, size))
+            used += size
+        for path, size in reversed(kept):  # least recent first, as in LRU order
+            disk.entries.put(path.name.removesuffix(".safetensors"), path, size)
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -148,8 +145,10 @@ class SessionTiers:
 
     def _take(self, tier: _Tier, key: str) -> HistoryKV:
         """Remove ``key`` from ``tier`` and return it in memory on the top tier's device."""
-        value = tier.entries.pop(key)
-        tier.sizes.pop(key)
+        return self._arrived(tier, tier.entries.pop(key))
+
+    def _arrived(self, tier: _Tier, value: Any) -> HistoryKV:
+        """A value removed from ``tier``, in memory on the top tier's device (a disk entry read and deleted)."""
         if tier.name == "disk":
             path = value
             try:
@@ -196,13 +195,12 @@ class SessionTiers:
         if size > tier.limit:
             self._insert(level + 1, key, entry)
             return
-        while tier.used + size > tier.limit:
-            victim = self._victim(tier)
+        for victim, value in tier.entries.make_room(size, self._victim):
             if level + 1 >= len(self.tiers):  # off the bottom: nothing to read back
-                self._drop(tier, victim)
+                _discard(tier, value)
                 self._forget(victim)
-                continue
-            self._insert(level + 1, victim, self._take(tier, victim))
+            else:
+                self._insert(level + 1, victim, self._arrived(tier, value))
         if tier.name == "disk":
             path = self.disk_dir / f"{key}.safetensors"
             try:
@@ -211,27 +209,22 @@ class SessionTiers:
                 self._count_error("write", exc)
                 self._insert(level + 1, key, entry)
                 return
-            tier.entries[key] = path
+            tier.entries.put(key, path, size)
         else:
-            tier.entries[key] = entry.to(self._device_of(level))
-        tier.sizes[key] = size
+            tier.entries.put(key, entry.to(self._device_of(level)), size)
 
     def _forget(self, key: str) -> None:
         """Drop the prefixes that pointed into the entry ``key``, which no tier holds any more."""
         self.aliases = {a: (k, n) for a, (k, n) in self.aliases.items() if k != key}
 
-    def _victim(self, tier: _Tier) -> str:
-        """The least recently used entry not expected by a queued request (else the least recently used)."""
-        for key in tier.entries:
-            if key not in self.expected:
-                return key
-        return next(iter(tier.entries))
+    def _victim(self, keys: list[str]) -> str:
+        """Of a tier's ``keys`` (least recently used first), the first not expected by a queued request (else the
+        first).
+        """
+        return next((key for key in keys if key not in self.expected), keys[0])
 
     def _drop(self, tier: _Tier, key: str) -> None:
-        value = tier.entries.pop(key)
-        tier.sizes.pop(key)
-        if tier.name == "disk":
-            value.unlink(missing_ok=True)
+        _discard(tier, tier.entries.pop(key))
 
     # -- scheduling -----------------------------------------------------------------------------
 
@@ -286,6 +279,12 @@ class SessionTiers:
             self.aliases.clear()
         if self._tmp is not None:
             self._tmp.cleanup()
+
+
+def _discard(tier: _Tier, value: Any) -> None:
+    """Let go of a value removed from ``tier`` (a disk entry's file is deleted)."""
+    if tier.name == "disk":
+        value.unlink(missing_ok=True)
 
 
 def _to_bytes(entry: HistoryKV) -> bytes:

@@ -15,11 +15,11 @@ Thread-safe: lookups and insertions hold a lock; the prefill itself runs outside
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 
+from kvrag.byte_lru import ByteLRU
 from kvrag.model import LoadedModel, hf_compat
 from kvrag.model.prefix import PrefixCache, prefix_cache
 
@@ -50,8 +50,7 @@ class HeadCache:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
             raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[tuple[int, ...], PrefixCache] = OrderedDict()
-        self._bytes = 0
+        self._entries: ByteLRU[tuple[int, ...], PrefixCache] = ByteLRU(max_bytes)
         self._lock = threading.Lock()
         self.reused_tokens = 0  # head tokens read from kept entries, over this cache's life
         self.prefilled_tokens = 0  # head tokens computed
@@ -59,7 +58,7 @@ class HeadCache:
     @property
     def nbytes(self) -> int:
         """The bytes of KV held."""
-        return self._bytes
+        return self._entries.nbytes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -74,22 +73,15 @@ class HeadCache:
                     best, shared = key, n
             if best is None:
                 return None, 0
-            self._entries.move_to_end(best)
-            return self._entries[best], shared
+            return self._entries.get(best), shared
 
     def _keep(self, ids: tuple[int, ...], prefix: PrefixCache) -> None:
         size = _nbytes(prefix)
         if size > self.max_bytes:
             return
         with self._lock:
-            if ids in self._entries:
-                self._entries.move_to_end(ids)
-                return
-            self._entries[ids] = prefix
-            self._bytes += size
-            while self._bytes > self.max_bytes:
-                _, old = self._entries.popitem(last=False)
-                self._bytes -= _nbytes(old)
+            if self._entries.get(ids) is None:
+                self._entries.put(ids, prefix, size)
 
     def split(self, lm: LoadedModel, head_ids: Sequence[int]) -> tuple[PrefixCache, list[int]]:
         """``head_ids`` as a kept prefix and the tokens after it, which the caller recomputes with the rest of its

@@ -15,13 +15,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from kvrag.byte_lru import ByteLRU
 from kvrag.config import FuseConfig, GenerateConfig
 from kvrag.embedder import Embedder
 from kvrag.errors import InputError
@@ -40,7 +40,7 @@ from kvrag.storage.kvstore import KVStore
 
 log = logging.getLogger(__name__)
 
-TOKENIZED_TEXTS = 256  # chunk texts whose token ids a `QueryContext` keeps
+TOKENIZED_BYTES = 8 << 20  # about the bytes of chunk texts and their token ids a `QueryContext` keeps
 
 
 @dataclass
@@ -58,21 +58,18 @@ class QueryContext:
     recover: Callable[[RetrievedChunk, bool], KV]  # recompute a chunk's cache (bool: its plain cache)
     prefix_exact: bool = True  # the chunk caches were computed after this very prefix (False in a conversation)
     reuse_prefix: bool = False  # the prefix is a conversation's kept KV: no mode recomputes it
-    tokenized: OrderedDict[str, list[int]] = field(default_factory=OrderedDict)  # `chunk_ids`' last texts
+    tokenized: ByteLRU[str, list[int]] = field(default_factory=lambda: ByteLRU(TOKENIZED_BYTES))  # `chunk_ids`
     heads: HeadCache = field(default_factory=HeadCache)  # framework prompts' heads (`kvrag.query.locate`)
     all_chunks: tuple[int, list[RetrievedChunk]] | None = None  # (index size, its chunks): `locate.index_chunks`
 
     def chunk_ids(self, text: str) -> list[int]:
-        """`chunk_token_ids` of ``text`` under this model's tokenizer, remembered for the last
-        `TOKENIZED_TEXTS` texts: the gate counts a prompt's tokens before the pipeline lays it out.
+        """`chunk_token_ids` of ``text`` under this model's tokenizer, remembered for recent texts (about
+        `TOKENIZED_BYTES`): the gate counts a prompt's tokens before the pipeline lays it out.
         """
         ids = self.tokenized.get(text)
         if ids is None:
-            ids = self.tokenized[text] = chunk_token_ids(self.lm.tokenizer, text)
-            while len(self.tokenized) > TOKENIZED_TEXTS:
-                self.tokenized.popitem(last=False)
-        else:
-            self.tokenized.move_to_end(text)
+            ids = chunk_token_ids(self.lm.tokenizer, text)
+            self.tokenized.put(text, ids, len(text) + 8 * len(ids))
         return ids
 
 

@@ -31,12 +31,12 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from kvrag.byte_lru import ByteLRU
 from kvrag.config import StoreConfig
 from kvrag.errors import StoreUnavailableError
 from kvrag.storage.index_layout import IndexLayout
@@ -73,10 +73,8 @@ class CachedStore(ByteStore):
         self.inner, self.max_bytes, self.label = inner, int(max_bytes), label or type(inner).__name__
         self.max_pending_bytes = max(self.max_bytes, PENDING_MIN_BYTES) if max_pending_bytes is None \
             else int(max_pending_bytes)
-        self._hot: OrderedDict[str, bytes] = OrderedDict()  # least recently used first
-        self._hot_bytes = 0
-        self._pending: OrderedDict[str, bytes] = OrderedDict()  # oldest first
-        self._pending_bytes = 0
+        self._hot: ByteLRU[str, bytes] = ByteLRU(self.max_bytes)  # the cache
+        self._pending: ByteLRU[str, bytes] = ByteLRU(self.max_pending_bytes)  # oldest first (never read as "used")
         self._lock = threading.RLock()
         self._flushing = threading.Lock()
         self._down = False  # in an outage that has been warned about
@@ -87,7 +85,7 @@ class CachedStore(ByteStore):
     @property
     def cached_bytes(self) -> int:
         """Bytes held by the cache now (never more than ``max_bytes``)."""
-        return self._hot_bytes
+        return self._hot.nbytes
 
     @property
     def pending(self) -> list[str]:
@@ -99,53 +97,32 @@ class CachedStore(ByteStore):
         """Drop every cached blob (the pending ones stay until stored)."""
         with self._lock:
             self._hot.clear()
-            self._hot_bytes = 0
 
     # -- the cache --------------------------------------------------------------------------
 
     def _remember(self, key: str, data: bytes) -> None:
         with self._lock:
-            self._forget(key)
-            if len(data) > self.max_bytes:
-                return
-            self._hot[key] = data
-            self._hot_bytes += len(data)
-            while self._hot_bytes > self.max_bytes:
-                _, old = self._hot.popitem(last=False)
-                self._hot_bytes -= len(old)
+            self._hot.put(key, data, len(data))
 
     def _forget(self, key: str) -> None:
         with self._lock:
-            old = self._hot.pop(key, None)
-            if old is not None:
-                self._hot_bytes -= len(old)
+            self._hot.pop(key)
 
     def _local(self, key: str) -> bytes | None:
         with self._lock:
             data = self._hot.get(key)
-            if data is not None:
-                self._hot.move_to_end(key)
-                return data
-            return self._pending.get(key)
+            return data if data is not None else self._pending.peek(key)
 
     # -- outages ------------------------------------------------------------------------------
 
     def _unpend(self, key: str) -> None:
         with self._lock:
-            old = self._pending.pop(key, None)
-            self._pending_bytes -= len(old) if old is not None else 0
+            self._pending.pop(key)
 
     def _defer(self, key: str, data: bytes) -> None:
         """Keep ``data`` for storing once the store is back (the oldest pending dropped for room)."""
         with self._lock:
-            self._unpend(key)
-            if len(data) > self.max_pending_bytes:
-                return
-            self._pending[key] = data
-            self._pending_bytes += len(data)
-            while self._pending_bytes > self.max_pending_bytes:
-                _, dropped = self._pending.popitem(last=False)
-                self._pending_bytes -= len(dropped)
+            self._pending.put(key, data, len(data))
 
     def _outage(self, exc: StoreUnavailableError) -> None:
         """Warn once per outage."""
@@ -181,18 +158,18 @@ class CachedStore(ByteStore):
         try:
             while True:
                 with self._lock:
-                    if not self._pending:
+                    first = self._pending.oldest()
+                    if first is None:
                         return 0
-                    key, data = next(iter(self._pending.items()))
+                    key, data = first
                 try:
                     self.inner.put(key, data)
                 except StoreUnavailableError as exc:
                     self._outage(exc)
                     return len(self._pending)
                 with self._lock:
-                    if self._pending.get(key) is data:
-                        del self._pending[key]
-                        self._pending_bytes -= len(data)
+                    if self._pending.peek(key) is data:
+                        self._pending.pop(key)
                 log.debug("stored pending chunk cache %s in %s", key, self.label)
         finally:
             self._flushing.release()

@@ -18,15 +18,12 @@ Layout: hidden states ``[1, n, hidden]``; heads ``[1, heads, n, head_dim]``; rot
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import torch
 
 from kvrag.model import hf_compat, plain_layer
-
-log = logging.getLogger(__name__)
 
 DEFAULT_ROPE = "default"
 _POSITION_DEPENDENT_ROPE = ("dynamic",)  # frequencies rescaled with the length of every call

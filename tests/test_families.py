@@ -226,3 +226,33 @@ def test_contributings_worked_family_is_granites_module():
     shown = section[section.index("```python\n") + len("```python\n"):section.index("```\n\nImport")]
     module = (root / "kvrag" / "model" / "families" / "granite.py").read_text()
     assert shown == module[module.index("from __future__"):]
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_the_questions_attention_that_ranks_tokens_is_the_layers_own(arch):
+    """Scale, soft-cap, sinks and windows as the layer applies them: the weights equal transformers' eager ones."""
+    from kvrag.fusion.inputs import segments
+    from kvrag.fusion.scores import suffix_attention
+
+    lm, prefix, chunks, kv, suffix = _setup(arch)
+    ids = torch.cat([prefix.ids, *chunks, suffix])
+    implementation = lm.model.config._attn_implementation
+    lm.model.config._attn_implementation = "eager"  # the implementation that returns its weights
+    try:
+        from transformers import DynamicCache
+
+        with torch.no_grad():
+            out = lm.model(ids[None], output_attentions=True, output_hidden_states=True,
+                           **hf_compat.with_cache(lm.model, DynamicCache()))
+    finally:
+        lm.model.config._attn_implementation = implementation
+    seg = segments(FusionInput(prefix, chunks, kv, suffix))
+    layers = hf_compat.cache_layers(hf_compat.returned_cache(out))
+    sel = torch.arange(ids.numel())
+    for idx, kind in enumerate(lm.family.kinds):
+        hidden = out.hidden_states[idx]
+        with torch.no_grad():
+            ours = suffix_attention(lm, idx, hidden, sel, hf_compat.ScatterLayer(*layers[idx]), seg,
+                                    lm.family.rope(lm.model, kind.rope, hidden, sel[None]))
+        reference = out.attentions[idx][0, :, -suffix.numel():].sum(dim=(0, 1))
+        assert (ours - reference).abs().max().item() <= 1e-4, idx

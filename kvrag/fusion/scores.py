@@ -7,8 +7,6 @@ Shapes: K/V rows ``[1, kv_heads, n, head_dim]``; layer inputs ``[1, n, hidden]``
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from kvrag.fusion.inputs import Segments
@@ -70,16 +68,17 @@ def question_attention(
     the norm of that key's value row in the head: the size of what the key adds to the head's output.
 
     Each query's softmax runs over the keys it may see among ``key_pos`` (causal, and within the
-    layer's sliding window if it has one). The products run in the model's dtype (accumulated in
-    float32 by the matrix kernels), the softmax in float32. It ranks tokens: the plain ``1/sqrt(D)`` scale,
-    without a family's own scale, soft-cap or attention sinks.
+    layer's sliding window if it has one), with the layer's own scale, soft-cap and attention sinks
+    (`kvrag.model.families.ScoreRule`). The products run in the model's dtype (accumulated in float32 by the
+    matrix kernels), the softmax in float32.
     """
     q = lm.family.queries(lm.model, layer_idx, hidden_q, q_rope)  # [1, H_q, n_q, D]
     keys, values, _ = layer.full()
     if key_pos is not None:
         keys = keys[:, :, key_pos]  # [1, H_kv, n_keys, D]
-    window = lm.family.kinds[layer_idx].window
-    weights = causal_weights(q, keys, q_pos, key_pos, 1 / math.sqrt(q.shape[-1]), window)
+    rule = lm.family.score_rule(lm.model, layer_idx)
+    weights = causal_weights(q, keys, q_pos, key_pos, rule.scale, lm.family.kinds[layer_idx].window, rule.cap,
+                             rule.sinks)
     if weigh_values:
         chosen = values if key_pos is None else values[:, :, key_pos]
         weights = weights * chosen.float().norm(dim=-1)[:, :, None, None]
@@ -87,24 +86,36 @@ def question_attention(
 
 
 def causal_weights(query: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, key_pos: torch.Tensor | None,
-                   scale: float, window: int | None = None) -> torch.Tensor:
+                   scale: float, window: int | None = None, cap: float | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention weights ``[1, H_kv, groups, n_q, n_keys]`` (float32) of queries ``[1, H_q, n_q, D]`` at sorted
     ``q_pos`` over ``keys`` ``[1, H_kv, n_keys, D]`` at ``key_pos`` (None: positions ``0..n_keys-1``), each query
-    seeing the keys at or before its position (and within ``window``). The products run in the keys' dtype, the
-    softmax in float32.
+    seeing the keys at or before its position (and within ``window``); logits soft-capped at ``cap``, and each
+    head's softmax also spread over its sink logit (``sinks`` ``[H_q]``), whose weight is dropped. The products
+    run in the keys' dtype, the softmax in float32.
     """
     kv_heads, n_q = keys.shape[1], q_pos.numel()
     groups = query.shape[1] // kv_heads
     rows = query.reshape(1, kv_heads, groups * n_q, -1).to(keys.dtype)  # heads of one KV group side by side
     scores = (rows @ keys.transpose(-1, -2)).float().mul_(scale).view(1, kv_heads, groups, n_q, -1)
+    if cap is not None:
+        scores = torch.tanh(scores / cap).mul_(cap)
     if key_pos is None and window is None:  # every query sees the keys before the first: mask only the rest
         first = int(q_pos[0])
         later = torch.arange(first, keys.shape[2], device=keys.device)
         scores[..., first:].masked_fill_(later[None, :] > q_pos[:, None], float("-inf"))
-        return scores.softmax(-1)
+        return _softmax(scores, sinks)
     if key_pos is None:
         key_pos = torch.arange(keys.shape[2], device=keys.device)
     hidden = key_pos[None, :] > q_pos[:, None]  # [n_q, n_keys]
     if window is not None:
         hidden |= key_pos[None, :] <= q_pos[:, None] - window
-    return scores.masked_fill_(hidden, float("-inf")).softmax(-1)
+    return _softmax(scores.masked_fill_(hidden, float("-inf")), sinks)
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the keys of ``scores`` ``[1, H_kv, groups, n_q, n_keys]``, each head's also over its sink."""
+    if sinks is None:
+        return scores.softmax(-1)
+    sink = sinks.float().view(1, scores.shape[1], scores.shape[2], 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]

@@ -218,11 +218,15 @@ def layer_keys_values(
     return family_of(model.config).keys_values(model, idx, hidden, rope)
 
 
-def position_embeddings(model: Any, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotary ``(cos, sin)`` ``[1, n, R]`` a decoder layer takes for ``positions`` ``[n]``, in
-    ``like``'s dtype and device.
+def position_embeddings(model: Any, like: torch.Tensor, positions: torch.Tensor, layer: int = 0
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary ``(cos, sin)`` ``[1, n, R]`` decoder layer ``layer`` takes for ``positions`` ``[n]``, in
+    ``like``'s dtype and device (its family's rotary embedding for that layer).
     """
-    return rotary(model)(like, positions[None])
+    from kvrag.model.families import family_of
+
+    family = family_of(model.config)
+    return family.rope(model, family.kinds[layer].rope, like, positions[None])
 
 
 def run_decoder_layer(

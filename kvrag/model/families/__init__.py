@@ -21,11 +21,12 @@ from kvrag.model.families.base import (
     DEFAULT_ROPE,
     Family,
     LayerKind,
+    ScoreRule,
     UntestedFamily,
     family_of,
     register_family,
     registered_families,
 )
 
-__all__ = ["DEFAULT_ROPE", "Family", "LayerKind", "UntestedFamily", "family_of", "register_family",
+__all__ = ["DEFAULT_ROPE", "Family", "LayerKind", "ScoreRule", "UntestedFamily", "family_of", "register_family",
            "registered_families"]

@@ -10,7 +10,8 @@ projections, one rotary embedding, at most one sliding window for every layer); 
 - `rope`: the ``(cos, sin)`` of a named rotary embedding, as the layers take it, and `full_width`: the same in the
   form `kvrag.model.hf_compat.apply_rope` takes (gpt-oss's layers take half-width pairs);
 - `embed` and `logits`: the embedding and LM-head steps of the model's forward (multipliers, soft-caps);
-- `queries` and `keys_values`: a layer's projections alone, exactly as the layer computes them;
+- `queries` and `keys_values`: a layer's projections alone, exactly as the layer computes them, and
+  `score_rule`: how it weighs them (scale, soft-cap, sinks), for the question's attention that ranks tokens;
 - `refusal`: a one-line reason the model cannot be fused exactly, or None.
 
 Layout: hidden states ``[1, n, hidden]``; heads ``[1, heads, n, head_dim]``; rotary ``(cos, sin)`` ``[B, S, R]``.
@@ -18,7 +19,6 @@ Layout: hidden states ``[1, n, hidden]``; heads ``[1, heads, n, head_dim]``; rot
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -26,10 +26,19 @@ import torch
 
 from kvrag.model import hf_compat, plain_layer
 
-log = logging.getLogger(__name__)
-
 DEFAULT_ROPE = "default"
 _POSITION_DEPENDENT_ROPE = ("dynamic",)  # frequencies rescaled with the length of every call
+
+
+@dataclass(frozen=True)
+class ScoreRule:
+    """How a layer turns query-key products into attention weights:
+    ``softmax(cap · tanh(q·k · scale / cap))``, each head's softmax also spread over its sink logit.
+    """
+
+    scale: float
+    cap: float | None = None  # attention logit soft-cap (Gemma)
+    sinks: torch.Tensor | None = None  # [n_heads]: one learned logit per head (gpt-oss)
 
 
 @dataclass(frozen=True)
@@ -126,6 +135,11 @@ class Family:
     def logits(self, model: Any, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on the last layer's output ``[B, S, hidden]`` -> ``[B, S, vocab]`` (float32)."""
         return hf_compat.final_logits(model, hidden)
+
+    def score_rule(self, model: Any, idx: int) -> ScoreRule:
+        """How decoder layer ``idx`` weighs its keys: its attention's own scale (``scaling``)."""
+        attn = hf_compat.decoder_layers(model)[idx].self_attn
+        return ScoreRule(float(getattr(attn, "scaling", self.head_dim ** -0.5)))
 
     def attention_input(self, layer: Any, hidden: torch.Tensor) -> torch.Tensor:
         """What the attention's projections read: the layer input ``[1, n, hidden]`` through its pre-norm."""

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from kvrag.model import hf_compat
-from kvrag.model.families.base import Family, register_family
+from kvrag.model.families.base import Family, ScoreRule, register_family
 
 
 def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -31,6 +31,9 @@ class Gemma2Family(Family):
 
     def eager_reason(self) -> str:
         return "SDPA does not soft-cap attention logits"
+
+    def score_rule(self, model: Any, idx: int) -> ScoreRule:
+        return ScoreRule(super().score_rule(model, idx).scale, self.config.attn_logit_softcapping)
 
     def logits(self, model: Any, hidden: torch.Tensor) -> torch.Tensor:
         return soft_cap(hf_compat.final_logits(model, hidden), self.config.final_logit_softcapping)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kvrag.model import hf_compat
-from kvrag.model.families.base import Family, LayerKind, register_family
+from kvrag.model.families.base import Family, LayerKind, ScoreRule, register_family
 from kvrag.model.families.gemma2 import soft_cap
 
 
@@ -44,6 +44,9 @@ class Gemma3Family(Family):
     def rotary(self, model: Any, key: str, like: torch.Tensor, positions: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
         return hf_compat.rotary(model)(like, positions, key)
+
+    def score_rule(self, model: Any, idx: int) -> ScoreRule:
+        return ScoreRule(super().score_rule(model, idx).scale, self.config.attn_logit_softcapping)
 
     def logits(self, model: Any, hidden: torch.Tensor) -> torch.Tensor:
         return soft_cap(hf_compat.final_logits(model, hidden), self.config.final_logit_softcapping)

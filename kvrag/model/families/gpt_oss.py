@@ -8,9 +8,12 @@ fusion builds for them (each layer's window applied).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from kvrag.model.families.base import Family, register_family
+from kvrag.model import hf_compat
+from kvrag.model.families.base import Family, ScoreRule, register_family
 
 
 @register_family
@@ -24,6 +27,10 @@ class GptOssFamily(Family):
 
     def eager_reason(self) -> str:
         return "SDPA has no attention sinks"
+
+    def score_rule(self, model: Any, idx: int) -> ScoreRule:
+        attn = hf_compat.decoder_layers(model)[idx].self_attn
+        return ScoreRule(float(attn.scaling), sinks=attn.sinks.detach())
 
     def full_width(self, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = rope  # [B, S, D/2]: x₁' = x₁ cos - x₂ sin, x₂' = x₂ cos + x₁ sin

@@ -100,5 +100,6 @@ def expected_wait(times: ServiceTimes, active: list[Pending], queued: list[Pendi
         clock += least * len(running)
         running = [[left - least, max(head - least, 0.0)] for left, head in running if left > least]
         fill()
-    # its first step comes after one step of each job ahead of it in the round: a first step for those just begun
-    return clock + first + sum(head if head > 0 else step for _, head in running)
+    # the worker admits it after the round under way, then steps every job ahead of it once more before its first
+    # step: the next step of each other job (a first step for those just begun), then a token each
+    return clock + first + sum(head if head > 0 else step for _, head in running) + len(running) * step

@@ -48,7 +48,9 @@ def test_the_expected_wait_grows_with_the_work_ahead():
     assert expected_wait(ServiceTimes(), [], [], 4) is None  # nothing measured: no estimate
     times = _measured()
     idle = expected_wait(times, [], [], 4)
-    assert idle == times.first_s  # a free slot: only its own first step
+    assert idle == times.first_high  # a free slot: only its own first step
+    times.observe_first(1.5)  # first steps vary: the estimate counts a slow one
+    assert times.first_high > times.first_s and expected_wait(times, [], [], 4) == times.first_high
     busy = [Pending(20, True)] * 4
     full = expected_wait(times, busy, [], 4)
     queued = expected_wait(times, busy, [Pending(20, False)] * 4, 4)
@@ -58,7 +60,7 @@ def test_the_expected_wait_grows_with_the_work_ahead():
     assert expected_wait(times, busy[:3], [], 4) < full  # a slot free beside three busy ones: no waiting for one
     # beside jobs that have just begun, its first step waits for theirs (seconds each), not for a token each
     fresh, going = expected_wait(times, [Pending(20, False)] * 3, [], 4), expected_wait(times, busy[:3], [], 4)
-    assert fresh is not None and going is not None and fresh >= 4 * times.first_s > going
+    assert fresh is not None and going is not None and fresh >= 4 * times.first_high > going
     times.observe_tokens(10)  # answers end sooner than their limit: the estimate follows what was measured
     assert expected_wait(times, busy, [], 4) < full
 

@@ -2,8 +2,10 @@
 service times.
 
 Contract: `ServiceTimes` keeps moving averages of what the worker thread measured: the seconds of a job's first
-step (retrieval, fusion, prefill and the first token), of one later step (a token), and the tokens a finished
-job generated. `expected_wait(times, active, queued, max_active)` replays the worker's round-robin over the
+step (retrieval, fusion, prefill and the first token) and their mean deviation, of one later step (a token), and
+the tokens a finished job generated. First steps vary (a short prompt is prefilled in full, a long one fused), and
+the bound is on the slow ones, so a first step counts as its mean plus twice its deviation (`first_high`).
+`expected_wait(times, active, queued, max_active)` replays the worker's round-robin over the
 jobs ahead (processor sharing: with ``n`` jobs active each gets ``1/n`` of the worker) and returns the seconds
 until the new job's first token, or None while nothing has been measured. Each job is given as the tokens it may
 still generate and whether its first step is done. Nothing here touches the model, FastAPI or a clock.
@@ -34,17 +36,27 @@ class ServiceTimes:
 
     Attributes:
         first_s: seconds of a job's first step (retrieval, fusion, prefill, first token); None until measured.
+        first_dev: the mean absolute deviation of the first steps' seconds.
         step_s: seconds of one later step (one token); None until measured.
         tokens: tokens a finished job generated; None until a job finished.
     """
 
     first_s: float | None = None
+    first_dev: float = 0.0
     step_s: float | None = None
     tokens: float | None = None
 
     def observe_first(self, seconds: float) -> None:
         """Record a first step's duration."""
-        self.first_s = _average(self.first_s, max(seconds, 0.0))
+        seconds = max(seconds, 0.0)
+        if self.first_s is not None:
+            self.first_dev = _average(self.first_dev, abs(seconds - self.first_s))
+        self.first_s = _average(self.first_s, seconds)
+
+    @property
+    def first_high(self) -> float:
+        """A slow first step: the mean plus twice the mean deviation (0 before any was measured)."""
+        return (self.first_s or 0.0) + 2 * self.first_dev
 
     def observe_step(self, seconds: float) -> None:
         """Record a later step's duration."""
@@ -56,7 +68,7 @@ class ServiceTimes:
 
     def work(self, job: Pending) -> float:
         """The worker seconds ``job`` still needs: its first step unless done, then its expected tokens' steps."""
-        first, step = self.first_s or 0.0, self.step_s if self.step_s is not None else (self.first_s or 0.0)
+        first, step = self.first_high, self.step_s if self.step_s is not None else (self.first_s or 0.0)
         tokens = job.tokens if self.tokens is None else min(job.tokens, self.tokens)
         return (0.0 if job.started else first) + max(tokens - (0 if job.started else 1), 0) * step
 
@@ -72,7 +84,7 @@ def expected_wait(times: ServiceTimes, active: list[Pending], queued: list[Pendi
     """
     if times.first_s is None:
         return None
-    first, step = times.first_s, times.step_s if times.step_s is not None else times.first_s
+    first, step = times.first_high, times.step_s if times.step_s is not None else times.first_s
     # each job as [work left, first-step work left]: a job's next step is its first (seconds) until that is done
     running = [[times.work(job), 0.0 if job.started else first] for job in active]
     waiting = [[times.work(job), 0.0 if job.started else first] for job in queued]
@@ -88,5 +100,6 @@ def expected_wait(times: ServiceTimes, active: list[Pending], queued: list[Pendi
         clock += least * len(running)
         running = [[left - least, max(head - least, 0.0)] for left, head in running if left > least]
         fill()
-    # its first step comes after one step of each job ahead of it in the round: a first step for those just begun
-    return clock + first + sum(head if head > 0 else step for _, head in running)
+    # the worker admits it after the round under way, then steps every job ahead of it once more before its first
+    # step: the next step of each other job (a first step for those just begun), then a token each
+    return clock + first + sum(head if head > 0 else step for _, head in running) + len(running) * step

@@ -256,7 +256,7 @@ class KVRag(PromptAnswers):
             return self._recompute_chunk(chunk)
 
     def _recompute_chunk(self, chunk: RetrievedChunk, lead: bool = False) -> KV:
-        """Recompute and re-store a chunk's cache (``lead``: its plain cache under `lead_key`)."""
+        """Recompute and re-store a chunk's cache (``lead``: its plain cache under `plain_cache_key`)."""
         return recompute_chunk(self.lm, self.index, self.kvstore, self.embedder, self.prefix, chunk.key, chunk.text,
                                self.neighbour_context, self.neighbour_kv, self.batch_tokens, lead)
 

@@ -230,7 +230,7 @@ def _damaged_caches(path: Path, manifest: dict[str, Any], found: VerifyReport, r
     """
     files = IndexLayout.of(path)
     from kvrag.config import StoreConfig
-    from kvrag.indexing.kvgen import lead_key
+    from kvrag.indexing.kvgen import plain_cache_key
     from kvrag.storage.kvstore import level_key
     from kvrag.storage.stores import open_index_store, public_url
 
@@ -238,7 +238,7 @@ def _damaged_caches(path: Path, manifest: dict[str, Any], found: VerifyReport, r
         keys = [r.key for r in index.records()]
     owner = {k: k for k in keys}
     if manifest.get("neighbour_context", 0):
-        owner.update({lead_key(k): k for k in keys})
+        owner.update({plain_cache_key(k): k for k in keys})
     own = manifest.get("codec", {}).get("level")
     for level in manifest.get("stream_levels", []):
         if level != own:

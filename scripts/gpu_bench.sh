@@ -26,7 +26,7 @@ step() {  # step NAME SECONDS COMMAND...: run under a time limit, log to OUT/NAM
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers',
 transformers.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
-step gpu-tests "${GPU_TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_plain_layer.py \
+step gpu-tests "${GPU_TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_llama_layer.py \
     tests/test_cachegen_region.py tests/test_scatter_attention.py
 step gpu-tests-bench "${GPU_TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_feed.py \
     tests/test_bench.py -k "gpu or cuda or decode"

@@ -21,8 +21,8 @@ from kvrag.indexing.kvgen import (
     chunk_cache_after,
     chunk_caches,
     chunk_caches_after,
-    lead_key,
     placed_prefix,
+    plain_cache_key,
     prefix_cache,
 )
 from kvrag.model import hf_compat
@@ -154,7 +154,7 @@ def test_build_stores_each_cache_after_its_nearest_chunks(neighboured):
         assert (stored_k - keys).abs().max().item() <= 1e-4 and (stored_v - values).abs().max().item() <= 1e-4
         _, (plain_k, plain_v) = next(chunk_caches(rag.lm, rag.prefix, [chunk_token_ids(rag.lm.tokenizer, record.text)]))
         assert (stored_k - plain_k).abs().max().item() > 1e-3  # the context changed it
-        lead_k, lead_v = rag.kvstore.load(lead_key(record.key))  # the plain cache, for the first chunk
+        lead_k, lead_v = rag.kvstore.load(plain_cache_key(record.key))  # the plain cache, for the first chunk
         assert (lead_k - plain_k).abs().max().item() <= 1e-4 and (lead_v - plain_v).abs().max().item() <= 1e-4
 
 
@@ -189,11 +189,11 @@ def test_a_corrupt_chunk_is_recomputed_after_its_neighbours(neighboured):
     assert (repaired_k - keys).abs().max().item() <= 1e-4 and (repaired_v - values).abs().max().item() <= 1e-4
     assert rag.kvstore.is_valid(key)
     # a missing plain cache is recomputed when its chunk comes first in a prompt
-    rag.kvstore.store._path(lead_key(key)).unlink()
+    rag.kvstore.store._path(plain_cache_key(key)).unlink()
     rag.answer("What is it?", chunks=[key], mode="reuse", max_new_tokens=1)
     _, (plain_k, _) = next(chunk_caches(rag.lm, rag.prefix, [chunk_token_ids(rag.lm.tokenizer,
                                                                                rag.index.get(key).text)]))
-    assert (rag.kvstore.load(lead_key(key))[0] - plain_k).abs().max().item() <= 1e-4
+    assert (rag.kvstore.load(plain_cache_key(key))[0] - plain_k).abs().max().item() <= 1e-4
 
 
 def test_neighbour_context_must_match_the_index_and_be_non_negative(neighboured, tiny_model_dir, tmp_path):
@@ -216,7 +216,7 @@ def test_a_build_that_places_the_neighbours_stored_caches(tiny_model_dir, tmp_pa
                                     rag.embedder.encode([record.text])[0])
         assert len(neighbours) == 2
         # what the build stored: the chunk prefilled after its neighbours' plain caches, placed
-        placed = [(n.ids, rag.kvstore.load(lead_key(n.key))) for n in neighbours]
+        placed = [(n.ids, rag.kvstore.load(plain_cache_key(n.key))) for n in neighbours]
         expected = chunk_cache_after(rag.lm, placed_prefix(rag.lm, rag.prefix, placed), ids)
         stored = rag.kvstore.load(record.key)
         assert all((a - b).abs().max().item() <= 1e-4 for a, b in zip(stored, expected))
@@ -229,9 +229,9 @@ def test_a_build_that_places_the_neighbours_stored_caches(tiny_model_dir, tmp_pa
     ids = chunk_token_ids(rag.lm.tokenizer, record.text)
     neighbours = nearest_chunks(rag.lm, rag.index, rag.prefix.length, 2, record.key, len(ids),
                                 rag.embedder.encode([record.text])[0])
-    rag.kvstore.store._path(lead_key(neighbours[0].key)).unlink()
+    rag.kvstore.store._path(plain_cache_key(neighbours[0].key)).unlink()
     again = cache_after_neighbours(rag.lm, rag.prefix, rag.kvstore, neighbours, ids)
-    assert rag.kvstore.is_valid(lead_key(neighbours[0].key))
+    assert rag.kvstore.is_valid(plain_cache_key(neighbours[0].key))
     assert all((a - b).abs().max().item() <= 1e-4 for a, b in zip(again, rag.kvstore.load(record.key)))
     with pytest.raises(ValueError, match="neighbour_kv must be one of"):
         cache_after_neighbours(rag.lm, rag.prefix, rag.kvstore, neighbours, ids, "exact")
@@ -250,7 +250,7 @@ def test_chunks_indexed_without_caches_are_neighbours_and_get_their_caches_later
                       show_progress=False,
                       caches=False)
     pool_keys = {r.key for r in rag.index.records()}
-    assert pool_keys and not any(rag.kvstore.contains(k) or rag.kvstore.contains(lead_key(k)) for k in pool_keys)
+    assert pool_keys and not any(rag.kvstore.contains(k) or rag.kvstore.contains(plain_cache_key(k)) for k in pool_keys)
     stats = rag.add(cached, show_progress=False)
     new_keys = {r.key for r in rag.index.records()} - pool_keys
     assert stats.new_chunks == len(new_keys) > 0
@@ -261,8 +261,8 @@ def test_chunks_indexed_without_caches_are_neighbours_and_get_their_caches_later
         assert len({n.key for n in neighbours}) == len(neighbours) == 2
         # a neighbour from the uncached pool was given its plain cache, and the chunk was placed after it
         for n in neighbours:
-            assert rag.kvstore.is_valid(lead_key(n.key))
-        placed = [(n.ids, rag.kvstore.load(lead_key(n.key))) for n in neighbours]
+            assert rag.kvstore.is_valid(plain_cache_key(n.key))
+        placed = [(n.ids, rag.kvstore.load(plain_cache_key(n.key))) for n in neighbours]
         expected = chunk_cache_after(rag.lm, placed_prefix(rag.lm, rag.prefix, placed), ids)
         assert all((a - b).abs().max().item() <= 1e-4 for a, b in zip(rag.kvstore.load(key), expected))
     assert any(n in pool_keys for key in new_keys for n in (
@@ -271,7 +271,7 @@ def test_chunks_indexed_without_caches_are_neighbours_and_get_their_caches_later
     assert not any(rag.kvstore.contains(k) for k in pool_keys)
     again = rag.add(pool, show_progress=False)
     assert again.new_chunks == 0 and again.prefilled_chunks == len(pool_keys)
-    assert all(rag.kvstore.is_valid(k) and rag.kvstore.is_valid(lead_key(k)) for k in pool_keys)
+    assert all(rag.kvstore.is_valid(k) and rag.kvstore.is_valid(plain_cache_key(k)) for k in pool_keys)
     assert rag.add(pool, show_progress=False).prefilled_chunks == 0
 
 

@@ -86,11 +86,11 @@ def test_tiles_are_the_cpu_default_and_blocks_stay_on_request(monkeypatch):
 def test_fusion_with_tiles_gives_what_masked_blocks_give(monkeypatch, arch, plain):
     from test_fuse import _setup
 
-    from kvrag.model import plain_layer
+    from kvrag.model import llama_layer
 
     lm, prefix, chunks, kv, suffix = _setup(arch, seed=5)
     if not plain:  # the layers' own forward, which hands the stand-in to its SDPA call
-        monkeypatch.setattr(plain_layer, "runs_plain", lambda layer: False)
+        monkeypatch.setattr(llama_layer, "runs_plain", lambda layer: False)
     spy = []
     real = attn.layer_blocks
     monkeypatch.setattr(attn, "layer_blocks", lambda *a, **k: spy.append(real(*a, **k)) or spy[-1])
@@ -107,12 +107,12 @@ def test_fusion_with_tiles_gives_what_masked_blocks_give(monkeypatch, arch, plai
         assert (k - rk).abs().max().item() <= 1e-5 and (v - rv).abs().max().item() <= 1e-5
 
 
-def test_reading_attention_gives_the_layer_output_and_the_question_reading():
-    from kvrag.fusion.reading_attention import reading_attention
+def test_recorded_attention_gives_the_layer_output_and_the_question_reading():
+    from kvrag.fusion.recorded_attention import recorded_attention
 
     positions, q, k, v = _case(400, 30, 8, 2, 16, torch.float32, "cpu", seed=6)
     sink = torch.zeros(400)
-    out = reading_attention(q, k, v, positions, 8, sink)
+    out = recorded_attention(q, k, v, positions, 8, sink)
     assert _report(out, _dense(positions, q, k, v))[0] <= 1e-5
     groups = 4
     weights = (q[:, :, -8:] @ k.repeat_interleave(groups, 1).transpose(-1, -2) / 4).masked_fill(
@@ -127,16 +127,16 @@ def test_a_probe_reading_its_attention_in_the_layer_reads_what_it_read_apart(mon
     from test_fuse import _setup
 
     from kvrag.fusion.selectors import ProbeSelector
-    from kvrag.model import plain_layer
+    from kvrag.model import llama_layer
 
     lm, prefix, chunks, kv, suffix = _setup(arch, seed=9)
     if not plain:
-        monkeypatch.setattr(plain_layer, "runs_plain", lambda layer: False)
-    from kvrag.fusion.reading_attention import ReadingBias
+        monkeypatch.setattr(llama_layer, "runs_plain", lambda layer: False)
+    from kvrag.fusion.recorded_attention import RecordingBias
 
     calls = []
-    attend = ReadingBias.attend
-    monkeypatch.setattr(ReadingBias, "attend", lambda self, *a: calls.append(1) or attend(self, *a))
+    attend = RecordingBias.attend
+    monkeypatch.setattr(RecordingBias, "attend", lambda self, *a: calls.append(1) or attend(self, *a))
     results = []
     for config in (FuseConfig(mode="probe", ratio=0.3), FuseConfig(mode="probe", ratio=0.3, attention="blocks")):
         selector = ProbeSelector(config)

@@ -4,7 +4,7 @@ A selective recompute on a GPU pays for a layer mostly in kernel launches and th
 layer's work before its attention (norm, q/k/v projections, per-head norms, rotary embeddings) and after it
 (output projection, residual, norm, gated MLP, residual) each run as one compiled function (weights as
 arguments, so one compilation serves every layer; token counts dynamic), the cache writes and the attention
-(`plain_layer.attend`) eager between them. Measured on an H200 it made the short passes slower, not faster
+(`llama_layer.attend`) eager between them. Measured on an H200 it made the short passes slower, not faster
 (benchmarks/gpu-compiled-layers), so kvrag does not ship it; this script keeps the measurement repeatable.
 
     python benchmarks/experiments/compiled_layer.py on -v bench speed --arch llama-3.1-8b --codec int8 ...
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from kvrag.model import plain_layer
+from kvrag.model import llama_layer
 
 if TYPE_CHECKING:
     from kvrag.model.hf_compat import ScatterLayer
@@ -32,9 +32,9 @@ log = logging.getLogger("kvrag.experiments.compiled_layer")
 
 def run(layer: Any, hidden: torch.Tensor, mask: Any, rope: tuple[torch.Tensor, torch.Tensor],
         scatter: ScatterLayer) -> torch.Tensor:
-    """`plain_layer.run`, its work before and after the attention compiled."""
+    """`llama_layer.run`, its work before and after the attention compiled."""
     attn, mlp = layer.self_attn, layer.mlp
-    rot = plain_layer.rotation(*rope, hidden.dtype)
+    rot = llama_layer.rotation(*rope, hidden.dtype)
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     queries, keys, values = _projections()(
         hidden, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
@@ -42,7 +42,7 @@ def run(layer: Any, hidden: torch.Tensor, mask: Any, rope: tuple[torch.Tensor, t
         attn.v_proj.weight, attn.v_proj.bias, *_norm_args(q_norm), *_norm_args(k_norm),
         rot.cos, rot.sin, rot.half, attn.head_dim)
     keys, values = scatter.update(keys, values)
-    out = plain_layer.attend(queries, keys, values, mask, attn.scaling)
+    out = llama_layer.attend(queries, keys, values, mask, attn.scaling)
     norm = layer.post_attention_layernorm
     return _output_and_mlp()(
         out, hidden, attn.o_proj.weight, attn.o_proj.bias, norm.weight, norm.variance_epsilon,
@@ -114,7 +114,7 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("on", "off"):
         raise SystemExit("usage: compiled_layer.py on|off KVRAG-ARGS... (on: plain layers compiled)")
     if argv[0] == "on":
-        plain_layer.run = run
+        llama_layer.run = run
     return kvrag_main(argv[1:])
 
 

@@ -8,8 +8,8 @@ Modules, one responsibility each:
   outside fusion;
 - `placement`: the full cache, prefix and stored chunk rows placed at their positions;
 - `attention`: how the selection attends in a layer (blocks, masks, kernel choice), through
-  `sdpa_standin` masks that run their own kernel: `scatter_attention` (FlexAttention, CUDA),
-  `tiled_attention` (unmasked and masked tiles, CPU), `reading_attention` (a probe pass's layer output and
+  `kernel_mask` masks that run their own kernel: `scatter_attention` (FlexAttention, CUDA),
+  `tiled_attention` (unmasked and masked tiles, CPU), `recorded_attention` (a probe pass's layer output and
   the question's reading from the same products);
 - `scores`: K/V deviation and the question's attention, which selectors rank by;
 - `loop`: `fuse`, the layer loop that runs the model's decoder layers on the selected positions only.

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvrag.fusion import reading_attention, scatter_attention, tiled_attention
+from kvrag.fusion import recorded_attention, scatter_attention, tiled_attention
 from kvrag.model import LoadedModel
 from kvrag.model.families import DEFAULT_ROPE
 
@@ -29,7 +29,7 @@ MIN_BLOCK_TOKENS_CUDA = 1024  # on a GPU each block launches the layer's kernels
 LOWER_RIGHT_DEVICES = {"cuda"}
 # where `FuseConfig.attention` "tiles" (and "auto") runs a scattered selection as one block under a `SortedCausalBias`
 # (`kvrag.fusion.tiled_attention`, on SDPA's CPU flash kernel) and a probe pass reads the question's attention from the
-# layer's own products (`ReadingBias`); a CUDA kernel takes FlexAttention or masked blocks instead
+# layer's own products (`RecordingBias`); a CUDA kernel takes FlexAttention or masked blocks instead
 TILED_DEVICES = {"cpu"}
 # (part of the selection, keys it attends to, mask, the model's (cos, sin) for its positions)
 Block = tuple[slice, int, "torch.Tensor | None", tuple[torch.Tensor, torch.Tensor]]  # mask: additive or a CausalBias
@@ -114,15 +114,15 @@ def layer_blocks(lm: LoadedModel, sel: torch.Tensor, total: int, dtype: torch.dt
 
 def reading_blocks(lm: LoadedModel, blocks: list[Block], sel: torch.Tensor, window: int | None, causal_ok: bool,
                    readers: int, sink: torch.Tensor) -> list[Block] | None:
-    """``blocks`` as one block under a `ReadingBias` that adds the attention of the selection's last ``readers``
+    """``blocks`` as one block under a `RecordingBias` that adds the attention of the selection's last ``readers``
     tokens to ``sink`` ``[N]``, where it applies (a kernel that masks causally by itself, a window that masks
     nothing, few enough weights to write out); None where it does not. The loop asks for it where `tiles_on`.
     """
     last = int(sel[-1]) + 1
     if not (causal_ok and (window is None or last <= window)
-            and reading_attention.fits(int(sel.numel()), lm.spec.n_heads, last)):
+            and recorded_attention.fits(int(sel.numel()), lm.spec.n_heads, last)):
         return None
-    return [(slice(0, int(sel.numel())), last, reading_attention.ReadingBias(sel, readers, sink), rope_of(blocks))]
+    return [(slice(0, int(sel.numel())), last, recorded_attention.RecordingBias(sel, readers, sink), rope_of(blocks))]
 
 
 def rope_of(blocks: list[Block]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ from kvrag.fusion.inputs import FusionInput, FusionResult, Segments, segments
 from kvrag.fusion.scores import question_attention, token_scores
 from kvrag.fusion.selectors import Selector, make_selector
 from kvrag.loading.feed import ChunkFeed
-from kvrag.model import LoadedModel, hf_compat, plain_layer
+from kvrag.model import LoadedModel, hf_compat, llama_layer
 from kvrag.model.families import LayerKind
 from kvrag.model.rope import Rope, layer_ropes
 
@@ -77,7 +77,7 @@ def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig, selector: Select
                 n_selected = [a + b for a, b in zip(probe_counts, n_selected)]
             logits = lm.family.logits(lm.model, hidden[:, -1:])[0, -1]
     finally:
-        plain_layer.forget_rotations()
+        llama_layer.forget_rotations()
         if feed is not None:
             feed.close()
     return FusionResult(cache.to_dynamic(), logits, seg.total, n_selected,

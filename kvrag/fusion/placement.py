@@ -13,7 +13,7 @@ import torch
 
 from kvrag.fusion.inputs import FusionInput, Segments
 from kvrag.loading.feed import ChunkFeed, TensorFeed
-from kvrag.model import LoadedModel, hf_compat, plain_layer
+from kvrag.model import LoadedModel, hf_compat, llama_layer
 from kvrag.model.prefix import KV
 
 
@@ -48,5 +48,5 @@ def place_layer(layer: hf_compat.ScatterLayer, kv: tuple[torch.Tensor, torch.Ten
     """Write one layer's stored chunk K/V (``[H, n, D]`` pre-RoPE) into the full cache, keys rotated."""
     keys, values, _ = layer.full()
     start, stop = seg.prefix_len, seg.suffix_start
-    plain_layer.rotation(cos, sin, keys.dtype).rotate(kv[0][None].to(keys.dtype), out=keys[:, :, start:stop])
+    llama_layer.rotation(cos, sin, keys.dtype).rotate(kv[0][None].to(keys.dtype), out=keys[:, :, start:stop])
     values[0, :, start:stop] = kv[1].to(values.dtype)

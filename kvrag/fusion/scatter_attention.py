@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvrag.fusion.sdpa_standin import SdpaStandIn
+from kvrag.fusion.kernel_mask import KernelMask
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class ScatterPlan:
         return cls(positions, keys, mask)
 
 
-class ScatterBias(SdpaStandIn):
+class ScatterBias(KernelMask):
     """Passed as a decoder layer's ``attention_mask``: its SDPA call runs `scatter_attention`."""
 
     plan: ScatterPlan

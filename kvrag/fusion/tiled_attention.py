@@ -15,7 +15,7 @@ the kernel's tiles are fuller. The result equals one masked SDPA call to float r
 
 A decoder layer gets a `SortedCausalBias` as its attention mask; like `scatter_attention.ScatterBias` it
 intercepts the layer's ``scaled_dot_product_attention`` call, so it works under a layer's own forward
-(which may pass the keys repeated per query head) and under `kvrag.model.plain_layer`.
+(which may pass the keys repeated per query head) and under `kvrag.model.llama_layer`.
 
 Layout: ``[1, heads, seq, head_dim]``.
 """
@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from kvrag.fusion.sdpa_standin import SdpaStandIn
+from kvrag.fusion.kernel_mask import KernelMask
 
 # Rows (queries times the query heads of a key/value head) per tile. SDPA's CPU kernel splits its query rows into
 # blocks of 256 from 768 rows up and of 64 below, and the larger blocks run faster: on 2 cores, for 916 queries at
@@ -89,7 +89,7 @@ def sorted_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     return out.transpose(1, 2)
 
 
-class SortedCausalBias(SdpaStandIn):
+class SortedCausalBias(KernelMask):
     """Passed as a decoder layer's ``attention_mask``: queries at the sorted ``positions`` see the keys up to
     their own; its SDPA call runs `sorted_causal_attention`.
     """

@@ -41,8 +41,8 @@ from kvrag.indexing.kvgen import (
     chunk_caches,
     chunk_caches_after,
     chunk_key,
-    lead_key,
     placed_prefix,
+    plain_cache_key,
 )
 from kvrag.indexing.manifest import stored_stream_levels
 from kvrag.indexing.split import KVSplitter
@@ -165,7 +165,7 @@ def cache_after_neighbours(lm: LoadedModel, prefix: PrefixCache, kvstore: KVStor
                            ids: Sequence[int], how: str = "stored") -> KV:
     """A chunk's cache computed after the prefix and its ``neighbours`` (`nearest_chunks`).
 
-    ``how="stored"`` places the neighbours' plain caches (stored under `lead_key`; recomputed when
+    ``how="stored"`` places the neighbours' plain caches (stored under `plain_cache_key`; recomputed when
     missing or corrupt) before the chunk and prefills the chunk alone, which costs about what its plain
     cache costs. ``"prefill"`` prefills the neighbours' tokens together with the chunk: exact for that
     context, but each chunk then costs its neighbours' tokens too (about ``count + 1`` times as much).
@@ -176,11 +176,11 @@ def cache_after_neighbours(lm: LoadedModel, prefix: PrefixCache, kvstore: KVStor
     placed = []
     for n in neighbours:
         try:
-            keys, values = kvstore.load(lead_key(n.key))
+            keys, values = kvstore.load(plain_cache_key(n.key))
         except CorruptChunkError as exc:
             log_recovery(log, exc, "computing the plain cache of a neighbour again")
             keys, values = next(chunk_caches(lm, prefix, [n.ids]))[1]
-            kvstore.put(lead_key(n.key), keys.cpu(), values.cpu())
+            kvstore.put(plain_cache_key(n.key), keys.cpu(), values.cpu())
         placed.append((n.ids[n.start:], (keys[:, :, n.start:], values[:, :, n.start:])))
     return chunk_cache_after(lm, placed_prefix(lm, prefix, placed), ids)
 
@@ -191,7 +191,7 @@ class Builder:
     ``context_chunks`` > 0 computes each chunk's cache after that many of its nearest chunks (by
     embedding, among the index and the chunks being added) instead of after the prefix alone, put
     there as ``neighbour_kv`` says (`cache_after_neighbours`). Each chunk's plain cache is stored
-    first, under `lead_key`: for when it comes first in a prompt, and as what ``"stored"`` places.
+    first, under `plain_cache_key`: for when it comes first in a prompt, and as what ``"stored"`` places.
     """
 
     def __init__(
@@ -250,7 +250,7 @@ class Builder:
         """Whether a chunk's caches are stored (with neighbour context: its plain cache too)."""
         key = candidate.record.key
         return (self.kvstore.contains_levels(key, self.stream_levels)
-                and (not self.context_chunks or self.kvstore.contains(lead_key(key))))
+                and (not self.context_chunks or self.kvstore.contains(plain_cache_key(key))))
 
     def _neighbours(self, group: list[Candidate], vectors: np.ndarray, i: int) -> list[Neighbour]:
         """`nearest_chunks` of the group's chunk ``i``, among the index and the rest of the group."""
@@ -307,11 +307,11 @@ class Builder:
     def _store_leads(self, chunks: Sequence[tuple[str, list[int]]], stats: BuildStats,
                      writer: ThreadPoolExecutor, plain: bool = False) -> None:
         """The plain caches (after the prefix alone; ``(key, token ids)`` of each chunk) not stored yet:
-        with neighbour context, under `lead_key`, for when a chunk comes first in a prompt and for placing
+        with neighbour context, under `plain_cache_key`, for when a chunk comes first in a prompt and for placing
         it before its neighbours; with ``plain``, under the chunk's own key (a lazy index's fitting sample).
         A codec not fitted yet is fitted on them first.
         """
-        stored_as = (lambda key: key) if plain else lead_key
+        stored_as = (lambda key: key) if plain else plain_cache_key
         leads = {key: ids for key, ids in chunks if not self.kvstore.contains(stored_as(key))}
         if not leads:
             return

@@ -19,7 +19,7 @@ import torch
 from kvrag.model import LoadedModel, hf_compat
 from kvrag.model.prefix import KV, PrefixCache, prefix_cache  # noqa: F401  (re-exported)
 from kvrag.model.rope import layer_ropes, rotate_layers
-from kvrag.storage.keys import chunk_key, lead_key  # noqa: F401  (re-exported)
+from kvrag.storage.keys import chunk_key, plain_cache_key  # noqa: F401  (re-exported)
 
 
 def _batches(lengths: Sequence[int], batch_tokens: int) -> Iterator[list[int]]:

@@ -1,4 +1,4 @@
-"""Every call into version-sensitive transformers internals lives here, in `kvrag.model.plain_layer`, which
+"""Every call into version-sensitive transformers internals lives here, in `kvrag.model.llama_layer`, which
 runs Llama-family decoder layers from their parts (`run_decoder_layer` chooses it), and in the families
 (`kvrag.model.families`), which say what differs from a Llama in each architecture.
 
@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kvrag.model import plain_layer
+from kvrag.model import llama_layer
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -242,8 +242,8 @@ def run_decoder_layer(
     (``rope``: their `position_embeddings`).
     """
     layer = decoder_layers(model)[idx]
-    if plain_layer.runs_plain(layer):
-        return plain_layer.run(layer, hidden, mask, rope, cache.layer(idx))
+    if llama_layer.runs_plain(layer):
+        return llama_layer.run(layer, hidden, mask, rope, cache.layer(idx))
     out = layer(
         hidden,
         attention_mask=mask,

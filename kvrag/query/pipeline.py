@@ -35,7 +35,7 @@ from kvrag.query.head_cache import HeadCache
 from kvrag.query.plan import LoadController, LoadPlan
 from kvrag.query.shape import prompt_shape
 from kvrag.storage.chunk_index import ChunkIndex
-from kvrag.storage.keys import lead_key
+from kvrag.storage.keys import plain_cache_key
 from kvrag.storage.kvstore import KVStore
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ def load(ctx: QueryContext, laid: LaidOut, mode: str, caches: Sequence[KV | None
     lead = bool(ctx.neighbour_context and laid.first_exact)
     chunks = laid.chunks
     keys: list[str | None] = [
-        None if c is None or j in from_text else lead_key(c.key) if j == 0 and lead else c.key
+        None if c is None or j in from_text else plain_cache_key(c.key) if j == 0 and lead else c.key
         for j, c in enumerate(chunks)]
 
     def recover(j: int) -> KV:

@@ -18,7 +18,7 @@ def chunk_key(fingerprint: str, prefix_ids: Sequence[int], ids: Sequence[int]) -
     return h.hexdigest()[:40]
 
 
-def lead_key(key: str) -> str:
+def plain_cache_key(key: str) -> str:
     """The store key of a chunk's plain cache (computed right after the prefix) in an index whose caches
     are computed after neighbour context: the cache it needs when it comes first in a prompt.
     """

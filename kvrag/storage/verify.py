@@ -208,7 +208,7 @@ def _check_codec(path: Path, report: VerifyReport) -> Any:
 def _check_caches(path: Path, report: VerifyReport, codec: Any, keys: list[str]) -> None:
     from kvrag.config import StoreConfig
     from kvrag.errors import ChunkUnavailableError, CorruptChunkError, StoreUnavailableError
-    from kvrag.storage.keys import lead_key
+    from kvrag.storage.keys import plain_cache_key
     from kvrag.storage.kvstore import KVStore
     from kvrag.storage.stores import open_index_store, public_url
 
@@ -225,7 +225,8 @@ def _check_caches(path: Path, report: VerifyReport, codec: Any, keys: list[str])
         held = set(store.keys())
         kvstore = KVStore(store, codec, manifest["model"]["fingerprint"])
         for key in keys:
-            wanted = [(key, None), *([(lead_key(key), None)] if with_leads else []), *((key, lv) for lv in levels)]
+            plain = [(plain_cache_key(key), None)] if with_leads else []
+            wanted = [(key, None), *plain, *((key, lv) for lv in levels)]
             for stored, level in wanted:
                 name = kvstore.stored_key(stored, level)
                 if name not in held:

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from kvrag.model import hf_compat, plain_layer
+from kvrag.model import hf_compat, llama_layer
 
 DEFAULT_ROPE = "default"
 _POSITION_DEPENDENT_ROPE = ("dynamic",)  # frequencies rescaled with the length of every call
@@ -151,9 +151,9 @@ class Family:
         layer ``layer`` for its attention input ``h``.
         """
         attn, d = layer.self_attn, self.head_dim
-        queries = plain_layer.heads(attn.q_proj, getattr(attn, "q_norm", None), h, d)
-        keys = plain_layer.heads(attn.k_proj, getattr(attn, "k_norm", None), h, d)
-        values = plain_layer.heads(attn.v_proj, None, h, d)
+        queries = llama_layer.heads(attn.q_proj, getattr(attn, "q_norm", None), h, d)
+        keys = llama_layer.heads(attn.k_proj, getattr(attn, "k_norm", None), h, d)
+        values = llama_layer.heads(attn.v_proj, None, h, d)
         rope = self.full_width(rope)
         return hf_compat.apply_rope(queries, *rope), hf_compat.apply_rope(keys, *rope), values
 

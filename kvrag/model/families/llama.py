@@ -1,6 +1,6 @@
 """The Llama family (Llama, Mistral, Qwen2, Qwen3): the shape `Family` describes, with nothing to override.
 
-Their decoder layers run from their parts (`kvrag.model.plain_layer`) where `plain_layer.runs_plain` takes them.
+Their decoder layers run from their parts (`kvrag.model.llama_layer`) where `llama_layer.runs_plain` takes them.
 Mistral's window covers every layer; Qwen2's covers the layers its ``layer_types`` mark as sliding.
 """
 

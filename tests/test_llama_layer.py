@@ -1,4 +1,4 @@
-"""Decoder layers run from their parts (`kvrag.model.plain_layer`) against the layers' own forward."""
+"""Decoder layers run from their parts (`kvrag.model.llama_layer`) against the layers' own forward."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from kvrag.fusion import FusionInput, fuse
 from kvrag.fusion import attention as attn
 from kvrag.fusion.scatter_attention import ScatterBias, ScatterPlan
 from kvrag.fusion.tiled_attention import SortedCausalBias
-from kvrag.model import hf_compat, plain_layer
+from kvrag.model import hf_compat, llama_layer
 
 TOTAL = 96
 
@@ -40,7 +40,7 @@ def _selection(kind: str, device: str) -> torch.Tensor:
 
 
 def _both(model, kind: str, dtype: torch.dtype, device: str, seed: int = 0):
-    """Every layer run by `plain_layer.run` and by its own forward on the same inputs; outputs and caches."""
+    """Every layer run by `llama_layer.run` and by its own forward on the same inputs; outputs and caches."""
     layers = hf_compat.decoder_layers(model)
     spec = model.config
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -58,11 +58,11 @@ def _both(model, kind: str, dtype: torch.dtype, device: str, seed: int = 0):
         outs = []
         with torch.no_grad():
             for idx, layer in enumerate(layers):
-                assert plain_layer.runs_plain(layer)
+                assert llama_layer.runs_plain(layer)
                 cache.layer(idx).rows = sel
                 mask = _masks(sel, kind, dtype)
                 if plain:
-                    outs.append(plain_layer.run(layer, hidden, mask, rope, cache.layer(idx)))
+                    outs.append(llama_layer.run(layer, hidden, mask, rope, cache.layer(idx)))
                 else:
                     out = layer(hidden, attention_mask=mask, position_ids=sel[None], past_key_values=cache,
                                 use_cache=True, position_embeddings=rope)
@@ -101,7 +101,7 @@ def test_rotation_equals_the_models_rotary_embedding(partial):
     x = torch.randn(1, 4, 9, 16, generator=gen)
     angles = torch.randn(1, 9, 4 if partial else 8, generator=gen)
     rope = (torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin())  # [1, 9, R]
-    got = plain_layer.Rope(rope, torch.float32).rotate(x)
+    got = llama_layer.Rope(rope, torch.float32).rotate(x)
     assert (got - hf_compat.apply_rope(x, *rope)).abs().max().item() <= 1e-6
 
 
@@ -110,7 +110,7 @@ def test_rms_norm_equals_the_models_norm():
     with torch.no_grad():
         layer.input_layernorm.weight.normal_()
         x = torch.randn(2, 5, layer.input_layernorm.weight.numel())
-        assert (plain_layer.rms_norm(layer.input_layernorm, x) - layer.input_layernorm(x)).abs().max() <= 1e-6
+        assert (llama_layer.rms_norm(layer.input_layernorm, x) - layer.input_layernorm(x)).abs().max() <= 1e-6
 
 
 @pytest.mark.parametrize("change", [dict(hidden_act="gelu"), dict(attn="eager"), dict(hooked=True)])
@@ -125,7 +125,7 @@ def test_layers_that_are_not_plain_run_their_own_forward(change):
     if change.get("hooked"):  # as accelerate marks the modules of a device map
         for layer in layers:
             layer.mlp.down_proj._hf_hook = object()
-    assert not any(plain_layer.runs_plain(layer) for layer in layers)
+    assert not any(llama_layer.runs_plain(layer) for layer in layers)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -135,12 +135,12 @@ def test_fusion_runs_every_layer_from_its_parts_with_the_same_result(monkeypatch
 
     lm, prefix, chunks, kv, suffix = _setup(arch, seed=7)
     calls = []
-    run = plain_layer.run
-    monkeypatch.setattr(plain_layer, "run", lambda layer, *a: calls.append(id(layer)) or run(layer, *a))
+    run = llama_layer.run
+    monkeypatch.setattr(llama_layer, "run", lambda layer, *a: calls.append(id(layer)) or run(layer, *a))
     fast = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
     assert len(set(calls)) == lm.spec.n_layers
-    assert not plain_layer._latest.ropes  # the rotations it kept are dropped when it ends
-    monkeypatch.setattr(plain_layer, "runs_plain", lambda layer: False)
+    assert not llama_layer._latest.ropes  # the rotations it kept are dropped when it ends
+    monkeypatch.setattr(llama_layer, "runs_plain", lambda layer: False)
     reference = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
     assert torch.equal(fast.selected, reference.selected)
     assert (fast.logits - reference.logits).abs().max().item() <= 1e-5
@@ -180,7 +180,7 @@ def test_a_layer_allocates_two_intermediate_tensors_of_its_mlp_not_four():
         cache.layer(0).rows = sel
         with torch.no_grad(), _Created() as created:
             if plain:
-                outs.append(plain_layer.run(layer, hidden, None, rope, cache.layer(0)))
+                outs.append(llama_layer.run(layer, hidden, None, rope, cache.layer(0)))
             else:
                 outs.append(layer(hidden, attention_mask=None, position_ids=sel[None], past_key_values=cache,
                                   use_cache=True, position_embeddings=rope))

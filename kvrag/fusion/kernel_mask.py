@@ -1,4 +1,4 @@
-"""`SdpaStandIn`: an attention mask that stands for a whole attention kernel.
+"""`KernelMask`: an attention mask that stands for a whole attention kernel.
 
 A decoder layer hands its ``attention_mask`` to ``scaled_dot_product_attention``. A stand-in is an empty tensor
 of a subclass that intercepts that call and runs its own kernel instead (`attend`), so a layer's own forward,
@@ -13,13 +13,13 @@ from typing import Any, TypeVar
 import torch
 import torch.nn.functional as F
 
-_StandIn = TypeVar("_StandIn", bound="SdpaStandIn")
+_KernelMask = TypeVar("_KernelMask", bound="KernelMask")
 
 
-class SdpaStandIn(torch.Tensor):
+class KernelMask(torch.Tensor):
     """An empty tensor on ``device`` whose SDPA call runs `attend`; subclasses set what it needs in ``__init__``."""
 
-    def __new__(cls: type[_StandIn], device: torch.device, *args: Any) -> _StandIn:
+    def __new__(cls: type[_KernelMask], device: torch.device, *args: Any) -> _KernelMask:
         """An empty tensor of this class on ``device`` (``args``: what ``__init__`` takes)."""
         return torch.Tensor._make_subclass(cls, torch.empty(0, device=device), False)
 
@@ -35,7 +35,7 @@ class SdpaStandIn(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs)
 
 
-def _intercept(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: SdpaStandIn,
+def _intercept(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: KernelMask,
                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                enable_gqa: bool = False) -> torch.Tensor:
     if dropout_p or is_causal:

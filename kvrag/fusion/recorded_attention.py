@@ -9,7 +9,7 @@ queries, summed over their query heads, are added to ``sink`` on the way: the la
 question's reading come from the same products.
 
 Written out, the weights of every query over every key are held at once (``queries * query heads * keys``
-floats), so a `ReadingBias` is for a few queries: `fits` says whether a selection is few enough.
+floats), so a `RecordingBias` is for a few queries: `fits` says whether a selection is few enough.
 
 Layout: ``[1, heads, seq, head_dim]``; ``sink`` ``[N]`` float32.
 """
@@ -20,8 +20,8 @@ import math
 
 import torch
 
+from kvrag.fusion.kernel_mask import KernelMask
 from kvrag.fusion.scores import causal_weights
-from kvrag.fusion.sdpa_standin import SdpaStandIn
 
 # The most attention weights (queries x query heads x keys) written out at once: 32 MB of float32.
 MAX_WEIGHTS = 8 * 1024 * 1024
@@ -34,7 +34,7 @@ def fits(n_queries: int, n_heads: int, n_keys: int) -> bool:
     return n_queries * n_heads * n_keys <= MAX_WEIGHTS
 
 
-def reading_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
+def recorded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
                       readers: int, sink: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Attention ``[1, Hq, n, D]`` of ``query`` (at sorted ``positions`` ``[n]``) over ``key``/``value``
     ``[1, H, >= positions[-1] + 1, D]`` (``H`` divides ``Hq``), query ``i`` seeing keys ``0..positions[i]``;
@@ -56,14 +56,14 @@ def reading_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out.view(1, q_heads, n, dim)
 
 
-class ReadingBias(SdpaStandIn):
+class RecordingBias(KernelMask):
     """Passed as a decoder layer's ``attention_mask``: queries at the sorted ``positions`` see the keys up to
-    their own, and the last ``readers`` of them add their attention weights to ``sink`` (`reading_attention`).
+    their own, and the last ``readers`` of them add their attention weights to ``sink`` (`recorded_attention`).
     """
 
     positions: torch.Tensor
 
-    def __new__(cls, positions: torch.Tensor, readers: int, sink: torch.Tensor) -> ReadingBias:
+    def __new__(cls, positions: torch.Tensor, readers: int, sink: torch.Tensor) -> RecordingBias:
         """An empty tensor on ``positions``' device."""
         return super().__new__(cls, positions.device)
 
@@ -71,5 +71,5 @@ class ReadingBias(SdpaStandIn):
         self.positions, self.readers, self.sink = positions, readers, sink
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
-        """`reading_attention` at this stand-in's positions, into its sink."""
-        return reading_attention(query, key, value, self.positions, self.readers, self.sink, scale)
+        """`recorded_attention` at this stand-in's positions, into its sink."""
+        return recorded_attention(query, key, value, self.positions, self.readers, self.sink, scale)

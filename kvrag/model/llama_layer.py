@@ -18,7 +18,7 @@ a residual, pre-norm gated MLP, a residual) is run here from its own weights:
   largest tensors are the MLP's ``[1, n, intermediate]``: two of them live at once, not three).
 
 The operations and their order are the layer's own, so the results agree with it to float rounding
-(checked for every tiny architecture in ``tests/test_plain_layer.py``). Layers of other classes, and
+(checked for every tiny architecture in ``tests/test_llama_layer.py``). Layers of other classes, and
 layers whose norm or activation is not the plain one or that carry accelerate's hooks, run their own forward
 (`runs_plain`).
 

@@ -95,7 +95,7 @@ class SessionConfig:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Where and how chunk caches are stored (`kvrag.storage.stores.cached.open_index_store`; docs/stores.md).
+    """Where and how chunk caches are stored (`kvrag.storage.stores.index_store.open_index_store`; docs/stores.md).
 
     Attributes:
         backend: ``"disk"`` (the default) is the index's own store: its ``chunks/`` folder, or the URL it was

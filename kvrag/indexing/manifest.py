@@ -4,7 +4,7 @@ The manifest records the format version, the library versions, the model (source
 `ModelSpec`), the embedder, the codec's parameters, the split settings, the prompt layout, the
 neighbour-context settings, and where the chunk caches are stored (``"store"``: the URL of a store other
 than the index's ``chunks/`` folder, without its password, and the namespace of the index's keys there;
-`kvrag.storage.stores.cached.store_record`), and the ``stream_levels``: the codec levels each chunk's cache is
+`kvrag.storage.stores.index_store.store_record`), and the ``stream_levels``: the codec levels each chunk's cache is
 also stored at for the streaming loader (absent when none; `check_stream_levels`). `new_manifest` writes
 nothing: `ChunkIndex.create` stores it atomically.
 
@@ -30,7 +30,7 @@ from kvrag.errors import IndexCorruptError, IndexMismatchError, UntrustedPathErr
 from kvrag.model import LoadedModel
 from kvrag.prompt import PromptLayout
 from kvrag.storage.index_layout import IndexLayout
-from kvrag.storage.stores.cached import store_record
+from kvrag.storage.stores.index_store import store_record
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,9 @@ from kvrag.storage.stores.base import (
     register_store,
     store_class,
 )
-from kvrag.storage.stores.cached import CachedStore, is_remote_url, open_index_store, public_url, store_record
+from kvrag.storage.stores.cached import CachedStore
 from kvrag.storage.stores.disk import DiskStore
+from kvrag.storage.stores.index_store import is_remote_url, open_index_store, public_url, store_record
 from kvrag.storage.stores.memory import MemoryStore
 from kvrag.storage.stores.redis import RedisStore
 from kvrag.storage.stores.throttled import ThrottledStore

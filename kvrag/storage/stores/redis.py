@@ -18,7 +18,7 @@ Contract:
   set: an index's manifest records its store's URL without the password.
 - It is a network store (``network = True``): `make_store` builds it from its URL
   (``make_store("redis://host:6379/0", namespace=...)``) or by name with ``url=``; an index opens it through
-  `kvrag.storage.stores.cached.open_index_store`, behind a local cache.
+  `kvrag.storage.stores.index_store.open_index_store`, behind a local cache.
 - ``sizes`` asks for many blobs' sizes in one pipelined round trip (``STRLEN``); ``keys`` lists the keys under
   the namespace with ``SCAN`` (never ``KEYS``, which blocks the server).
 """
@@ -36,7 +36,7 @@ from urllib.parse import unquote
 
 from kvrag.errors import StoreUnavailableError
 from kvrag.storage.stores.base import ByteStore, register_store
-from kvrag.storage.stores.cached import public_url
+from kvrag.storage.stores.index_store import public_url
 
 T = TypeVar("T")
 PASSWORD_ENV = "KVRAG_REDIS_PASSWORD"
@@ -58,7 +58,7 @@ class RedisStore(ByteStore):
 
     Args:
         url: ``redis://[[USER]:PASSWORD@]HOST:PORT/DB`` (``rediss://`` for TLS; redis-py's query options work).
-        namespace: the prefix of this store's keys (an index's own: `kvrag.storage.stores.cached.store_record`).
+        namespace: the prefix of this store's keys (an index's own: `kvrag.storage.stores.index_store.store_record`).
         connect_timeout_s, timeout_s: the connect timeout and the timeout of each command.
         retries: further tries of a command after a connection error, with exponential backoff.
         retry_after_s: after a connection failure, how long the store fails at once without asking the server.

@@ -56,11 +56,6 @@ class ByteLRU(Generic[K, V]):
         held = self._entries.get(key)
         return None if held is None else held[0]
 
-    def size_of(self, key: K) -> int:
-        """The size ``key``'s entry was put with (0 if absent)."""
-        held = self._entries.get(key)
-        return 0 if held is None else held[1]
-
     def pop(self, key: K) -> V | None:
         """Remove and return the entry under ``key`` (None if absent)."""
         held = self._entries.pop(key, None)
@@ -73,8 +68,7 @@ class ByteLRU(Generic[K, V]):
         """Evict until ``size`` more bytes fit (as `put` does before keeping an entry): the evicted, oldest first."""
         evicted: list[tuple[K, V]] = []
         while self._entries and self.nbytes + size > self.max_bytes:
-            keys = list(self._entries)
-            key = keys[0] if victim is None else victim(keys)
+            key = next(iter(self._entries)) if victim is None else victim(list(self._entries))
             value = self.pop(key)
             evicted.append((key, value))  # type: ignore[arg-type]
         return evicted

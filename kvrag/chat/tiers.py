@@ -51,12 +51,13 @@ class _Tier:
     """One bounded tier: entries by key in least-recently-used order."""
 
     def __init__(self, name: str, limit: int) -> None:
-        self.name, self.limit = name, limit
+        self.name = name
         self.entries: ByteLRU[str, Any] = ByteLRU(limit)  # a HistoryKV, or on disk its file's path
         self.hits = 0
 
     def stats(self) -> dict[str, int]:
-        return {"hits": self.hits, "bytes": self.entries.nbytes, "limit": self.limit, "entries": len(self.entries)}
+        held = self.entries
+        return {"hits": self.hits, "bytes": held.nbytes, "limit": held.max_bytes, "entries": len(held)}
 
 
 class SessionTiers:
@@ -99,7 +100,7 @@ class SessionTiers:
                 path.unlink(missing_ok=True)  # half-written by a killed writer: never an entry
         kept, used = [], 0
         for _, path, size in sorted(found, reverse=True):  # the most recent first, while they fit
-            if used + size > disk.limit:
+            if used + size > disk.entries.max_bytes:
                 path.unlink(missing_ok=True)
                 continue
             kept.append((path, size))
@@ -192,7 +193,7 @@ class SessionTiers:
             return
         tier = self.tiers[level]
         size = entry.nbytes
-        if size > tier.limit:
+        if not tier.entries.fits(size):
             self._insert(level + 1, key, entry)
             return
         for victim, value in tier.entries.make_room(size, self._victim):

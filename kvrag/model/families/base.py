@@ -4,8 +4,8 @@ A family is one class registered under the config ``model_type``s it covers (`re
 instantiates it for a config. The base class describes a Llama-shaped model (pre-norm attention with q/k/v/o
 projections, one rotary embedding, at most one sliding window for every layer); a family overrides what differs:
 
-- `attn_implementation`: the attention kernel transformers must run its layers with to be exact (``eager`` where
-  SDPA drops a logit soft-cap or attention sinks);
+- `eager_reason`: why SDPA cannot run its attention exactly (a logit soft-cap, attention sinks), so that
+  `attn_implementation` gives ``eager`` for its layers; None (the default) keeps SDPA;
 - `layer_kinds`: per layer, its window and the name of its rotary embedding (None: no positional encoding);
 - `rope`: the ``(cos, sin)`` of a named rotary embedding, as the layers take it, and `full_width`: the same in the
   form `kvrag.model.hf_compat.apply_rope` takes (gpt-oss's layers take half-width pairs);
@@ -70,8 +70,8 @@ class Family:
         return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
 
     def attn_implementation(self) -> str:
-        """The attention implementation the layers must run with for fusion to be exact."""
-        return "sdpa"
+        """The attention implementation the layers must run with for fusion to be exact (`eager_reason`)."""
+        return "sdpa" if self.eager_reason() is None else "eager"
 
     def layer_kinds(self) -> list[LayerKind]:
         """Per layer: its window (from ``layer_types`` where the config has them) and its rotary embedding."""
@@ -105,8 +105,9 @@ class Family:
         """
         return 4 * int(self.config.max_position_embeddings)
 
-    def eager_reason(self) -> str:
-        return "SDPA does not run its attention"
+    def eager_reason(self) -> str | None:
+        """Why SDPA cannot run this model's attention exactly, so its layers run eager attention (None: it can)."""
+        return None
 
     def rope(self, model: Any, key: str | None, like: torch.Tensor, positions: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:

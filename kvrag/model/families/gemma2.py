@@ -26,9 +26,6 @@ class Gemma2Family(Family):
 
     model_types = ("gemma2",)
 
-    def attn_implementation(self) -> str:
-        return "eager"
-
     def eager_reason(self) -> str:
         return "SDPA does not soft-cap attention logits"
 

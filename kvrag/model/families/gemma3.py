@@ -23,11 +23,8 @@ class Gemma3Family(Family):
 
     model_types = ("gemma3_text",)
 
-    def attn_implementation(self) -> str:
-        return "eager" if self.config.attn_logit_softcapping is not None else "sdpa"
-
-    def eager_reason(self) -> str:
-        return "SDPA does not soft-cap attention logits"
+    def eager_reason(self) -> str | None:
+        return "SDPA does not soft-cap attention logits" if self.config.attn_logit_softcapping is not None else None
 
     def layer_kinds(self) -> list[LayerKind]:
         return [LayerKind(kind.window, layer_type)

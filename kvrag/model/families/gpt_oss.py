@@ -22,9 +22,6 @@ class GptOssFamily(Family):
 
     model_types = ("gpt_oss",)
 
-    def attn_implementation(self) -> str:
-        return "eager"
-
     def eager_reason(self) -> str:
         return "SDPA has no attention sinks"
 

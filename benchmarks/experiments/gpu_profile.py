@@ -31,10 +31,9 @@ from kvrag.storage.stores import make_store
 
 def loader_alone(lm: Any, work: Workload, **feed_args: Any) -> dict[str, float]:
     """Every layer of every stored chunk through a `StoreFeed` (``feed_args``: its settings), nothing else running."""
-    from kvrag.loading.feed import StoreFeed
-
-    feed = StoreFeed(work.kvstore, work.keys, [int(c.numel()) for c in work.chunk_ids], lm.spec.n_layers, lm.device,
-                     work.prefix.kv[0][0].dtype, **feed_args)
+    work.store_feed_options = feed_args
+    feed = work.feed(lm, "disk")
+    work.store_feed_options = {}
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     out_bytes = 0
@@ -75,21 +74,16 @@ def profile_fusion(lm: Any, work: Workload, spec: common.ModeSpec, tier: str) ->
 
 def workers_ab(lm: Any, work: Workload, labels: list[str], counts: list[int]) -> dict[str, list[float]]:
     """TTFT ms of each mode from disk with the feed's decoding threads at each count, alternated, 5 rounds."""
-    import functools
-
-    from kvrag.loading import feed as feeds
-
-    made = feeds.StoreFeed
     times: dict[str, list[float]] = {}
     try:
         for _ in range(6):
             for label in labels:
                 for count in counts:
-                    feeds.StoreFeed = functools.partial(made, workers=count)  # type: ignore[misc]
+                    work.store_feed_options = {"workers": count}
                     ms = work.time_mode(lm, common.parse_mode(label).config, "disk")["ttft_s"] * 1e3
                     times.setdefault(f"{label} workers={count}", []).append(ms)
     finally:
-        feeds.StoreFeed = made  # type: ignore[misc]
+        work.store_feed_options = {}
     return {k: v[1:] for k, v in times.items()}  # the first round warms up
 
 

@@ -53,6 +53,7 @@ class Workload:
                 self.resident.setdefault("gpu", []).append((k.to(lm.device), v.to(lm.device)))
         self.kvstore = kvstore
         self.controller = LoadController()  # measured by every fusion from disk; plans the +adaptive modes
+        self.store_feed_options: dict[str, Any] = {}  # more `StoreFeed` settings for the disk tier (experiments)
 
     def feed(self, lm: Any, tier: str, from_text: Sequence[int] = ()) -> Any:
         """A feed over this workload's chunk caches from ``tier`` (``from_text``: chunks left out, recomputed)."""
@@ -62,7 +63,8 @@ class Workload:
         dtype = self.prefix.kv[0][0].dtype
         if tier == "disk":
             keys = [None if j in from_text else key for j, key in enumerate(self.keys)]
-            return StoreFeed(self.kvstore, keys, lengths, lm.spec.n_layers, lm.device, dtype)
+            return StoreFeed(self.kvstore, keys, lengths, lm.spec.n_layers, lm.device, dtype,
+                             **self.store_feed_options)
         return TensorFeed(self.resident[tier], lengths, lm.spec.n_layers, lm.device, dtype)
 
     def time_mode(self, lm: Any, config: Any, tier: str = "disk") -> dict[str, float]:

@@ -49,7 +49,7 @@ from kvrag.indexing.split import KVSplitter
 from kvrag.model import LoadedModel
 from kvrag.prompt import PromptLayout, chunk_token_ids
 from kvrag.storage.chunk_index import ChunkIndex, ChunkRecord
-from kvrag.storage.index_layout import IndexLayout
+from kvrag.storage.codec_state import codec_ready, mark_fitted
 from kvrag.storage.kvstore import KVStore, log_recovery
 
 log = logging.getLogger(__name__)
@@ -208,9 +208,7 @@ class Builder:
 
     @property
     def codec_ready(self) -> bool:
-        codec = self.kvstore.codec
-        fitted = (self.codec_state_dir / IndexLayout.FITTED).is_file()
-        return not codec.needs_fit or bool(getattr(codec, "fitted", fitted))
+        return codec_ready(self.kvstore.codec, self.codec_state_dir)
 
     def run(self, candidates: Sequence[Candidate], stats: BuildStats, show_progress: bool,
             caches: bool = True) -> None:
@@ -294,7 +292,7 @@ class Builder:
                 if len(held) < min(FIT_CHUNKS, len(todo)):
                     continue
                 _fit_codec(self.kvstore.codec, [h[1] for h in held], self.codec_state_dir)
-                (self.codec_state_dir / IndexLayout.FITTED).touch()
+                mark_fitted(self.codec_state_dir)
                 pending += [self._submit(writer, todo[j].record.key, h, self.stream_levels) for j, h in held]
                 bar.update(sum(len(todo[j].ids) for j, _ in held))
                 held = []
@@ -320,7 +318,7 @@ class Builder:
         computed = list(chunk_caches(self.lm, self.prefix, list(leads.values()), self.batch_tokens))
         if not self.codec_ready:
             _fit_codec(self.kvstore.codec, [kv for _, kv in computed[:FIT_CHUNKS]], self.codec_state_dir)
-            (self.codec_state_dir / IndexLayout.FITTED).touch()
+            mark_fitted(self.codec_state_dir)
         stats.prefilled_tokens += sum(len(leads[keys[i]]) for i, _ in computed) if plain else 0
         stats.prefilled_chunks += len(computed) if plain else 0
         pending = [self._submit(writer, stored_as(keys[i]), kv) for i, kv in computed]

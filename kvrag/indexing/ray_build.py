@@ -42,6 +42,7 @@ from kvrag.indexing.documents import Loaded
 from kvrag.indexing.manifest import stored_stream_levels
 from kvrag.indexing.ray_worker import Blobs, KVBuildWorker, WorkerSetup, codec_state_files, load_codec_state
 from kvrag.storage.chunk_index import ChunkRecord
+from kvrag.storage.codec_state import codec_ready, mark_fitted
 from kvrag.storage.index_layout import IndexLayout
 
 log = logging.getLogger(__name__)
@@ -207,11 +208,6 @@ def _ignore(_: Any) -> None:
     return None
 
 
-def _codec_ready(codec: Any, state_dir: Path) -> bool:
-    """As `Builder.codec_ready`: the codec needs no fitting, or its state is fitted (or marked so)."""
-    return not codec.needs_fit or bool(getattr(codec, "fitted", (state_dir / IndexLayout.FITTED).is_file()))
-
-
 class _Run:
     """One build's work after the split: per group of `GROUP_CHUNKS`, embed, compute and store the caches
     the store lacks (fitting the codec first when it needs it), then commit the group (`Builder.run`).
@@ -230,10 +226,10 @@ class _Run:
                 if not kvstore.contains_levels(c.record.key, self.levels)]
         if caches:
             self.bar.update(sum(len(c.ids) for c in group) - sum(len(c.ids) for c in todo))
-        elif _codec_ready(self.codec, self.state_dir):
+        elif codec_ready(self.codec, self.state_dir):
             todo = []  # a lazy index computes caches only to fit its codec
         batches = _batches(todo, self.rag.batch_tokens)
-        if todo and not _codec_ready(self.codec, self.state_dir):
+        if todo and not codec_ready(self.codec, self.state_dir):
             n_fit, k = min(FIT_CHUNKS, len(todo)), 0
             while sum(len(b) for b in batches[:k]) < n_fit:
                 k += 1
@@ -274,7 +270,7 @@ class _Run:
         self._files, blobs = result
         load_codec_state(self.codec, self._files)
         self.codec.save_state(self.state_dir)
-        (self.state_dir / IndexLayout.FITTED).touch()
+        mark_fitted(self.state_dir)
         self._store(blobs, caches)
 
     def _store(self, chunks: list[tuple[str, Blobs, int]], caches: bool) -> None:
@@ -315,7 +311,7 @@ def add_on_ray(rag: Any, loaded: Loaded, stats: BuildStats, show_progress: bool 
     t0 = time.perf_counter()
     split, codec = SplitConfig(**rag.manifest["split"]), rag.kvstore.codec
     levels = stored_stream_levels(rag.manifest, codec)
-    ready = codec.needs_fit and _codec_ready(codec, IndexLayout.of(rag.path).codec_state)
+    ready = codec.needs_fit and codec_ready(codec, IndexLayout.of(rag.path).codec_state)
     state = codec_state_files(codec) if ready else None
     source = str(Path(rag.lm.source).resolve()) if Path(rag.lm.source).exists() else rag.lm.source  # any cwd
     setup = WorkerSetup(source, rag.lm.spec.dtype, rag.lm.fingerprint, rag.embedder.name,

@@ -268,6 +268,10 @@ def test_a_client_gone_frees_the_worker(tiny_rag: KVRag):
             next(lines)
         with pytest.raises(httpx.TimeoutException):  # a whole answer the client stops waiting for
             httpx.post(f"{url}/v1/chat/completions", json=long, timeout=1.0)
+        deadline = time.monotonic() + 10  # the server notices a disconnect within its poll interval
+        while httpx.get(f"{url}/health").json()["active"]:
+            assert time.monotonic() < deadline, "a request whose client went away still holds the worker"
+            time.sleep(0.05)
         t0 = time.perf_counter()
         after = httpx.post(f"{url}/v1/chat/completions", json=chat_body("What orbits the moon?"), timeout=60)
         assert after.status_code == 200 and time.perf_counter() - t0 < 15

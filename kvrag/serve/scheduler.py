@@ -174,7 +174,8 @@ class Scheduler:
             wait = self._expected_wait_locked()
             if self._queued_locked() >= self.max_queue + max(0, self.max_active - len(self._active)):
                 raise QueueFull(f"{self.max_queue} requests are already waiting", max(wait or 1.0, 1.0))
-            busy = bool(self._active) or self._queued_locked() > 0  # alone, a job waits for nothing but itself
+            # alone, a job waits for nothing but itself; a cancelled one ends at its next step
+            busy = any(not job.cancelled for job in self._active) or self._queued_locked() > 0
             if self.max_wait is not None and wait is not None and wait > self.max_wait and busy:
                 raise WaitTooLong(f"its expected wait for a first token, {wait:.1f} s, exceeds the server's bound "
                                   f"of {self.max_wait:g} s", max(wait - self.max_wait, 1.0))
@@ -186,7 +187,8 @@ class Scheduler:
 
     def _expected_wait_locked(self) -> float | None:
         queued = [job.pending() for queue in (self._waiting, self._arrived) for job in queue if not job.cancelled]
-        return expected_wait(self.times, [job.pending() for job in self._active], queued, self.max_active)
+        active = [job.pending() for job in self._active if not job.cancelled]  # a cancelled one ends at its next step
+        return expected_wait(self.times, active, queued, self.max_active)
 
     def expected_wait(self) -> float | None:
         """Seconds a request submitted now would wait for its first token (None before anything was measured)."""

@@ -50,14 +50,24 @@ try:
     from langchain_core.language_models.llms import LLM
     from langchain_core.outputs import Generation, GenerationChunk, LLMResult
     from langchain_core.retrievers import BaseRetriever
-    from pydantic import ConfigDict, Field
+    from pydantic import ConfigDict, Field, model_validator
 except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the import
     raise ImportError(
         "kvrag.integrations.langchain needs langchain-core: pip install 'kvrag[langchain]'"
     ) from exc
 
 from kvrag.integrations.langchain_chat import ChatKVRag
-from kvrag.integrations.prompt_llm import MODE_HELP, RATIO_HELP, answer_metadata, stream_prompt_answer
+from kvrag.integrations.prompt_llm import (
+    CACHE_HELP,
+    MODE_HELP,
+    MODEL_HELP,
+    RAG_HELP,
+    RATIO_HELP,
+    answer_metadata,
+    describe_backend,
+    open_langchain_backend,
+    stream_prompt_answer,
+)
 
 from kvrag.query.answer import finish
 
@@ -115,7 +125,10 @@ class KVCachedLLM(LLM):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    rag: Any = Field(description="An opened `kvrag.KVRag`.")
+    rag: Any = Field(default=None, description=RAG_HELP)
+    model: Any = Field(default=None, exclude=True, description=MODEL_HELP)
+    cache: Any = Field(default=None, description=CACHE_HELP + " A LangChain BaseCache or bool keeps its meaning there.")
+    max_cache_bytes: int | str | None = Field(default=None, description="The cache's bound, overriding cache='s.")
     mode: str | None = Field(default=None, description=MODE_HELP)
     ratio: float | None = Field(default=None, gt=0.0, le=1.0, description=RATIO_HELP)
     gate: Any = Field(default=None, description="A `kvrag.GateConfig`, True or False; None: kvrag's default.")
@@ -127,13 +140,30 @@ class KVCachedLLM(LLM):
         default=True, description="Wrap the prompt as the user turn of the model's chat template.")
     last_answer: Any = Field(default=None, exclude=True, description="The last call's `kvrag.Answer`.")
 
+    @model_validator(mode="after")
+    def _open(self) -> KVCachedLLM:
+        self.rag, self.cache = open_langchain_backend(self.rag, self.model, self.cache, self.max_cache_bytes)
+        self.model = None
+        return self
+
+    def warm(self, documents: Sequence[Document | str], show_progress: bool = True) -> int:
+        """Compute and store now the caches of ``documents`` (LangChain `Document`s or texts), as a vector store's
+        ``add_documents`` takes them: later prompts that hold them read their caches from the first call. Needs
+        the passage cache (``model=``); returns how many caches were stored.
+        """
+        if not hasattr(self.rag, "warm"):
+            raise TypeError("warm() is for a passage cache (KVCachedLLM(model=..., cache=...)); an index stores "
+                            "its chunks' caches when they are added")
+        texts = [d if isinstance(d, str) else d.page_content for d in documents]
+        return int(self.rag.warm(texts, show_progress=show_progress))
+
     @property
     def _llm_type(self) -> str:
         return "kvrag"
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"index": str(self.rag.path), "model": self.rag.lm.source, "mode": self.mode,
+        return {**describe_backend(self.rag), "mode": self.mode,
                 "ratio": self.ratio, "gate": repr(self.gate), "max_new_tokens": self.max_new_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "chat_template": self.chat_template}
 

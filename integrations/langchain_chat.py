@@ -27,6 +27,10 @@ Contract:
   (`HistoryReport.to_json()`, or None). Streaming yields one `AIMessageChunk` per text piece (token
   callbacks fire per piece) and a last empty chunk (``chunk_position="last"``) carrying the usage and the
   response metadata. ``last_answer`` holds the last call's `kvrag.Answer`.
+- Without an index, ``ChatKVRag(model=..., cache=...)`` answers over a `kvrag.passages.PassageCache`: the chain
+  puts the passages in the messages (a system message of context, say), and each call finds them there, reads
+  the caches of those seen before and stores the others after the answer; ``k``, ``retrieve`` and
+  ``history_cache`` then do nothing.
 - `KVRag` is not thread-safe: calls on the same index wait for each other (one lock per index, held for
   a whole call or stream). Async calls run the sync work off the event loop; an async stream runs all of
   its model steps on one thread of its own.
@@ -54,13 +58,21 @@ try:
     )
     from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
     from langchain_core.runnables.config import run_in_executor
-    from pydantic import ConfigDict, Field, field_validator
+    from pydantic import ConfigDict, Field, model_validator
 except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the import
     raise ImportError(
         "kvrag.integrations.langchain_chat needs langchain-core: pip install 'kvrag[langchain]'"
     ) from exc
 
-from kvrag.integrations.prompt_llm import MODE_HELP, RATIO_HELP
+from kvrag.integrations.prompt_llm import (
+    CACHE_HELP,
+    MODE_HELP,
+    MODEL_HELP,
+    RAG_HELP,
+    RATIO_HELP,
+    describe_backend,
+    open_langchain_backend,
+)
 
 __all__ = ["ChatKVRag", "to_kvrag_messages"]
 
@@ -174,7 +186,10 @@ class ChatKVRag(BaseChatModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
-    rag: Any = Field(description="An opened `kvrag.KVRag`.")
+    rag: Any = Field(default=None, description=RAG_HELP)
+    model: Any = Field(default=None, exclude=True, description=MODEL_HELP)
+    cache: Any = Field(default=None, description=CACHE_HELP + " A LangChain BaseCache or bool keeps its meaning there.")
+    max_cache_bytes: int | str | None = Field(default=None, description="The cache's bound, overriding cache='s.")
     k: int = Field(default=4, ge=0, description="Chunks retrieved for the last user message (0: none).")
     mode: str | None = Field(default=None, description=MODE_HELP)
     ratio: float | None = Field(default=None, gt=0.0, le=1.0, description=RATIO_HELP)
@@ -188,12 +203,13 @@ class ChatKVRag(BaseChatModel):
     streaming: bool = Field(default=False, description="Generate through the stream even on invoke.")
     last_answer: Any = Field(default=None, exclude=True, description="The last call's `kvrag.Answer`.")
 
-    @field_validator("rag")
-    @classmethod
-    def _check_rag(cls, rag: Any) -> Any:
-        if not callable(getattr(rag, "chat_stream", None)):
-            raise ValueError(f"rag must be an opened kvrag.KVRag (KVRag.open(path)), got {type(rag).__name__}")
-        return rag
+    @model_validator(mode="after")
+    def _open(self) -> ChatKVRag:
+        self.rag, self.cache = open_langchain_backend(self.rag, self.model, self.cache, self.max_cache_bytes)
+        self.model = None
+        if not callable(getattr(self.rag, "chat_stream", None)):
+            raise ValueError(f"rag must be an opened kvrag.KVRag (KVRag.open(path)), got {type(self.rag).__name__}")
+        return self
 
     @property
     def _llm_type(self) -> str:
@@ -206,7 +222,7 @@ class ChatKVRag(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"index": str(self.rag.path), "model": self.model_name, "k": self.k, "mode": self.mode,
+        return {**describe_backend(self.rag), "k": self.k, "mode": self.mode,
                 "ratio": self.ratio, "retrieve": self.retrieve, "max_new_tokens": self.max_new_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
                 "history_cache": self.history_cache}

@@ -23,7 +23,7 @@ Installed with ``pip install 'kvrag[llamaindex]'``.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import Any
 
 try:
@@ -38,21 +38,30 @@ try:
     from llama_index.core.llms.callbacks import llm_completion_callback
     from llama_index.core.query_engine import CustomQueryEngine
     from llama_index.core.retrievers import BaseRetriever
-    from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
-    from pydantic import Field
+    from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle, TextNode, TransformComponent
+    from pydantic import Field, model_validator
 except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the import
     raise ImportError(
         "kvrag.integrations.llama_index needs llama-index-core: pip install 'kvrag[llamaindex]'"
     ) from exc
 
-from kvrag.integrations.prompt_llm import MODE_HELP, RATIO_HELP, answer_metadata, stream_prompt_answer
+from kvrag.integrations.prompt_llm import (
+    CACHE_HELP,
+    MODE_HELP,
+    MODEL_HELP,
+    RAG_HELP,
+    RATIO_HELP,
+    answer_metadata,
+    open_backend,
+    stream_prompt_answer,
+)
 
 from kvrag.config import GenerateConfig
 from kvrag.lazy import lazy_exports
 from kvrag.query.answer import finish
 
 # The chat classes are defined in `kvrag.integrations.llama_index_chat` and loaded on first use (`__getattr__`).
-__all__ = ["KVCachedLLM", "KVRagChatEngine", "KVRagChatLLM", "KVRagQueryEngine", "KVRetriever"]  # noqa: F822
+__all__ = ["KVCacheWarmer", "KVCachedLLM", "KVRagChatEngine", "KVRagChatLLM", "KVRagQueryEngine", "KVRetriever"]  # noqa: F822
 
 _META_KEYS = ["chunk_id", "score", "source", "doc_id", "seq"]
 
@@ -100,7 +109,10 @@ class KVCachedLLM(CustomLLM):
         >>> RetrieverQueryEngine.from_args(KVRetriever(rag=llm.rag), llm=llm).query("Who?")  # doctest: +SKIP
     """
 
-    rag: Any = Field(description="An opened `kvrag.KVRag`.")
+    rag: Any = Field(default=None, description=RAG_HELP)
+    model: Any = Field(default=None, exclude=True, description=MODEL_HELP)
+    cache: str | None = Field(default=None, description=CACHE_HELP)
+    max_cache_bytes: int | str | None = Field(default=None, description="The cache's bound, overriding cache='s.")
     mode: str | None = Field(default=None, description=MODE_HELP)
     ratio: float | None = Field(default=None, gt=0.0, le=1.0, description=RATIO_HELP)
     gate: Any = Field(default=None, description="A `kvrag.GateConfig`, True or False; None: kvrag's default.")
@@ -109,6 +121,12 @@ class KVCachedLLM(CustomLLM):
     chat_template: bool = Field(
         default=True, description="Wrap the prompt as the user turn of the model's chat template.")
     last_answer: Any = Field(default=None, exclude=True, description="The last call's `kvrag.Answer`.")
+
+    @model_validator(mode="after")
+    def _open(self) -> KVCachedLLM:
+        self.rag = open_backend(self.rag, self.model, self.cache, self.max_cache_bytes)
+        self.model = self.cache = None  # what they named is open now
+        return self
 
     @classmethod
     def class_name(cls) -> str:
@@ -152,6 +170,29 @@ class KVCachedLLM(CustomLLM):
                 yield CompletionResponse(text=text, delta=delta)
 
         return gen()
+
+
+class KVCacheWarmer(TransformComponent):
+    """An ingestion step that computes and stores the passage caches of the nodes it passes on unchanged.
+
+    For a `KVCachedLLM` over a passage cache (``model=``): a node's text as LlamaIndex puts it in a prompt
+    (``get_content(MetadataMode.LLM)``) is read from its cache from the first query. Use it last in an
+    ``IngestionPipeline(transformations=[splitter, embed_model, KVCacheWarmer(llm=llm)])``, or call it on an existing
+    index's nodes: ``KVCacheWarmer(llm=llm)(list(index.docstore.docs.values()))``.
+    """
+
+    llm: Any = Field(description="A `KVCachedLLM` made with model= (a passage cache).")
+    show_progress: bool = Field(default=False, description="Show a progress bar while computing.")
+
+    def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        """Store the nodes' caches; return the nodes unchanged."""
+        rag = self.llm.rag
+        if not hasattr(rag, "warm"):
+            raise TypeError("KVCacheWarmer needs a KVCachedLLM made with model= (a passage cache); an index stores "
+                            "its chunks' caches when they are added")
+        rag.warm([node.get_content(metadata_mode=MetadataMode.LLM) for node in nodes],
+                 show_progress=self.show_progress or bool(kwargs.get("show_progress")))
+        return nodes
 
 
 class KVRagQueryEngine(CustomQueryEngine):

@@ -110,6 +110,9 @@ class StoreConfig:
             connection error (a timeout is not tried again).
         retry_after_s: after a remote store failed, for how long it is taken as away without asking it
             again (chunks are then computed from their text).
+        max_bytes: a bound on the chunk caches' bytes in the store (None: none), least recently used evicted
+            (`kvrag.storage.stores.LRUDiskStore`, `LRURedisStore`); an evicted cache is computed again from its
+            text when a prompt needs it. Given to a new index, it is recorded and kept.
     """
 
     backend: str = "disk"
@@ -119,8 +122,11 @@ class StoreConfig:
     timeout_s: float = 5.0
     retries: int = 2
     retry_after_s: float = 5.0
+    max_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_bytes is not None and not self.max_bytes > 0:
+            raise ValueError(f"StoreConfig.max_bytes must be > 0 (or None), got {self.max_bytes!r}")
         if not self.backend:
             raise ValueError("StoreConfig.backend must name a store, got an empty string")
         if not self.cache_mb >= 0:
@@ -225,6 +231,10 @@ class GateConfig:
             prefill's answer but for the codec's rounding of that one chunk (none with ``raw``).
             ``"full"`` prefills the whole prompt. In a conversation, where no chunk cache is exact,
             and under ``strict``, short prompts are prefilled in full.
+        fuse_max_text_share: a prompt in which more than this share of the tokens has no stored cache (text a
+            framework wrote, passages not cached yet) is prefilled in full: a fused pass recomputes those tokens
+            at a higher cost per token than a full prefill: with SmolLM2 on CPU at 2K tokens it was 0.78x a full
+            prefill's time at a fifth of the prompt in text and 1.2x at a third (benchmarks/any-retriever).
         min_margin: the fused first token's log-probability lead over the runner-up, below which the
             cache is not trusted (0 turns the margin check off).
         probe_must_agree: distrust a fused pass whose first token differs from the one its probe pass
@@ -240,6 +250,7 @@ class GateConfig:
 
     full_below_tokens: int = 512
     short_mode: str = "prefix"
+    fuse_max_text_share: float = 0.25
     min_margin: float = 0.0
     probe_must_agree: bool = False
     sure_margin: float = float("inf")
@@ -252,6 +263,8 @@ class GateConfig:
             raise ValueError(f"full_below_tokens must be >= 0, got {self.full_below_tokens}")
         if self.short_mode not in SHORT_MODES:
             raise ValueError(f"short_mode must be one of {', '.join(SHORT_MODES)}, got {self.short_mode!r}")
+        if not 0 <= self.fuse_max_text_share <= 1:
+            raise ValueError(f"fuse_max_text_share must be in [0, 1], got {self.fuse_max_text_share}")
         if min(self.min_margin, self.sure_margin, self.strict_margin) < 0:
             raise ValueError(f"margins must be >= 0, got {self.min_margin}, {self.sure_margin}, {self.strict_margin}")
         if any(not 0 < r <= 1 for r in self.ladder) or list(self.ladder) != sorted(set(self.ladder)):

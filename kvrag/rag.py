@@ -85,7 +85,7 @@ class KVRag(PromptAnswers):
         batch_tokens: int = 4096, instruction: str = DEFAULT_INSTRUCTION, question_tail: str = "",
         neighbour_context: int | None = None, store: str | StoreConfig | None = None, neighbour_kv: str | None = None,
         show_progress: bool = True, caches: bool = True, engine: str = "local", address: str | None = None,
-        workers: int | None = None, stream_levels: Sequence[int] = ()) -> KVRag:
+        workers: int | None = None, stream_levels: Sequence[int] = (), codec_state: str = "shared") -> KVRag:
         """Build (or extend) an index at ``path`` over ``documents``, its caches in ``store`` (default ``path/chunks``).
 
         On an existing index the stored model, embedder, codec and split settings are used and only chunks not yet
@@ -99,6 +99,7 @@ class KVRag(PromptAnswers):
             split: chunking settings (`SplitConfig`).
             codec: chunk-cache codec name (default ``cachegen``, `CodecConfig`; ``raw`` is lossless).
             codec_level: the codec's quality level (default: the codec's own; ``cachegen``: 2).
+            codec_state: ``"shared"``: a fitted codec state once per model, for all its indexes (`kvrag.user_cache`).
             index_kind: ``flat`` or ``hnsw``.
             instruction: the system instruction, before the passages (the chunk caches depend on it).
             question_tail: a line put right after the question (default none), e.g. how to answer. It changes no
@@ -136,21 +137,21 @@ class KVRag(PromptAnswers):
                 raise ValueError(f"neighbour_context must be >= 0, got {neighbour_context}")
             rag = cls._create(path, model, embedder, split or SplitConfig(), codec, codec_level, index_kind, dtype,
                               device, batch_tokens, instruction, question_tail, neighbour_context or 0,
-                              check_neighbour_kv(neighbour_kv or "stored"), store, stream_levels)
+                              check_neighbour_kv(neighbour_kv or "stored"), store, stream_levels, codec_state)
         rag.add(loaded, show_progress=show_progress, caches=caches, engine=engine, address=address, workers=workers)
         return rag
 
     @classmethod
     def _create(cls, path: Path, model: str | LoadedModel, embedder_name: str | None, split: SplitConfig,
-                codec_name: str | None, codec_level: int | None, index_kind: str, dtype: str | None,
-                device: str | None, batch_tokens: int, instruction: str, question_tail: str, neighbour_context: int,
-                neighbour_kv: str, store: str | StoreConfig | None = None, stream_levels: Sequence[int] = ()) -> KVRag:
+                codec_name: str | None, codec_level: int | None, index_kind: str, dtype: str | None, device: str | None,
+                batch_tokens: int, instruction: str, question_tail: str, neighbour_context: int, neighbour_kv: str,
+                store: str | StoreConfig | None, stream_levels: Sequence[int], codec_state: str) -> KVRag:
         codec = make_codec(codec_name or CodecConfig().name, codec_level)
         lm = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
         embedder = Embedder(embedder_name, device=device)
         layout = build_layout(lm.tokenizer, instruction, question_tail)
         manifest = new_manifest(lm, embedder.name, codec, split, layout, batch_tokens, neighbour_context,
-                                neighbour_kv, store, stream_levels)
+                                neighbour_kv, store, stream_levels, codec_state)
         index = ChunkIndex.create(path, manifest, embedder.dim, index_kind)
         return cls(path, index, lm, embedder, codec, layout, batch_tokens, neighbour_context, neighbour_kv, store)
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from _tokenizer import make_tokenizer
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# kvrag's user cache folder (shared codec states, the default passage cache): the run's own, never the user's
+os.environ["KVRAG_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvrag-tests-cache-")
 if not torch.cuda.is_available():  # kvrag's Triton kernels then run in Triton's interpreter (set before its import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

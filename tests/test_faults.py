@@ -47,7 +47,8 @@ def clean(tiny_model_dir: Path, tiny_lm, tmp_path_factory: pytest.TempPathFactor
     out = {}
     for codec in ("raw", "cachegen"):
         path = tmp_path_factory.mktemp(f"clean-{codec}") / "idx"
-        rag = KVRag.build(DOCS, path, model=tiny_lm, split=SPLIT, codec=codec, batch_tokens=1, show_progress=False)
+        rag = KVRag.build(DOCS, path, model=tiny_lm, split=SPLIT, codec=codec, batch_tokens=1, show_progress=False,
+                          codec_state="index")  # every file in the folder, damaged copy by copy
         out[codec] = (path, [_answer(rag, q) for q in QUESTIONS])
         rag.close()
     return out
@@ -160,6 +161,38 @@ def test_damaged_codec_state_is_detected_and_refitted(clean, tiny_lm, tmp_path):
     rag = KVRag.open(work, model=tiny_lm)
     assert len(rag.index) == len(KVRag.open(path, model=tiny_lm).index)
     assert [_answer(rag, q) for q in QUESTIONS] == expected  # refitted on the same chunks: the same state
+
+
+def test_a_shared_codec_state_lost_or_damaged_is_named_and_refitted_by_repair(tiny_lm, tmp_path, monkeypatch):
+    import shutil as sh
+
+    from kvrag.storage import shared_state
+
+    monkeypatch.setenv("KVRAG_CACHE_DIR", str(tmp_path / "user-cache"))
+    path = tmp_path / "idx"
+    rag = KVRag.build(DOCS, path, model=tiny_lm, split=SPLIT, codec="cachegen", show_progress=False)
+    expected = [_answer(rag, q) for q in QUESTIONS]
+    rag.close()
+    assert not list((path / "codec").glob("cachegen.*"))  # the state is the model's, not the index's
+    name, digest = shared_state.read_ref(path / "codec")
+    folder = shared_state.states_root() / name / digest
+    other = KVRag.build(DOCS[:3], tmp_path / "other", model=tiny_lm, split=SPLIT, show_progress=False)
+    assert shared_state.read_ref(other.path / "codec") == (name, digest)  # adopted, not fitted again
+    other.close()
+    for damage in ("bitflip", "delete"):
+        if damage == "delete":
+            sh.rmtree(folder)
+        else:
+            _damage(folder / "cachegen.npz", damage, random.Random(3))
+        with pytest.raises(IndexCorruptError, match=r"codec: is damaged: the shared codec state .*kvrag repair"):
+            KVRag.open(path, model=tiny_lm)
+        assert not verify_index(path).ok
+        report = repair_index(path, model=tiny_lm)
+        assert report.ok and any("fitted again" in line for line in report.rebuilt)
+        rag = KVRag.open(path, model=tiny_lm)
+        assert [_answer(rag, q) for q in QUESTIONS] == expected  # refitted on the same chunks: the same state
+        rag.close()
+        assert verify_index(tmp_path / "other").ok  # the other index reads the refitted state too
 
 
 def test_a_changed_text_in_the_database_is_an_error_and_repair_names_it(clean, tiny_lm, tmp_path):

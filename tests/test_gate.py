@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvrag import GateConfig, KVRag, SplitConfig
-from kvrag.config import DEFAULT_MODE
+from kvrag.config import DEFAULT_MODE, FuseConfig
 
 DOCS = [
     ("alpha", "The alpha reactor was designed by Mira Okafor in 1987. It runs on molten salt. " * 3),
@@ -169,6 +169,22 @@ def test_an_unknown_mode_or_option_is_refused_before_any_work(rag: KVRag, monkey
     with pytest.raises(ValueError, match="probe_from must be in"):
         rag.answer_prompt("Some prompt text.", fuse_config=FuseConfig(mode="probe", options={"probe_from": 2.0}))
 
+def test_a_prompt_mostly_of_uncached_text_is_prefilled_in_full(rag: KVRag):
+    from kvrag.query import gate as answering
+    from kvrag.query.locate import lay_out_prompt
+
+    chunks = rag.retrieve(Q, k=3)
+    prompt = rag.prompt_text(Q, chunks)
+    laid = lay_out_prompt(rag.context, prompt, chunks[:1])  # one passage read, the others text
+    assert laid.text_share > 0.25
+    gate = GateConfig(full_below_tokens=0)
+    plan = answering.plan_answer(laid, FuseConfig(mode=DEFAULT_MODE), gate)
+    assert plan.decision == "text" and [a.mode for a in plan.attempts] == ["full"]
+    laid_all = lay_out_prompt(rag.context, prompt, chunks)
+    assert answering.plan_answer(laid_all, FuseConfig(mode=DEFAULT_MODE), gate).decision == "fused"
+    with pytest.raises(ValueError, match="fuse_max_text_share"):
+        GateConfig(fuse_max_text_share=1.5)
+
 
 def test_kvrag_ask_reports_the_gate_and_can_turn_it_off(rag: KVRag, capsys):
     import json
@@ -185,4 +201,5 @@ def test_kvrag_ask_reports_the_gate_and_can_turn_it_off(rag: KVRag, capsys):
         assert "gate" not in json.loads(capsys.readouterr().out)
     assert main(["ask", path, q, "--k", "3", "--max-new-tokens", "2"]) == 0
     assert "gate: short prompt" in capsys.readouterr().err
+
 

@@ -182,7 +182,7 @@ def test_the_tutorial_chain_at_the_default_gives_the_full_prefills_answer(rag):
     for question in QUESTIONS[:2]:
         assert _tutorial_chain(rag, default).invoke(question) == _tutorial_chain(rag, full).invoke(question)
         answer = default.last_answer
-        assert answer.gate.decision == "short" and len(answer.chunks) == 3  # every passage found, none stale
+        assert answer.gate.decision == "short" and len(answer.chunks) == 3  # every passage found, none read
         assert answer.gate.attempts[-1]["mode"] == "full" and full.last_answer.gate is None
 
 

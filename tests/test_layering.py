@@ -29,6 +29,7 @@ STAGE: dict[str, int] = {
     "kvrag.atomic_files": _FOUNDATION,
     "kvrag.embedder": _FOUNDATION,
     "kvrag.byte_lru": _FOUNDATION,
+    "kvrag.user_cache": _FOUNDATION,
     "kvrag.model": _FOUNDATION,
     # the storage format, and its optional Triton decoder (which checks itself against the CPU one)
     "kvrag.codec": 1,
@@ -45,6 +46,7 @@ STAGE: dict[str, int] = {
     "kvrag.rag": _FACADE,
     "kvrag.prompt_answers": _FACADE,
     "kvrag.repair": _FACADE,
+    "kvrag.passages": _FACADE,  # answers without an index, over a passage cache
     # front ends
     "kvrag.serve": _FRONT_END,
     "kvrag.cli": _FRONT_END,

@@ -308,7 +308,8 @@ def test_the_default_codec_is_cachegen_at_level_2(tiny_lm, tmp_path):
 
 
 def test_a_lazy_index_fits_its_codec_on_a_sample_and_computes_the_rest_on_first_use(tiny_lm, tmp_path):
-    rag = KVRag.build(DOCS, tmp_path / "idx", model=tiny_lm, split=SPLIT, show_progress=False, caches=False)
+    rag = KVRag.build(DOCS, tmp_path / "idx", model=tiny_lm, split=SPLIT, show_progress=False, caches=False,
+                      codec_state="index")  # fitted here (a shared state of the model would be adopted instead)
     assert rag.kvstore.codec.name == "cachegen" and (tmp_path / "idx" / "codec" / "fitted").is_file()
     keys = [r.key for r in rag.index.records()]
     stored = {k for k in keys if rag.kvstore.contains(k)}  # the fitting sample, stored rather than wasted

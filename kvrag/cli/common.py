@@ -63,10 +63,24 @@ def add_embedder_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def store_arg(args: argparse.Namespace) -> str | StoreConfig | None:
-    """``--store`` / ``--store-cache-mb`` as ``KVRag``'s ``store=`` (None: the index's own store)."""
-    if args.store_cache_mb is not None:
-        return StoreConfig(backend=args.store or "disk", cache_mb=args.store_cache_mb)
+    """``--store`` / ``--store-cache-mb`` / ``--max-cache-bytes`` as ``KVRag``'s ``store=`` (None: the index's own
+    store).
+    """
+    bound = getattr(args, "max_cache_bytes", None)
+    if args.store_cache_mb is not None or bound is not None:
+        cache_mb = StoreConfig.cache_mb if args.store_cache_mb is None else args.store_cache_mb
+        return StoreConfig(backend=args.store or "disk", cache_mb=cache_mb, max_bytes=bound)
     return args.store
+
+
+def byte_size(text: str) -> int:
+    """An argparse type: a size in bytes, ``5000000`` or with a unit (``500MB``, ``5GiB``)."""
+    from kvrag.passages.cache_url import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def show_progress(args: argparse.Namespace) -> bool:

@@ -24,7 +24,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvrag.cli.common import add_store_flags, human_bytes, non_negative_int, positive_int, show_progress, store_arg
+from kvrag.cli.common import (
+    add_store_flags,
+    byte_size,
+    human_bytes,
+    non_negative_int,
+    positive_int,
+    show_progress,
+    store_arg,
+)
 from kvrag.cli.sizes import expected_cache_bytes, folder_bytes
 from kvrag.config import CodecConfig
 from kvrag.errors import IndexMismatchError, InputError
@@ -49,6 +57,10 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                         "(default: cachegen; an existing index keeps its own)")
     p.add_argument("--codec-level", type=non_negative_int, default=None, metavar="N",
                    help="codec quality level, higher is larger and closer (cachegen: 0-3, default 2)")
+    p.add_argument("--codec-state", default="shared", choices=["shared", "index"],
+                   help="where a fitted codec state is kept: once per model in the user's cache folder, shared by "
+                        "its indexes (shared, the default; $KVRAG_CACHE_DIR moves it), or in the index itself (index: "
+                        "a folder that is whole on its own, about 4 MB larger for SmolLM2)")
     p.add_argument("--split", default="semantic", choices=["semantic", "fixed", "document"],
                    help="how documents are cut into chunks: at topic shifts under the token budget (semantic), "
                         "every --max-tokens tokens (fixed), or one chunk per document (document) "
@@ -75,6 +87,10 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     p.add_argument("--lazy", action="store_true",
                    help="index the chunks for retrieval only: each chunk's cache is computed the first time a "
                         "question uses it (a later run without --lazy computes the missing ones)")
+    p.add_argument("--max-cache-bytes", type=byte_size, default=None, metavar="SIZE",
+                   help="bound the chunk caches' bytes (e.g. 5GB; a new index only, recorded): the least recently "
+                        "used are evicted and computed again from their text when a question needs them; with "
+                        "--lazy, a corpus larger than the disk keeps its hot chunks cached")
     p.add_argument("--instruction", default=None,
                    help="system instruction before the passages (a new index only; default: kvrag.prompt's)")
     p.add_argument("--question-tail", default="",
@@ -219,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
                       neighbour_kv=args.neighbour_kv, show_progress=show_progress(args), caches=not args.lazy,
                       instruction=DEFAULT_INSTRUCTION if args.instruction is None else args.instruction,
                       question_tail=args.question_tail, store=store_arg(args), stream_levels=args.stream_levels,
-                      engine=args.engine, address=args.address, workers=args.workers)
+                      engine=args.engine, address=args.address, workers=args.workers, codec_state=args.codec_state)
     elapsed = time.perf_counter() - t0
     n_chunks = len(rag.index)
     rag.close()

@@ -6,7 +6,9 @@ as text or with ``--json`` as one object: chunks and their tokens; bytes split i
 codec state, chunk text (``chunks.sqlite``) and other files; where the caches are (``store``: None for the
 folder); the stream levels stored besides the codec's own; cache bytes per token; the model's
 source and shape; the embedder; the codec's name and level; the creation date; the neighbour-context
-setting. ``--json`` adds the whole manifest under ``"manifest"``.
+setting; the caches' bound in bytes, when the index has one (``max_cache_bytes``); where a shared codec state
+is (``codec_state``: the user's cache folder, or None when it is kept in the index). ``--json`` adds the whole
+manifest under ``"manifest"``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,14 @@ def describe(path: Path) -> dict[str, Any]:
         manifest = index.manifest
         records = index.records()
     tokens = sum(r.n_tokens for r in records)
+    from kvrag.storage import shared_state
+    from kvrag.storage.index_layout import IndexLayout
+
+    try:
+        ref = shared_state.read_ref(IndexLayout.of(path).codec_state)
+    except shared_state.SharedStateError:
+        ref = None
+    shared = str(shared_state.states_root() / ref[0] / ref[1]) if ref else None
     sizes = index_sizes(path, manifest)
     model, codec = manifest.get("model", {}), manifest.get("codec", {})
     return {
@@ -56,6 +66,8 @@ def describe(path: Path) -> dict[str, Any]:
         "stream_levels": list(manifest.get("stream_levels", [])),
         "store": (manifest.get("store") or {}).get("url"),
         "neighbour_context": manifest.get("neighbour_context", 0),
+        "max_cache_bytes": (manifest.get("store") or {}).get("max_bytes"),
+        "codec_state": shared,
         "created": manifest.get("created"),
         "manifest": manifest,
     }
@@ -85,6 +97,11 @@ def _text(info: dict[str, Any]) -> str:
          + ("" if info["store"] is None else f" (the caches in {info['store']})")),
         ("per token", per_token),
     ]
+    if info["max_cache_bytes"]:
+        rows.append(("bound", f"caches kept under {human_bytes(info['max_cache_bytes'])}, least recently used "
+                              "evicted (computed again from their text when needed)"))
+    if info["codec_state"]:
+        rows.append(("codec", f"state shared by the model's indexes: {info['codec_state']}"))
     return "\n".join(f"{name:<10} {value}" for name, value in rows)
 
 

@@ -49,7 +49,7 @@ from kvrag.indexing.split import KVSplitter
 from kvrag.model import LoadedModel
 from kvrag.prompt import PromptLayout, chunk_token_ids
 from kvrag.storage.chunk_index import ChunkIndex, ChunkRecord
-from kvrag.storage.codec_state import codec_ready, mark_fitted
+from kvrag.storage.codec_state import SHARED, adopt_shared_state, codec_ready, mark_fitted, save_fitted, state_kept
 from kvrag.storage.kvstore import KVStore, log_recovery
 
 log = logging.getLogger(__name__)
@@ -105,11 +105,11 @@ def split_documents(
     return out
 
 
-def _fit_codec(codec: Codec, caches: list[tuple[torch.Tensor, torch.Tensor]], state_dir: Path) -> None:
+def _fit_codec(codec: Codec, caches: list[tuple[torch.Tensor, torch.Tensor]], state_dir: Path, fingerprint: str,
+               kept: str) -> None:
     log.info("fitting codec %s on %d chunk caches", codec.name, len(caches))
     codec.fit(caches, caches[0][0].shape[0])
-    state_dir.mkdir(parents=True, exist_ok=True)
-    codec.save_state(state_dir)
+    save_fitted(codec, state_dir, fingerprint, kept)
 
 
 NEIGHBOUR_KV = ("stored", "prefill")  # how a chunk's neighbours are put before it (see `cache_after_neighbours`)
@@ -205,6 +205,7 @@ class Builder:
         self.prefix, self.codec_state_dir, self.batch_tokens = prefix, codec_state_dir, batch_tokens
         self.context_chunks, self.neighbour_kv = context_chunks, check_neighbour_kv(neighbour_kv)
         self.stream_levels = stored_stream_levels(index.manifest, kvstore.codec)  # for the streaming loader
+        self.kept = state_kept(index.manifest)  # where the fitted codec state goes
 
     @property
     def codec_ready(self) -> bool:
@@ -220,6 +221,8 @@ class Builder:
         """
         from tqdm.auto import tqdm
 
+        if self.kept == SHARED and not self.codec_ready:  # the model's state, fitted by another index, if any
+            adopt_shared_state(self.kvstore.codec, self.codec_state_dir, self.lm.fingerprint)
         new = [c for c in candidates if c.record.key not in self.index]
         todo = [c for c in candidates if c.record.key not in self.index or not self._cached(c)] if caches else new
         stats.chunks, stats.new_chunks = len(candidates), len(new)
@@ -291,7 +294,8 @@ class Builder:
                 held.append((i, kv))
                 if len(held) < min(FIT_CHUNKS, len(todo)):
                     continue
-                _fit_codec(self.kvstore.codec, [h[1] for h in held], self.codec_state_dir)
+                _fit_codec(self.kvstore.codec, [h[1] for h in held], self.codec_state_dir, self.lm.fingerprint,
+                           self.kept)
                 mark_fitted(self.codec_state_dir)
                 pending += [self._submit(writer, todo[j].record.key, h, self.stream_levels) for j, h in held]
                 bar.update(sum(len(todo[j].ids) for j, _ in held))
@@ -317,7 +321,8 @@ class Builder:
         keys = list(leads)
         computed = list(chunk_caches(self.lm, self.prefix, list(leads.values()), self.batch_tokens))
         if not self.codec_ready:
-            _fit_codec(self.kvstore.codec, [kv for _, kv in computed[:FIT_CHUNKS]], self.codec_state_dir)
+            _fit_codec(self.kvstore.codec, [kv for _, kv in computed[:FIT_CHUNKS]], self.codec_state_dir,
+                       self.lm.fingerprint, self.kept)
             mark_fitted(self.codec_state_dir)
         stats.prefilled_tokens += sum(len(leads[keys[i]]) for i, _ in computed) if plain else 0
         stats.prefilled_chunks += len(computed) if plain else 0

@@ -73,10 +73,14 @@ def check_stream_levels(codec: Codec, levels: Iterable[int] | None) -> tuple[int
 
 def new_manifest(lm: LoadedModel, embedder_name: str, codec: Codec, split: SplitConfig, layout: PromptLayout,
                  batch_tokens: int, neighbour_context: int, neighbour_kv: str,
-                 store: str | StoreConfig | None = None, stream_levels: Iterable[int] = ()) -> dict[str, Any]:
+                 store: str | StoreConfig | None = None, stream_levels: Iterable[int] = (),
+                 codec_state: str = "shared") -> dict[str, Any]:
     """The manifest of a new index; ``store``: where its caches go (default: its ``chunks/`` folder);
-    ``stream_levels``: more levels of the codec each cache is stored at (`check_stream_levels`).
+    ``stream_levels``: more levels of the codec each cache is stored at (`check_stream_levels`); ``codec_state``:
+    ``"shared"`` (the model's state in the user's cache folder) or ``"index"`` (in the index's own folder).
     """
+    if codec_state not in ("shared", "index"):
+        raise ValueError(f"codec_state must be 'shared' or 'index', got {codec_state!r}")
     levels = check_stream_levels(codec, stream_levels)
     return {**({"stream_levels": list(levels)} if levels else {}),
         "format_version": FORMAT_VERSION,
@@ -84,7 +88,7 @@ def new_manifest(lm: LoadedModel, embedder_name: str, codec: Codec, split: Split
         "library_versions": library_versions(),
         "model": {"source": lm.source, "fingerprint": lm.fingerprint, "spec": asdict(lm.spec)},
         "embedder": embedder_name,
-        "codec": codec.params(),
+        "codec": {**codec.params(), **({"state": codec_state} if codec.needs_fit else {})},
         "split": asdict(split),
         "prompt": layout.to_json(),
         "batch_tokens": batch_tokens,

@@ -5,7 +5,9 @@ Three steps, each cheap next to a fusion:
 1. **Cost.** A prompt whose stale chunk tokens (all but the first chunk, whose cache is exact) are fewer
    than `GateConfig.full_below_tokens` has every one of them recomputed outright: fusion would save little
    there. By default it reads the first chunk's stored cache and recomputes the rest (the ``prefix`` mode,
-   `GateConfig.short_mode`), which gives the full prefill's answer sooner.
+   `GateConfig.short_mode`), which gives the full prefill's answer sooner. A prompt that is mostly text without
+   a stored cache (more than `GateConfig.fuse_max_text_share` of it: passages seen for the first time) is
+   prefilled in full, which is then sooner than a fused pass.
 2. **Check.** After the fused pass, before decoding: the first token's log-probability lead over the
    runner-up (its *margin*), and, for a mode that runs a probe pass (``probe``), whether the question
    alone over the stored caches predicted the same first token. Where recomputing 15 % of the tokens
@@ -118,7 +120,8 @@ def gate_settings(gate: GateConfig | bool) -> GateConfig | None:
 class AnswerPlan:
     """What one answer runs, made once before anything is fused: the fusions to try in order (each a
     `FuseConfig`; the first one whose check passes is used) and the gate they answer to (None: no gate,
-    one attempt). ``decision`` is the `GateReport`'s: ``"fused"``, or ``"short"`` for a short prompt.
+    one attempt). ``decision`` is the `GateReport`'s: ``"fused"``, ``"short"`` for a short prompt, or ``"text"``
+    for a prompt that is mostly text without a stored cache.
     ``mode`` is the mode asked for: a selector given with it chooses only that mode's positions.
     """
 
@@ -134,7 +137,8 @@ def plan_answer(laid: LaidOut, config: FuseConfig, gate: GateConfig | None) -> A
 
     A mode that recomputes every position, or a prompt without a stored cache to read, is one attempt that
     recomputes everything. A short prompt is one attempt of ``gate.short_mode`` where the first chunk's cache
-    is exact (else of the exact mode). Otherwise: ``config``, the ladder's larger ratios, then the exact mode.
+    is exact (else of the exact mode), and a prompt mostly of text without a cache one attempt of the exact mode.
+    Otherwise: ``config``, the ladder's larger ratios, then the exact mode.
     """
     exact = exact_mode()
     stale = laid.stale_tokens
@@ -147,6 +151,8 @@ def plan_answer(laid: LaidOut, config: FuseConfig, gate: GateConfig | None) -> A
     if stale < gate.full_below_tokens:
         short = gate.short_mode if laid.first_exact and not gate.strict else exact
         return AnswerPlan((replace(config, mode=short),), gate, "short", stale, config.mode)
+    if laid.text_share > gate.fuse_max_text_share:
+        return AnswerPlan((replace(config, mode=exact),), gate, "text", stale, config.mode)
     ladder = () if gate.strict else tuple(r for r in gate.ladder if r > config.ratio)
     attempts = (config, *(replace(config, ratio=r) for r in ladder), replace(config, mode=exact))
     return AnswerPlan(attempts, gate, "fused", stale, config.mode)
@@ -225,7 +231,15 @@ def prepare_prompt(ctx: QueryContext, prompt: str, candidates: Sequence[Retrieve
                    gate: GateConfig | None, selector: Selector | None = None) -> FusedPrompt:
     """The fused prompt for a framework's flat ``prompt`` under `settings`' ``config`` and ``gate``: its passages
     found among ``candidates`` (`kvrag.query.locate`), then planned and executed as `prepare_answer` does for a
-    question.
+    question. A plan that reads no cache (``full``, a short prompt without an exact first passage, a prompt mostly
+    of text) runs over the prompt as one text: exactly a plain prefill's tokens, not the pieces' (the pieces'
+    tokens can differ where a passage meets the template's text).
     """
     laid = lay_out_prompt(ctx, prompt, candidates)
-    return execute(ctx, laid, plan_answer(laid, config, gate), None, selector)
+    plan = plan_answer(laid, config, gate)
+    if laid.used and all(selector_class(a.mode).recomputes_all for a in plan.attempts):
+        # nothing will be read: the prompt as one text, tokenized as a plain prefill tokenizes it
+        found, laid = laid.used, lay_out_prompt(ctx, prompt, [])
+        laid.found = found
+        plan = plan_answer(laid, config, gate)
+    return execute(ctx, laid, plan, None, selector)

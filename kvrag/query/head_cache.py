@@ -6,7 +6,9 @@ way a prefix cache keeps it: by token ids. `HeadCache.split` finds the kept head
 of leading tokens with the new one and reuses those rows (they are exact: causal attention makes a prefix's
 KV independent of what follows it); the head's other tokens are recomputed with the rest of the prompt. A
 head that puts the question before the passages (LangChain's tutorial prompt) thus recomputes only its own
-question. `HeadCache.prefix_for` prefills a head's missing tokens on their own and keeps the whole head.
+question. `HeadCache.prefix_for` prefills a head's missing tokens on their own and keeps the whole head;
+`HeadCache.leading` gives a prompt with no passage the kept rows it starts with and leaves the rest to the caller's
+pass (one pass over the prompt, as fast as a full prefill).
 Entries are evicted least recently used first once their bytes pass ``max_bytes``.
 
 Thread-safe: lookups and insertions hold a lock; the prefill itself runs outside it.
@@ -94,6 +96,20 @@ class HeadCache:
         found, shared = self._longest(ids)
         if found is None or 2 * shared < len(ids):
             return self.prefix_for(lm, ids), []
+        self.reused_tokens += shared
+        return (found if found.length == shared else _cropped(found, shared)), list(ids[shared:])
+
+    def leading(self, lm: LoadedModel, ids: Sequence[int]) -> tuple[PrefixCache, list[int]]:
+        """The kept rows sharing the most leading tokens with ``ids`` (its first token alone, prefilled, when no
+        kept head shares one) and the tokens after them, which the caller recomputes with the rest of its prompt
+        in its own pass. Nothing is kept: for a prompt in which no head was told apart.
+        """
+        ids = tuple(int(t) for t in ids)
+        if not ids:
+            raise ValueError("a prompt head needs at least one token")
+        found, shared = self._longest(ids)
+        if found is None:
+            return self.prefix_for(lm, ids[:1], keep=False), list(ids[1:])
         self.reused_tokens += shared
         return (found if found.length == shared else _cropped(found, shared)), list(ids[shared:])
 

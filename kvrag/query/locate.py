@@ -20,8 +20,8 @@ short-prompt path, the loading planner and the streaming loader all run for it:
   the rest of the template, and the generation prompt) is the suffix.
 
 The fused token ids are the pieces' ids one after another, so a mode that recomputes everything gives a
-plain forward pass over exactly those ids. Without any passage found, the prompt is its head and its last
-token, and every token after the kept head is recomputed.
+plain forward pass over exactly those ids. Without any passage found, the prompt is the kept head rows it starts
+with (`HeadCache.leading`), one text piece and its last token, all recomputed in one pass.
 """
 
 from __future__ import annotations
@@ -99,9 +99,9 @@ def lay_out_prompt(ctx: QueryContext, prompt: str, candidates: Sequence[Retrieve
         if len(ids) < 2:
             raise InputError(f"the prompt {prompt!r:.40} has fewer than two tokens")
         t1 = time.perf_counter()
-        prefix = ctx.heads.prefix_for(ctx.lm, ids[:-1], keep=False)
-        return LaidOut(prefix, [], [], torch.tensor(ids[-1:]), False, True, t0,
-                       {"locate_s": t1 - t0, "head_s": time.perf_counter() - t1})
+        prefix, rest = ctx.heads.leading(ctx.lm, ids[:-1])  # the rest is recomputed in the answer's one pass
+        return LaidOut(prefix, [None] if rest else [], [torch.tensor(rest)] if rest else [], torch.tensor(ids[-1:]),
+                       False, True, t0, {"locate_s": t1 - t0, "head_s": time.perf_counter() - t1})
     head = encode(tokenizer, prompt[: usable[0][0].start])
     own = tuple(head) == tuple(ctx.layout.prefix_ids) and ctx.prefix_exact  # kvrag's own prompt prefix
     t_head = time.perf_counter()

@@ -129,6 +129,7 @@ class LaidOut:
         rows_prefix: a chunk piece may be shorter than its stored cache and read its first rows (a passage
             that a framework's template cut from kvrag's separator).
         t0: when the question or prompt arrived; ``timings``: the first stage's seconds.
+        found: the passages found in a flat prompt laid out as one text (nothing read), for `used` to report.
     """
 
     prefix: PrefixCache
@@ -140,11 +141,12 @@ class LaidOut:
     t0: float
     timings: dict[str, float] = field(default_factory=dict)
     rows_prefix: bool = False
+    found: list[RetrievedChunk] | None = None
 
     @property
     def used(self) -> list[RetrievedChunk]:
-        """The chunks whose caches the prompt may read, in prompt order."""
-        return [c for c in self.chunks if c is not None]
+        """The chunks whose caches the prompt may read, in prompt order (`found` when laid out as one text)."""
+        return list(self.found) if self.found is not None else [c for c in self.chunks if c is not None]
 
     @property
     def stale_tokens(self) -> int:
@@ -153,6 +155,15 @@ class LaidOut:
         """
         return sum(int(ids.numel()) for j, (c, ids) in enumerate(zip(self.chunks, self.piece_ids))
                    if c is not None and not (j == 0 and self.first_exact))
+
+
+    @property
+    def text_share(self) -> float:
+        """The share of the tokens after the prefix that have no stored cache: text pieces and the suffix."""
+        cached = sum(int(ids.numel()) for c, ids in zip(self.chunks, self.piece_ids) if c is not None)
+        text = sum(int(ids.numel()) for c, ids in zip(self.chunks, self.piece_ids) if c is None)
+        text += int(self.suffix_ids.numel())
+        return text / max(cached + text, 1)
 
 
 def lay_out(ctx: QueryContext, question: str, chunks: list[RetrievedChunk], t0: float,

@@ -92,7 +92,8 @@ class ServerState:
         has_sessions = getattr(rag, "sessions", None) is not None  # created here, before the worker starts
         self.metrics = ServeMetrics(self.scheduler.queue_depth, self.scheduler.active_count,
                                     (lambda: rag.sessions.stats()) if has_sessions else (lambda: None),
-                                    self.scheduler.expected_wait)
+                                    self.scheduler.expected_wait,
+                                    (lambda: rag.kvstore.stats()) if hasattr(rag, "kvstore") else (lambda: None))
 
     def check_key(self, request: Request) -> None:
         """Raise a 401 `RequestError` unless the request carries the API key (when one is set)."""

@@ -18,6 +18,9 @@ cache). Metric names, all prefixed ``kvrag_``:
   was measured), ``kvrag_refused_total{reason}`` (429s: ``queue`` full or expected ``wait`` too long);
 - ``kvrag_inter_token_seconds``: time between a streamed answer's text pieces (histogram);
 - ``process_resident_memory_bytes`` and the other ``process_*`` figures (where /proc exists);
+- ``kvrag_chunk_caches_found_total``, ``kvrag_chunk_caches_missing_total`` (chunk caches read from the store,
+  or computed again from their text: evicted or never stored), and for a store bounded in bytes
+  ``kvrag_chunk_store_bytes`` and ``kvrag_chunk_store_limit_bytes``;
 - ``kvrag_session_lookups_total``, ``kvrag_session_misses_total``, ``kvrag_session_saves_total``,
   ``kvrag_session_save_errors_total``, ``kvrag_session_save_seconds_total``,
   ``kvrag_session_disk_write_errors_total``, ``kvrag_session_disk_read_errors_total``, and per tier
@@ -47,6 +50,33 @@ WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 120.0)
 TIER_GAUGES = (("bytes", "kvrag_session_tier_bytes", "bytes held by the tier"),
                ("limit", "kvrag_session_tier_limit_bytes", "the tier's capacity in bytes"),
                ("entries", "kvrag_session_tier_entries", "conversation histories held by the tier"))
+
+
+class ChunkStoreCollector(Collector):
+    """Reads the index's `KVStore.stats()` at scrape time: caches found and missing, bytes held and bound."""
+
+    def __init__(self, stats: Callable[[], dict[str, int] | None]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        """The chunk store's counters (and gauges for a bounded store)."""
+        try:
+            stats = self.stats()
+        except Exception as exc:  # a scrape never fails for an unreachable store
+            log.warning("reading the chunk store's figures failed: %s", exc)
+            return
+        if not stats:
+            return
+        yield CounterMetricFamily("kvrag_chunk_caches_found", "chunk caches read from the store",
+                                  value=float(stats["found"]))
+        yield CounterMetricFamily("kvrag_chunk_caches_missing",
+                                  "chunk caches not in the store (evicted or never stored), computed from text",
+                                  value=float(stats["missing"]))
+        if "held_bytes" in stats:
+            yield GaugeMetricFamily("kvrag_chunk_store_bytes", "bytes of chunk caches held by the bounded store",
+                                    value=float(stats["held_bytes"]))
+            yield GaugeMetricFamily("kvrag_chunk_store_limit_bytes", "the chunk store's bound in bytes",
+                                    value=float(stats["max_bytes"]))
 
 
 class SessionCollector(Collector):
@@ -96,11 +126,13 @@ class ServeMetrics:
         active: returns how many requests are generating.
         session_stats: returns `rag.sessions.stats()` (or None).
         expected_wait: returns a request's expected wait for its first token now (None: not measured yet).
+        chunk_store: returns the index's `KVStore.stats()` (or None).
     """
 
     def __init__(self, queue_depth: Callable[[], int], active: Callable[[], int],
                  session_stats: Callable[[], dict[str, Any] | None],
-                 expected_wait: Callable[[], float | None] = lambda: None) -> None:
+                 expected_wait: Callable[[], float | None] = lambda: None,
+                 chunk_store: Callable[[], dict[str, int] | None] = lambda: None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("kvrag_requests", "finished HTTP requests by endpoint and status code",
@@ -127,6 +159,7 @@ class ServeMetrics:
                                      buckets=TOKEN_BUCKETS, registry=r)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
         r.register(SessionCollector(session_stats))
+        r.register(ChunkStoreCollector(chunk_store))
 
     def count_request(self, endpoint: str, status: int) -> None:
         """Count one finished request."""

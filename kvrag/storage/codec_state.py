@@ -1,9 +1,14 @@
-"""An index's fitted codec state: loaded for opening, verifying and repairing it, and marked once fitted.
+"""An index's fitted codec state: loaded for opening, verifying and repairing it, saved and marked once fitted.
 
-Contract: `load_codec_state` raises `IndexCorruptError` for a damaged state; a state that is missing or
-half-written while no chunk cache is stored is no error (a build was killed before its first cache, and the next
-build fits it again). `mark_fitted` records that a build finished fitting the state; `codec_ready` says whether a
-build may store caches with the codec (it needs no fitting, or its state is fitted or marked so).
+Contract: an index keeps its codec state in its ``codec/`` folder (`IndexLayout.codec_state`), or, when its
+manifest says ``codec.state == "shared"`` (the default for new indexes), references there the model's state
+shared in the user's cache folder (`kvrag.storage.shared_state`). `load_codec_state` raises `IndexCorruptError`
+for a damaged state, or a shared one that is missing or changed (`kvrag repair` fits it again and recomputes the
+caches); a state that is missing or half-written while no chunk cache is stored is no error (a build was killed
+before its first cache, and the next build fits it again). `adopt_shared_state` gives a new shared-state index the
+model's current state without fitting; `save_fitted` saves a state just fitted where the index keeps it, and
+`mark_fitted` records that a build finished fitting it; `codec_ready` says whether a build may store caches with
+the codec (it needs no fitting, or its state is fitted or marked so).
 """
 
 from __future__ import annotations
@@ -13,9 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from kvrag.errors import IndexCorruptError
+from kvrag.storage import shared_state
 from kvrag.storage.index_layout import IndexLayout
 
 log = logging.getLogger(__name__)
+
+SHARED, IN_INDEX = "shared", "index"  # where an index keeps its codec state (its manifest's ``codec.state``)
+
+
+def state_kept(manifest: dict[str, Any]) -> str:
+    """Where the index with ``manifest`` keeps its codec state: `SHARED` or `IN_INDEX` (indexes from before)."""
+    return SHARED if (manifest.get("codec") or {}).get("state") == SHARED else IN_INDEX
 
 
 def load_codec_state(codec: Any, path: Path) -> None:
@@ -28,12 +41,39 @@ def load_codec_state(codec: Any, path: Path) -> None:
             raise IndexCorruptError(state_dir, "is missing, but chunk caches coded with it are stored", path)
         return
     try:
+        ref = shared_state.read_ref(state_dir)
+        if ref is not None:
+            shared_state.load(codec, *ref)
+            return
         codec.load_state(state_dir)
     except (ValueError, OSError) as exc:
         if not layout.has_blobs() and not layout.fitted_marker.is_file():
             log.info("codec state in %s was not finished (%s); the next build fits it again", state_dir, exc)
             return
         raise IndexCorruptError(state_dir, f"is damaged: {str(exc).splitlines()[0]}", path) from None
+
+
+def adopt_shared_state(codec: Any, state_dir: Path, fingerprint: str) -> bool:
+    """Load the model's current shared state into ``codec`` and reference it from ``state_dir``, marked fitted;
+    False when the model has none (the build fits one).
+    """
+    digest = shared_state.adopt(codec, fingerprint)
+    if digest is None:
+        return False
+    shared_state.write_ref(state_dir, shared_state.state_name(codec, fingerprint), digest)
+    mark_fitted(state_dir)
+    log.info("adopted the shared %s state of this model (%s)", codec.name, digest)
+    return True
+
+
+def save_fitted(codec: Any, state_dir: Path, fingerprint: str, kept: str) -> None:
+    """Save the state ``codec`` was just fitted with where the index keeps it (``kept``: `SHARED` or `IN_INDEX`)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    if kept == SHARED:
+        digest = shared_state.publish(codec, fingerprint)
+        shared_state.write_ref(state_dir, shared_state.state_name(codec, fingerprint), digest)
+    else:
+        codec.save_state(state_dir)
 
 
 def mark_fitted(state_dir: Path) -> None:

@@ -55,6 +55,20 @@ class KVStore:
     def __init__(self, store: ByteStore, codec: Codec, fingerprint: str) -> None:
         self.store, self.codec, self.fingerprint = store, codec, fingerprint
         self._sizes: dict[str, int] = {}
+        self.found = self.missing = 0  # caches asked of `reader`: found in the store, or not (evicted, never stored)
+
+    def stats(self) -> dict[str, int]:
+        """Caches found and missing (`reader`), and for a store bounded in bytes its bytes held and bound."""
+        out = {"found": self.found, "missing": self.missing}
+        if hasattr(self.store, "held"):
+            out.update(held_bytes=int(self.store.held()), max_bytes=int(getattr(self.store, "max_bytes", 0)))
+        return out
+
+    @property
+    def hit_rate(self) -> float:
+        """Caches found over caches asked for by `reader` (NaN before any)."""
+        asked = self.found + self.missing
+        return self.found / asked if asked else float("nan")
 
     @property
     def throughput(self) -> float | None:
@@ -130,9 +144,11 @@ class KVStore:
             self._sizes.pop(stored, None)
             raise ChunkUnavailableError(key, f"not read ({exc})") from None
         if fh is None:
+            self.missing += 1
             self._sizes.pop(stored, None)
             suffix = "" if stored == key else f" at level {level}"
             raise CorruptChunkError(key, f"missing from the store{suffix}")
+        self.found += 1
         try:
             return ChunkReader(stored, fh, self.codec_at(level), self.fingerprint)
         except CorruptChunkError:

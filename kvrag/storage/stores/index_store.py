@@ -3,8 +3,9 @@
 Contract: `open_index_store` opens an index's chunk store: its ``chunks/`` folder by default
 (`kvrag.storage.index_layout`), or the URL its manifest records (`store_record`, written at build time), or one
 given to override it; a remote one comes behind a `kvrag.storage.stores.cached.CachedStore`, its keys under the
-index's own namespace, so that indexes share one Redis database. `public_url` is a URL as messages and manifests
-show it: without its password. `is_remote_url` tells a network store's URL from a local one.
+index's own namespace, so that indexes share one Redis database. A bound in bytes (``StoreConfig.max_bytes``,
+recorded as the record's ``max_bytes``) makes it an `LRUDiskStore` or `LRURedisStore`. `public_url` is a URL as
+messages and manifests show it: without its password. `is_remote_url` tells a network store's URL from a local one.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from kvrag.config import StoreConfig
 from kvrag.storage.index_layout import IndexLayout
 from kvrag.storage.stores.base import ByteStore, available_stores, make_store, network_class
+from kvrag.storage.stores.lru_disk import LRUDiskStore
 
 MB = 1 << 20
 _LOCAL = ("", "localhost")  # URL hosts of stores on this machine (``file://``, ``memory://``)
@@ -71,7 +73,9 @@ def store_record(store: str | StoreConfig | None, fingerprint: str) -> dict[str,
             make_store(public_url(url))  # the registry's own error: an unknown scheme, a host for a local store
     elif url is not None and url.lower() not in available_stores():
         url = Path(url).expanduser().resolve().as_uri()  # a path: recorded absolute
-    return {"url": url, "namespace": f"kvrag:{fingerprint[:16]}:{uuid.uuid4().hex[:16]}:"}
+    bound = store.max_bytes if isinstance(store, StoreConfig) else None
+    return {"url": url, "namespace": f"kvrag:{fingerprint[:16]}:{uuid.uuid4().hex[:16]}:",
+            **({"max_bytes": int(bound)} if bound else {})}
 
 
 def _namespace(manifest: Mapping[str, Any]) -> str:
@@ -93,12 +97,17 @@ def open_index_store(path: Path, manifest: Mapping[str, Any], store: str | Store
     """
     config = store if isinstance(store, StoreConfig) else StoreConfig(backend=store or "disk")
     url = config.backend if config.backend.lower() not in _OWN else (manifest.get("store") or {}).get("url")
-    if url is None:
-        return make_store("disk", IndexLayout.of(path).chunks, fsync=config.fsync)
-    if not is_remote_url(url):  # (a local store has no password: the registry's error for one need not show it)
-        return make_store(public_url(url), fsync=config.fsync)
-    inner = make_store(url, namespace=_namespace(manifest), connect_timeout_s=config.connect_timeout_s,
-                       timeout_s=config.timeout_s, retries=config.retries, retry_after_s=config.retry_after_s)
+    bound = config.max_bytes or (manifest.get("store") or {}).get("max_bytes")
+    if url is None or not is_remote_url(url):  # (a local store has no password: its errors need not hide one)
+        local = make_store("disk", IndexLayout.of(path).chunks, fsync=config.fsync) if url is None else \
+            make_store(public_url(url), fsync=config.fsync)
+        root = getattr(local, "root", None)
+        return local if not bound or root is None else LRUDiskStore(root, int(bound), fsync=config.fsync)
+    options: dict[str, Any] = {
+        "namespace": _namespace(manifest), "connect_timeout_s": config.connect_timeout_s, "timeout_s": config.timeout_s,
+        "retries": config.retries, "retry_after_s": config.retry_after_s}
     from kvrag.storage.stores.cached import CachedStore
+    from kvrag.storage.stores.lru_redis import LRURedisStore  # (it imports this module)
 
+    inner = LRURedisStore(url, int(bound), **options) if bound else make_store(url, **options)
     return CachedStore(inner, int(config.cache_mb * MB), public_url(url))

@@ -1,0 +1,318 @@
+"""`PassageCache`: answer flat prompts with any retriever's passages, caching each passage's KV on first sight.
+
+Contract:
+
+- No index: the passages are found in the prompt (`kvrag.passages.finder`) or given (``passages=``). A passage's
+  key hashes the model's fingerprint, the codec and its fitted state's digest, the prompt prefix its cache is
+  computed after (kvrag's own prompt prefix for the model, as in an index) and its token ids
+  (`kvrag.storage.keys.chunk_key`): an edited passage, another model or another codec state is another key.
+- A call answers at once: the passages whose caches are stored are fused as an index's chunks are
+  (`kvrag.query.gate.prepare_prompt`, under the correctness gate by default), everything else is recomputed with
+  the prompt. Only after the answer are the missing passages' caches computed and stored, on a background thread
+  (`BackgroundWork`), which takes the model between the calls' fusions (one batch at a time), never during one.
+  A mode that recomputes everything (``full``) is a plain prefill of the prompt as one text: it looks nothing up
+  and stores nothing.
+- The store is bounded in bytes (`kvrag.passages.cache_url`: ``file://`` under the user's cache folder by default,
+  or ``redis://``), least recently used evicted; the codec's fitted state is stored once per model beside the blobs
+  (`kvrag.passages.codec_share`): the model's state in the user's cache folder when an index fitted one
+  (`kvrag.storage.shared_state`), else fitted on the first passages stored (and kept there for its indexes).
+- `stats` counts passages looked up and found; `info` adds the bytes held and the bound. `flush` waits for
+  pending stores (also run when the interpreter exits, for at most `EXIT_FLUSH_S`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import threading
+import weakref
+from collections.abc import Generator, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, cast
+
+from tqdm.auto import tqdm
+
+from kvrag.codec import Codec, make_codec
+from kvrag.config import CodecConfig, FuseConfig, GateConfig, GenerateConfig
+from kvrag.fusion import selector_class
+from kvrag.indexing.kvgen import chunk_caches
+from kvrag.model import LoadedModel, load_model
+from kvrag.model.prefix import KV, PrefixCache, prefix_cache
+from kvrag.passages.background import BackgroundWork
+from kvrag.passages.cache_url import open_cache_store
+from kvrag.passages.codec_share import load_shared_state, publish_state
+from kvrag.passages.finder import MIN_CHARS, find_passages, split_passages
+from kvrag.prompt import build_layout
+from kvrag.query import gate as answering
+from kvrag.query.answer import Answer, RetrievedChunk, finish
+from kvrag.query.pipeline import QueryContext
+from kvrag.query.plan import LoadController
+from kvrag.storage import shared_state
+from kvrag.storage.keys import chunk_key
+from kvrag.storage.kvstore import KVStore
+
+log = logging.getLogger(__name__)
+
+FIT_PASSAGES = 16  # passages a codec that needs fitting is fitted on, when no state is stored yet
+BATCH_TOKENS = 2048  # tokens per background prefill batch: the longest a call may wait for the model
+EXIT_FLUSH_S = 60.0
+CHAT_PASSED = ("temperature", "top_p", "stop", "seed", "fuse_config", "gate")  # chat options a passage cache uses
+
+
+@dataclass
+class CacheStats:
+    """Passages looked up and found stored, passages stored, and the bytes written, since the cache was opened."""
+
+    looked_up: int = 0
+    found: int = 0
+    stored: int = 0
+    stored_bytes: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Passages found over passages looked up (NaN before any lookup)."""
+        return self.found / self.looked_up if self.looked_up else math.nan
+
+
+@dataclass(frozen=True)
+class _Missing:
+    text: str
+    ids: tuple[int, ...]
+
+
+_OPEN: weakref.WeakSet[PassageCache] = weakref.WeakSet()  # caches not closed: their pending stores run at exit
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    for cache in list(_OPEN):
+        cache.flush(EXIT_FLUSH_S)
+
+
+class PassageCache:
+    """A model and a bounded store of passage caches: answers flat prompts (see the module contract).
+
+    Args:
+        lm: the loaded model.
+        store: a bounded store (`kvrag.passages.cache_url.open_cache_store`).
+        codec: the codec the caches are stored with (default: kvrag's default codec).
+        min_chars: the shortest piece of a prompt taken as a passage.
+
+    Example:
+        >>> cache = PassageCache.open("smollm2", "file:///tmp/kv?max_bytes=2GB")  # doctest: +SKIP
+        >>> cache.answer_prompt(prompt).text  # doctest: +SKIP
+    """
+
+    def __init__(self, lm: LoadedModel, store: Any, codec: Codec | None = None, min_chars: int = MIN_CHARS) -> None:
+        if not callable(getattr(store, "put_state", None)):
+            raise TypeError("a passage cache needs a store bounded in bytes (open_cache_store), got "
+                            f"{type(store).__name__}")
+        self.lm, self.store, self.min_chars = lm, store, min_chars
+        self.layout = build_layout(lm.tokenizer)
+        self.kvstore = KVStore(store, codec or make_codec(CodecConfig().name), lm.fingerprint)
+        self._digest = load_shared_state(store, self.kvstore.codec, lm.fingerprint)
+        if self._digest is None and shared_state.adopt(self.kvstore.codec, lm.fingerprint) is not None:
+            self._digest = publish_state(store, self.kvstore.codec, lm.fingerprint)  # the model's, from an index
+        self._lock = threading.RLock()  # the model: one fusion or background prefill at a time
+        self._prefix: PrefixCache | None = None
+        self._context: QueryContext | None = None
+        self.controller = LoadController()
+        self.stats = CacheStats()
+        self.last_answer: Answer | None = None
+        self._writer: BackgroundWork[_Missing] = BackgroundWork(self._store_missing, "kvrag-passage-writer")
+        _OPEN.add(self)
+
+    @classmethod
+    def open(cls, model: str | LoadedModel, cache: str | None = None, *, max_bytes: int | str | None = None,
+             device: str | None = None, dtype: str | None = None, codec: str | None = None,
+             codec_level: int | None = None) -> PassageCache:
+        """A passage cache for ``model`` (a name, path or `LoadedModel`) in the store ``cache`` names.
+
+        ``cache``: ``file:///path?max_bytes=5GB``, ``redis://host:6379/0?max_bytes=1GB``, a folder, or None for
+        the user's cache folder; ``max_bytes`` overrides the URL's bound. The store is checked before the model
+        loads.
+        """
+        store = open_cache_store(cache, max_bytes)
+        lm = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
+        return cls(lm, store, make_codec(codec or CodecConfig().name, codec_level))
+
+    # -- the question-time state ------------------------------------------------------------------
+
+    @property
+    def prefix(self) -> PrefixCache:
+        """The prompt prefix's KV: every passage cache is computed after it."""
+        if self._prefix is None:
+            self._prefix = prefix_cache(self.lm, self.layout.prefix_ids)
+        return self._prefix
+
+    @property
+    def context(self) -> QueryContext:
+        """What the question-time stages read (no chunk index and no embedder: passages come with the prompt)."""
+        if self._context is None:
+            self._context = QueryContext(self.lm, cast(Any, None), cast(Any, None), self.kvstore, self.layout,
+                                         self.prefix, 0, self.controller, self._recompute)
+        return self._context
+
+    def key(self, ids: Sequence[int]) -> str | None:
+        """The key of a passage's cache from its token ids; None while the codec has no stored state."""
+        if self._digest is None:
+            return None
+        codec = self.kvstore.codec
+        return chunk_key(f"{self.lm.fingerprint}|{codec.name}:{codec.level}:{self._digest}", self.layout.prefix_ids,
+                         ids)
+
+    def passages_in(self, prompt: str) -> list[str]:
+        """The passages found in a flat prompt (`kvrag.passages.finder.find_passages`)."""
+        return find_passages(prompt, self.min_chars)
+
+    def _lookup(self, prompt: str, texts: Iterable[str]) -> tuple[list[RetrievedChunk], list[_Missing]]:
+        """The passages of ``texts`` in ``prompt`` whose caches are stored, and the others."""
+        found, missing = [], []
+        for seq, text in enumerate(dict.fromkeys(t.strip() for t in texts if t.strip() and t.strip() in prompt)):
+            ids = self.context.chunk_ids(text)
+            key = self.key(ids)
+            if key is not None and self.kvstore.contains(key):
+                found.append(RetrievedChunk(key, text, math.nan, "", "prompt", seq))
+            else:
+                missing.append(_Missing(text, tuple(ids)))
+        self.stats.looked_up += len(found) + len(missing)
+        self.stats.found += len(found)
+        return found, missing
+
+    # -- answers ---------------------------------------------------------------------------------
+
+    def stream_prompt(self, prompt: str, mode: str | None = None, ratio: float | None = None, *,
+                      passages: Sequence[str] | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
+                      top_p: float = 1.0, stop: Sequence[str] = (), seed: int | None = None,
+                      fuse_config: FuseConfig | None = None, gate: GateConfig | bool | None = None,
+                      **ignored: Any) -> Generator[str, None, Answer]:
+        """Yield the answer to ``prompt`` as it is generated and return its `Answer`; then store missing passages.
+
+        Args:
+            prompt: the exact prompt string (the adapters add the model's chat template).
+            mode, ratio, fuse_config, gate: as in `kvrag.KVRag.answer` (default: under the correctness gate).
+            passages: the passage texts in the prompt (default: found in it, `passages_in`).
+            max_new_tokens, temperature, top_p, stop, seed: decoding (greedy by default).
+        """
+        generate = GenerateConfig(max_new_tokens, temperature, top_p, tuple(stop), seed)
+        config, gate_config = answering.settings(mode, ratio, fuse_config, None, None, gate)
+        plain = selector_class(config.mode).recomputes_all  # a full prefill: the prompt as one text, nothing stored
+        with self._lock:
+            texts = [] if plain else self.passages_in(prompt) if passages is None else passages
+            found, missing = self._lookup(prompt, texts)
+            fused = answering.prepare_prompt(self.context, prompt, found, config, gate_config)
+        try:
+            yield from fused.stream(generate)
+        finally:  # after the answer (or a stream closed early): never on its critical path
+            self._writer.submit(missing)
+        assert fused.answer is not None
+        self.last_answer = fused.answer
+        return fused.answer
+
+    def answer_prompt(self, prompt: str, mode: str | None = None, ratio: float | None = None, **options: Any) -> Answer:
+        """`stream_prompt`, whole."""
+        return finish(self.stream_prompt(prompt, mode, ratio, **options))
+
+    def chat_stream(self, messages: Sequence[dict[str, str]], k: int = 4, mode: str | None = None,
+                    ratio: float | None = None, *, max_new_tokens: int = 256, **options: Any
+                    ) -> Generator[str, None, Answer]:
+        """A chat turn whose messages hold the passages (as a chain put them): the model's chat template over
+        ``messages``, then `stream_prompt` with the passages found in their contents. ``k``, ``retrieve``,
+        ``chunks`` and ``history_cache`` mean nothing without an index and are ignored (the chat models pass them).
+        """
+        tokenizer = self.lm.tokenizer
+        if getattr(tokenizer, "chat_template", None):
+            prompt = str(tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True))
+        else:
+            prompt = (tokenizer.bos_token or "") + "\n\n".join(m["content"] for m in messages)
+        passages = [p for m in messages for p in self.passages_in(str(m["content"]))]
+        kept = {name: options[name] for name in CHAT_PASSED if name in options}
+        answer = yield from self.stream_prompt(prompt, mode, ratio, passages=passages, max_new_tokens=max_new_tokens,
+                                               **kept)
+        return answer
+
+    def chat(self, messages: Sequence[dict[str, str]], k: int = 4, mode: str | None = None,
+             ratio: float | None = None, **options: Any) -> Answer:
+        """`chat_stream`, whole."""
+        return finish(self.chat_stream(messages, k, mode, ratio, **options))
+
+    # -- storing ---------------------------------------------------------------------------------
+
+    def warm(self, texts: Iterable[str], show_progress: bool = True) -> int:
+        """Compute and store now the caches of the passages of ``texts`` (documents, each split at blank lines as a
+        prompt shows it: `kvrag.passages.finder.split_passages`) not stored yet: an ingestion step. Returns how many
+        were stored.
+        """
+        missing = []
+        for text in dict.fromkeys(p for t in texts for p in split_passages(t or "", self.min_chars)):
+            ids = self.context.chunk_ids(text)
+            key = self.key(ids)
+            if key is None or not self.kvstore.contains(key):
+                missing.append(_Missing(text, tuple(ids)))
+        before = self.stats.stored
+        self._store_missing(missing, show_progress)
+        return self.stats.stored - before
+
+    def _caches(self, work: list[_Missing]) -> Generator[tuple[int, KV], None, None]:
+        """The caches of ``work``'s passages, one prefill batch at a time under the model's lock."""
+        batches = chunk_caches(self.lm, self.prefix, [list(m.ids) for m in work], BATCH_TOKENS)
+        while True:
+            with self._lock:
+                got = next(batches, None)
+            if got is None:
+                return
+            yield got
+
+    def _fit(self, work: list[_Missing]) -> None:
+        """Fit the codec on the first passages and publish its state (another process's, if it was first)."""
+        sample = [kv for _, kv in self._caches(work[:FIT_PASSAGES])]
+        codec = self.kvstore.codec
+        codec.fit([(k.cpu(), v.cpu()) for k, v in sample], self.lm.spec.n_layers)
+        self._digest = publish_state(self.store, codec, self.lm.fingerprint)
+        shared_state.publish(codec, self.lm.fingerprint)  # the model's state for its indexes too
+        log.info("fitted the %s codec's state for %s on %d passages", codec.name, self.lm.source, len(sample))
+
+    def _store_missing(self, missing: list[_Missing], show_progress: bool = False) -> None:
+        """Compute and store the caches of ``missing`` passages that are still not stored."""
+        if not missing:
+            return
+        if self._digest is None:
+            self._fit(missing)
+        todo = [(m, key) for m in dict.fromkeys(missing)
+                if (key := self.key(m.ids)) is not None and not self.kvstore.contains(key)]
+        with tqdm(total=sum(len(m.ids) for m, _ in todo), unit="tok", desc="caching passages",
+                  disable=not show_progress or not todo) as bar:
+            for i, kv in self._caches([m for m, _ in todo]):
+                size = self.kvstore.put(todo[i][1], kv[0].cpu(), kv[1].cpu())
+                self.stats.stored += 1
+                self.stats.stored_bytes += size
+                bar.update(len(todo[i][0].ids))
+
+    def _recompute(self, chunk: RetrievedChunk, lead: bool = False) -> KV:
+        """A passage's cache computed again (its blob was evicted or damaged since the lookup) and stored."""
+        _, kv = next(chunk_caches(self.lm, self.prefix, [self.context.chunk_ids(chunk.text)], BATCH_TOKENS))
+        self.kvstore.put(chunk.key, kv[0].cpu(), kv[1].cpu())
+        return kv
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the passages of earlier calls are stored; False when ``timeout`` passed first."""
+        return self._writer.flush(timeout)
+
+    def info(self) -> dict[str, Any]:
+        """The store's bound and bytes held, the passages looked up, found and stored, and the hit rate."""
+        return {"store": type(self.store).__name__, "max_bytes": self.store.max_bytes,
+                "held_bytes": self.store.held(), "evicted": self.store.evicted, **asdict(self.stats),
+                "hit_rate": self.stats.hit_rate}
+
+    def close(self) -> None:
+        """Store what is pending, then release the store."""
+        _OPEN.discard(self)
+        self._writer.close()
+        self.store.close()
+
+    def __enter__(self) -> PassageCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,68 @@
+"""Where a passage cache lives: its URL parsed into a store bounded in bytes.
+
+Contract: `open_cache_store(url)` builds the store a ``cache=`` argument names:
+
+- None: `default_cache_dir` (``$KVRAG_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvrag``, else ``~/.cache/kvrag``) under
+  ``passages/``, bounded by `DEFAULT_MAX_BYTES`;
+- ``file:///abs/path?max_bytes=5GB`` or a plain path (absolute, or starting with ``~`` or ``.``): an
+  `LRUDiskStore` there;
+- ``redis://[[USER]:PASSWORD@]HOST:PORT/DB?max_bytes=1GB`` (``rediss://`` over TLS): an `LRURedisStore`; its
+  other query options go to redis-py.
+
+``max_bytes`` takes bytes or a size with a unit (``kB``, ``MB``, ``GB``, ``TB``: powers of 1000; ``KiB``, ``MiB``,
+``GiB``, ``TiB``: of 1024), `parse_bytes`; the ``max_bytes`` argument, when given, overrides the URL's. A bad
+URL or size raises ValueError in one line, before anything is created.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.request import url2pathname
+
+from kvrag.storage.stores import ByteStore, LRUDiskStore, LRURedisStore, public_url
+from kvrag.user_cache import default_cache_dir
+
+DEFAULT_MAX_BYTES = 5 * 10**9
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str | int) -> int:
+    """A size in bytes from ``5000000``, ``"5GB"`` or ``"1.5 GiB"``; ValueError for anything else or <= 0."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        size = text
+    else:
+        match = _SIZE.match(str(text))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(f"max_bytes must be a size such as 5000000, '500MB' or '5GiB', got {text!r}")
+        size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"max_bytes must be positive, got {text!r}")
+    return size
+
+
+def open_cache_store(url: str | os.PathLike[str] | None = None, max_bytes: int | str | None = None) -> ByteStore:
+    """The bounded store ``url`` names (see the module contract)."""
+    if url is None:
+        return LRUDiskStore(default_cache_dir() / "passages", parse_bytes(max_bytes or DEFAULT_MAX_BYTES))
+    text = os.fspath(url)
+    parts = urlsplit(text)
+    scheme = parts.scheme.lower() if "://" in text else ""
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    given = [v for k, v in query if k == "max_bytes"]
+    bound = parse_bytes(max_bytes if max_bytes is not None else given[-1] if given else DEFAULT_MAX_BYTES)
+    if scheme in ("redis", "rediss"):
+        rest = urlencode([(k, v) for k, v in query if k != "max_bytes"])
+        return LRURedisStore(urlunsplit(parts._replace(query=rest)), bound)
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise ValueError(f"a file:// cache URL names a local folder (file:///abs/path), got {public_url(text)}")
+        return LRUDiskStore(Path(url2pathname(parts.path)).expanduser(), bound)
+    if not scheme and (text.startswith(("/", "~", ".")) or os.sep in text):
+        return LRUDiskStore(Path(text.split("?", 1)[0]).expanduser(), bound)
+    raise ValueError(f"cache must be file:///path, redis://host:port/db or a folder path, got {public_url(text)!r}")

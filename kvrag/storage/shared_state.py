@@ -1,0 +1,127 @@
+"""A codec's fitted state kept once per model in the user's cache folder, shared by that model's indexes.
+
+A fitted ``cachegen`` state belongs to a model (3.9 MB for SmolLM2-135M), not to the chunks it was fitted on: kept
+in every index, it was most of a small index. Here it is kept once.
+
+Contract:
+
+- States live under ``default_cache_dir()/codec-states/<name>/<digest>/`` (`kvrag.user_cache`), ``name`` =
+  `state_name` (the codec and the model's fingerprint), ``digest`` = `files_digest` of the state's files (their
+  names and bytes): a folder is written once and never changed, so a state an index references cannot change
+  under it. ``<name>/current`` holds the digest that new indexes of the model adopt.
+- `publish` saves ``codec``'s fitted state (atomically: a temporary folder renamed into place; an existing folder
+  of the same digest is kept, a damaged one replaced) and makes it current; it returns the digest. `adopt` loads
+  the current state into ``codec`` and returns its digest, or None when there is none or it does not load whole
+  (the caller fits).
+  `load` loads the state of one digest, raising `SharedStateError` when it is missing, damaged or another one.
+- An index references its state with ``codec/shared.json`` (`write_ref`, `read_ref`): ``{"name", "digest"}``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvrag.atomic_files import atomic_write_bytes, atomic_write_json, read_json
+from kvrag.user_cache import default_cache_dir
+
+REF = "shared.json"
+_CURRENT = "current"
+
+
+class SharedStateError(ValueError):
+    """A shared codec state that an index references is missing, damaged or not the one referenced."""
+
+
+def state_name(codec: Any, fingerprint: str) -> str:
+    """The name of ``codec``'s fitted states for the model with ``fingerprint``."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", f"{codec.name}-{fingerprint}")[:120]
+
+
+def states_root() -> Path:
+    """The folder of every shared codec state."""
+    return default_cache_dir() / "codec-states"
+
+
+def files_digest(folder: Path) -> str:
+    """The sha256 (first 24 hex digits) of a state folder's files: names and bytes, in name order."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:24]
+
+
+def _folder(name: str, digest: str) -> Path:
+    if not re.fullmatch(r"[0-9a-f]{24}", digest):
+        raise SharedStateError(f"{digest!r} is not a codec state digest")
+    return states_root() / name / digest
+
+
+def publish(codec: Any, fingerprint: str) -> str:
+    """Save ``codec``'s fitted state as the model's current shared state; its digest."""
+    name = state_name(codec, fingerprint)
+    parent = states_root() / name
+    parent.mkdir(parents=True, exist_ok=True)
+    temp = Path(tempfile.mkdtemp(prefix=".fitting-", dir=parent))
+    try:
+        codec.save_state(temp)
+        digest = files_digest(temp)
+        final = _folder(name, digest)
+        if final.is_dir() and files_digest(final) != digest:  # that state, damaged: this fit puts it right
+            shutil.rmtree(final, ignore_errors=True)
+        try:
+            os.rename(temp, final)
+        except OSError:  # the same state is there already (another index fitted it): keep that one
+            if not final.is_dir():
+                raise
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    atomic_write_bytes(parent / _CURRENT, digest.encode())
+    return digest
+
+
+def load(codec: Any, name: str, digest: str) -> None:
+    """Load the shared state ``name``/``digest`` into ``codec``; `SharedStateError` when it cannot be."""
+    folder = _folder(name, digest)
+    if not folder.is_dir():
+        raise SharedStateError(f"the shared codec state {folder} is missing")
+    if files_digest(folder) != digest:
+        raise SharedStateError(f"the shared codec state {folder} is damaged (its files changed)")
+    try:
+        codec.load_state(folder)
+    except (ValueError, OSError) as exc:
+        raise SharedStateError(f"the shared codec state {folder} is damaged: {str(exc).splitlines()[0]}") from None
+
+
+def adopt(codec: Any, fingerprint: str) -> str | None:
+    """Load the model's current shared state into ``codec``; its digest, or None when there is none that loads."""
+    name = state_name(codec, fingerprint)
+    try:
+        digest = (states_root() / name / _CURRENT).read_text().strip()
+        load(codec, name, digest)
+    except (OSError, SharedStateError):
+        return None
+    return digest
+
+
+def write_ref(state_dir: Path, name: str, digest: str) -> None:
+    """Reference the shared state ``name``/``digest`` from an index's codec folder."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(state_dir / REF, {"name": name, "digest": digest})
+
+
+def read_ref(state_dir: Path) -> tuple[str, str] | None:
+    """The shared state an index's codec folder references, or None when it references none."""
+    path = state_dir / REF
+    if not path.is_file():
+        return None
+    try:
+        ref = read_json(path)
+        return str(ref["name"]), str(ref["digest"])
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        raise SharedStateError(f"{path} is damaged: {exc}") from None

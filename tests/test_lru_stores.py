@@ -1,0 +1,154 @@
+"""Stores bounded in bytes (`LRUDiskStore`, `LRURedisStore` on a real ``redis-server``): the bound holds under a
+stream of distinct blobs, recently read blobs outlive older ones, several processes share one store without a
+half-written read, and racing writers of a codec state agree on one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import random
+
+import pytest
+
+from kvrag.passages.cache_url import open_cache_store, parse_bytes
+from kvrag.storage.stores import LRUDiskStore, LRURedisStore
+
+
+def _blob(i: int, size: int) -> tuple[str, bytes]:
+    """A blob whose first 32 bytes are the sha256 of the rest: a reader tells a whole one from a torn one."""
+    body = random.Random(i).randbytes(size)
+    return hashlib.sha256(str(i).encode()).hexdigest()[:40], hashlib.sha256(body).digest() + body
+
+
+def _whole(data: bytes) -> bool:
+    return hashlib.sha256(data[32:]).digest() == data[:32]
+
+
+def _disk_bytes(store: LRUDiskStore) -> int:
+    return sum(p.stat().st_size for p in store.root.glob("*/*.kvc"))
+
+
+def test_sizes_and_urls_are_parsed_or_refused_in_one_line(tmp_path):
+    assert parse_bytes("5GB") == 5 * 10**9 and parse_bytes("1.5 GiB") == 3 * 2**29 and parse_bytes(7) == 7
+    for bad in ("5XB", "0", "-1", "many"):
+        with pytest.raises(ValueError, match="max_bytes"):
+            parse_bytes(bad)
+    store = open_cache_store(f"file://{tmp_path}/c?max_bytes=2MB")
+    assert isinstance(store, LRUDiskStore) and store.max_bytes == 2 * 10**6 and store.root == tmp_path / "c"
+    assert open_cache_store(str(tmp_path / "d"), max_bytes="1kB").max_bytes == 1000
+    with pytest.raises(ValueError, match="cache must be") as err:
+        open_cache_store("s3://bucket/x")
+    assert "\n" not in str(err.value)
+
+
+def test_the_disk_bound_holds_over_a_thousand_blobs_and_recent_reads_survive(tmp_path):
+    store = LRUDiskStore(tmp_path, max_bytes=200_000, fsync=False)
+    hot = [_blob(i, 2000) for i in range(5)]
+    for key, data in hot:
+        store.put(key, data)
+    for i in range(5, 1005):
+        key, data = _blob(i, random.Random(-i).randint(500, 8000))
+        store.put(key, data)
+        assert _disk_bytes(store) <= store.max_bytes
+        for hot_key, _ in hot:  # read often: never the least recently used
+            fh = store.open(hot_key)
+            assert fh is not None, "a blob read after every write was evicted"
+            fh.close()
+    assert store.evicted > 500 and store.held() == _disk_bytes(store)
+    with pytest.raises(ValueError, match="max_bytes"):
+        LRUDiskStore(tmp_path / "x", max_bytes=0)
+
+
+def test_a_blob_over_the_bound_is_not_stored(tmp_path):
+    store = LRUDiskStore(tmp_path, max_bytes=1000, fsync=False)
+    key, data = _blob(1, 2000)
+    store.put(key, data)
+    assert not store.contains(key) and _disk_bytes(store) == 0
+
+
+def _disk_worker(root: str, seed: int, out: multiprocessing.Queue) -> None:
+    store = LRUDiskStore(root, max_bytes=300_000, fsync=False)
+    torn = 0
+    for n in range(400):
+        i = random.Random(seed * 1000 + n).randrange(600)  # both processes write and read the same keys
+        key, data = _blob(i, 1000 + (i % 7) * 500)
+        store.put(key, data)
+        fh = store.open(_blob(random.Random(n).randrange(600), 10)[0])
+        if fh is not None:
+            with fh:
+                torn += not _whole(fh.read())
+    out.put(torn)
+
+
+def test_two_processes_share_a_disk_store_without_a_torn_read(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_disk_worker, args=(str(tmp_path), seed, out)) for seed in (1, 2)]
+    for p in procs:
+        p.start()
+    torn = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert torn == [0, 0]
+    store = LRUDiskStore(tmp_path, max_bytes=300_000)
+    assert _disk_bytes(store) <= store.max_bytes + 2 * 4000  # at most a blob over per concurrent writer
+    assert all(_whole(store.open(k).read()) for k in store.keys())  # type: ignore[union-attr]
+
+
+def _state_race(root: str, seed: int, out: multiprocessing.Queue) -> None:
+    out.put(LRUDiskStore(root, max_bytes=10_000).put_state("codec-m", f"state {seed}".encode()))
+
+
+def test_racing_writers_of_a_state_agree_on_one(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_state_race, args=(str(tmp_path), seed, out)) for seed in range(3)]
+    for p in procs:
+        p.start()
+    got = {out.get(timeout=60) for _ in procs}
+    for p in procs:
+        p.join(30)
+    assert len(got) == 1 and LRUDiskStore(tmp_path, max_bytes=10).get_state("codec-m") in got
+    assert not list((tmp_path / "state").glob(".*")), "a temporary file was left behind"
+
+
+def _redis_worker(url: str, seed: int, out: multiprocessing.Queue) -> None:
+    store = LRURedisStore(url, max_bytes=200_000, namespace="t:")
+    for n in range(300):
+        key, data = _blob(seed * 10_000 + n, 1000 + n % 9 * 400)
+        store.put(key, data)
+    out.put(store.evicted)
+
+
+def test_the_redis_bound_holds_across_processes(redis_server):
+    import redis
+
+    url = redis_server.url(db=3)
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_redis_worker, args=(url, seed, out)) for seed in (1, 2)]
+    for p in procs:
+        p.start()
+    evicted = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+    store = LRURedisStore(url, max_bytes=200_000, namespace="t:")
+    blobs = list(store.keys())
+    held = sum(store.sizes(blobs))
+    assert held == store.held() <= store.max_bytes and sum(evicted) > 0 and len(blobs) < 600
+    assert all(_whole(store.open(k).read()) for k in blobs)  # type: ignore[union-attr]
+    assert store.put_state("codec-m", b"first") == b"first" and store.put_state("codec-m", b"second") == b"first"
+    key, data = blobs[0], store.open(blobs[0]).read()  # type: ignore[union-attr]
+    store.delete(key)
+    assert store.held() == held - len(data) and not store.contains(key)
+    client.flushdb()
+
+
+def test_a_redis_cache_url_carries_its_bound(redis_server):
+    store = open_cache_store(redis_server.url(db=4) + "?max_bytes=1MB")
+    assert isinstance(store, LRURedisStore) and store.max_bytes == 10**6
+    store.ping()

@@ -333,8 +333,9 @@ def test_build_killed_before_the_codec_state_resumes(tiny_lm, tmp_path, monkeypa
         raise KeyboardInterrupt
 
     monkeypatch.setattr(build, "_fit_codec", killed)
-    with pytest.raises(KeyboardInterrupt):
-        KVRag.build(DOCS[:6], tmp_path / "idx", model=tiny_lm, split=SPLIT, codec="cachegen", show_progress=False)
+    with pytest.raises(KeyboardInterrupt):  # (its own state: a shared one of the model would be adopted, not fitted)
+        KVRag.build(DOCS[:6], tmp_path / "idx", model=tiny_lm, split=SPLIT, codec="cachegen", show_progress=False,
+                    codec_state="index")
     monkeypatch.undo()
     assert not list((tmp_path / "idx" / "chunks").glob("*/*.kvc"))
     rag = KVRag.build(DOCS[:6], tmp_path / "idx", model=tiny_lm, split=SPLIT, codec="cachegen", show_progress=False)

@@ -123,10 +123,10 @@ def test_a_fitted_codec_and_its_stream_levels_on_ray(tiny_lm, ray_address, refer
     exact = KVRag.open(reference, model=tiny_lm)
     with one_thread():
         local = KVRag.build(docs, tmp_path / "local", model=tiny_lm, split=FIXED, codec="cachegen",
-                            stream_levels=(0, 3), show_progress=False)
-    with caplog.at_level(logging.DEBUG, logger="kvrag.indexing.ray_build"):
+                            stream_levels=(0, 3), show_progress=False, codec_state="index")
+    with caplog.at_level(logging.DEBUG, logger="kvrag.indexing.ray_build"):  # each fits its own state
         on_ray = KVRag.build(docs, tmp_path / "ray", model=tiny_lm, split=FIXED, codec="cachegen",
-                             stream_levels=(0, 3), show_progress=False, engine="ray", workers=2)
+                             stream_levels=(0, 3), show_progress=False, engine="ray", workers=2, codec_state="index")
     keys = on_ray.index.keys()
     assert keys == local.index.keys() == exact.index.keys() and len(keys) > FIT_CHUNKS
     ahead = re.search(r"(\d+) chunks prefilled ahead while the codec was fitted", caplog.text)

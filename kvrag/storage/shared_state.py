@@ -13,7 +13,8 @@ Contract:
   of the same digest is kept, a damaged one replaced) and makes it current; it returns the digest. `adopt` loads
   the current state into ``codec`` and returns its digest, or None when there is none or it does not load whole
   (the caller fits).
-  `load` loads the state of one digest, raising `SharedStateError` when it is missing, damaged or another one.
+  `load` loads the state of one digest, raising `SharedStateError` when it is missing, damaged or another one
+  (twice in a row: a folder being put right by another process is read again).
 - An index references its state with ``codec/shared.json`` (`write_ref`, `read_ref`): ``{"name", "digest"}``.
 """
 
@@ -24,6 +25,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from kvrag.atomic_files import atomic_write_bytes, atomic_write_json, read_json
 from kvrag.user_cache import default_cache_dir
 
 REF = "shared.json"
+RETRY_S = 0.5
 _CURRENT = "current"
 
 
@@ -86,7 +89,17 @@ def publish(codec: Any, fingerprint: str) -> str:
 
 
 def load(codec: Any, name: str, digest: str) -> None:
-    """Load the shared state ``name``/``digest`` into ``codec``; `SharedStateError` when it cannot be."""
+    """Load the shared state ``name``/``digest`` into ``codec``; `SharedStateError` when it cannot be, read twice
+    (a folder another process is putting right, `publish`, is read again after `RETRY_S`).
+    """
+    try:
+        _load_once(codec, name, digest)
+    except SharedStateError:
+        time.sleep(RETRY_S)
+        _load_once(codec, name, digest)
+
+
+def _load_once(codec: Any, name: str, digest: str) -> None:
     folder = _folder(name, digest)
     if not folder.is_dir():
         raise SharedStateError(f"the shared codec state {folder} is missing")

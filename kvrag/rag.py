@@ -99,7 +99,7 @@ class KVRag(PromptAnswers):
             split: chunking settings (`SplitConfig`).
             codec: chunk-cache codec name (default ``cachegen``, `CodecConfig`; ``raw`` is lossless).
             codec_level: the codec's quality level (default: the codec's own; ``cachegen``: 2).
-            codec_state: ``"shared"``: a fitted codec state once per model, for all its indexes (`kvrag.user_cache`).
+            codec_state: ``"shared"``: the fitted codec state in the user's cache folder (`kvrag.user_cache`).
             index_kind: ``flat`` or ``hnsw``.
             instruction: the system instruction, before the passages (the chunk caches depend on it).
             question_tail: a line put right after the question (default none), e.g. how to answer. It changes no

@@ -176,8 +176,8 @@ def test_a_shared_codec_state_lost_or_damaged_is_named_and_refitted_by_repair(ti
     assert not list((path / "codec").glob("cachegen.*"))  # the state is the model's, not the index's
     name, digest = shared_state.read_ref(path / "codec")
     folder = shared_state.states_root() / name / digest
-    other = KVRag.build(DOCS[:3], tmp_path / "other", model=tiny_lm, split=SPLIT, show_progress=False)
-    assert shared_state.read_ref(other.path / "codec") == (name, digest)  # adopted, not fitted again
+    other = KVRag.build(DOCS, tmp_path / "other", model=tiny_lm, split=SPLIT, show_progress=False)
+    assert shared_state.read_ref(other.path / "codec") == (name, digest)  # the same fit: one folder for both
     other.close()
     for damage in ("bitflip", "delete"):
         if damage == "delete":
@@ -333,7 +333,7 @@ def test_build_killed_before_the_codec_state_resumes(tiny_lm, tmp_path, monkeypa
         raise KeyboardInterrupt
 
     monkeypatch.setattr(build, "_fit_codec", killed)
-    with pytest.raises(KeyboardInterrupt):  # (its own state: a shared one of the model would be adopted, not fitted)
+    with pytest.raises(KeyboardInterrupt):
         KVRag.build(DOCS[:6], tmp_path / "idx", model=tiny_lm, split=SPLIT, codec="cachegen", show_progress=False,
                     codec_state="index")
     monkeypatch.undo()

@@ -58,9 +58,9 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     p.add_argument("--codec-level", type=non_negative_int, default=None, metavar="N",
                    help="codec quality level, higher is larger and closer (cachegen: 0-3, default 2)")
     p.add_argument("--codec-state", default="shared", choices=["shared", "index"],
-                   help="where a fitted codec state is kept: once per model in the user's cache folder, shared by "
-                        "its indexes (shared, the default; $KVRAG_CACHE_DIR moves it), or in the index itself (index: "
-                        "a folder that is whole on its own, about 4 MB larger for SmolLM2)")
+                   help="where a fitted codec state is kept: in the user's cache folder, the index holding a reference "
+                        "(shared, the default; $KVRAG_CACHE_DIR moves it), or in the index itself (index: a folder "
+                        "that is whole on its own, about 4 MB larger for SmolLM2)")
     p.add_argument("--split", default="semantic", choices=["semantic", "fixed", "document"],
                    help="how documents are cut into chunks: at topic shifts under the token budget (semantic), "
                         "every --max-tokens tokens (fixed), or one chunk per document (document) "

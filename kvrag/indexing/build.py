@@ -49,7 +49,7 @@ from kvrag.indexing.split import KVSplitter
 from kvrag.model import LoadedModel
 from kvrag.prompt import PromptLayout, chunk_token_ids
 from kvrag.storage.chunk_index import ChunkIndex, ChunkRecord
-from kvrag.storage.codec_state import SHARED, adopt_shared_state, codec_ready, mark_fitted, save_fitted, state_kept
+from kvrag.storage.codec_state import codec_ready, mark_fitted, save_fitted, state_kept
 from kvrag.storage.kvstore import KVStore, log_recovery
 
 log = logging.getLogger(__name__)
@@ -221,8 +221,6 @@ class Builder:
         """
         from tqdm.auto import tqdm
 
-        if self.kept == SHARED and not self.codec_ready:  # the model's state, fitted by another index, if any
-            adopt_shared_state(self.kvstore.codec, self.codec_state_dir, self.lm.fingerprint)
         new = [c for c in candidates if c.record.key not in self.index]
         todo = [c for c in candidates if c.record.key not in self.index or not self._cached(c)] if caches else new
         stats.chunks, stats.new_chunks = len(candidates), len(new)

@@ -42,7 +42,7 @@ from kvrag.indexing.documents import Loaded
 from kvrag.indexing.manifest import stored_stream_levels
 from kvrag.indexing.ray_worker import Blobs, KVBuildWorker, WorkerSetup, codec_state_files, load_codec_state
 from kvrag.storage.chunk_index import ChunkRecord
-from kvrag.storage.codec_state import SHARED, adopt_shared_state, codec_ready, mark_fitted, save_fitted, state_kept
+from kvrag.storage.codec_state import codec_ready, mark_fitted, save_fitted, state_kept
 from kvrag.storage.index_layout import IndexLayout
 
 log = logging.getLogger(__name__)
@@ -311,10 +311,7 @@ def add_on_ray(rag: Any, loaded: Loaded, stats: BuildStats, show_progress: bool 
     t0 = time.perf_counter()
     split, codec = SplitConfig(**rag.manifest["split"]), rag.kvstore.codec
     levels = stored_stream_levels(rag.manifest, codec)
-    state_dir = IndexLayout.of(rag.path).codec_state
-    if codec.needs_fit and state_kept(rag.manifest) == SHARED and not codec_ready(codec, state_dir):
-        adopt_shared_state(codec, state_dir, rag.lm.fingerprint)  # the model's state, if another index fitted it
-    ready = codec.needs_fit and codec_ready(codec, state_dir)
+    ready = codec.needs_fit and codec_ready(codec, IndexLayout.of(rag.path).codec_state)
     state = codec_state_files(codec) if ready else None
     source = str(Path(rag.lm.source).resolve()) if Path(rag.lm.source).exists() else rag.lm.source  # any cwd
     setup = WorkerSetup(source, rag.lm.spec.dtype, rag.lm.fingerprint, rag.embedder.name,

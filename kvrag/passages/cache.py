@@ -14,8 +14,7 @@ Contract:
   and stores nothing.
 - The store is bounded in bytes (`kvrag.passages.cache_url`: ``file://`` under the user's cache folder by default,
   or ``redis://``), least recently used evicted; the codec's fitted state is stored once per model beside the blobs
-  (`kvrag.passages.codec_share`): the model's state in the user's cache folder when an index fitted one
-  (`kvrag.storage.shared_state`), else fitted on the first passages stored (and kept there for its indexes).
+  (`kvrag.passages.codec_share`), fitted on the first passages stored.
 - `stats` counts passages looked up and found; `info` adds the bytes held and the bound. `flush` waits for
   pending stores (also run when the interpreter exits, for at most `EXIT_FLUSH_S`).
 """
@@ -48,7 +47,6 @@ from kvrag.query import gate as answering
 from kvrag.query.answer import Answer, RetrievedChunk, finish
 from kvrag.query.pipeline import QueryContext
 from kvrag.query.plan import LoadController
-from kvrag.storage import shared_state
 from kvrag.storage.keys import chunk_key
 from kvrag.storage.kvstore import KVStore
 
@@ -112,8 +110,6 @@ class PassageCache:
         self.layout = build_layout(lm.tokenizer)
         self.kvstore = KVStore(store, codec or make_codec(CodecConfig().name), lm.fingerprint)
         self._digest = load_shared_state(store, self.kvstore.codec, lm.fingerprint)
-        if self._digest is None and shared_state.adopt(self.kvstore.codec, lm.fingerprint) is not None:
-            self._digest = publish_state(store, self.kvstore.codec, lm.fingerprint)  # the model's, from an index
         self._lock = threading.RLock()  # the model: one fusion or background prefill at a time
         self._prefix: PrefixCache | None = None
         self._context: QueryContext | None = None
@@ -270,7 +266,6 @@ class PassageCache:
         codec = self.kvstore.codec
         codec.fit([(k.cpu(), v.cpu()) for k, v in sample], self.lm.spec.n_layers)
         self._digest = publish_state(self.store, codec, self.lm.fingerprint)
-        shared_state.publish(codec, self.lm.fingerprint)  # the model's state for its indexes too
         log.info("fitted the %s codec's state for %s on %d passages", codec.name, self.lm.source, len(sample))
 
     def _store_missing(self, missing: list[_Missing], show_progress: bool = False) -> None:

@@ -5,8 +5,9 @@ manifest says ``codec.state == "shared"`` (the default for new indexes), referen
 shared in the user's cache folder (`kvrag.storage.shared_state`). `load_codec_state` raises `IndexCorruptError`
 for a damaged state, or a shared one that is missing or changed (`kvrag repair` fits it again and recomputes the
 caches); a state that is missing or half-written while no chunk cache is stored is no error (a build was killed
-before its first cache, and the next build fits it again). `adopt_shared_state` gives a new shared-state index the
-model's current state without fitting; `save_fitted` saves a state just fitted where the index keeps it, and
+before its first cache, and the next build fits it again). `save_fitted` saves a state just fitted where the index
+keeps it (each index fits its own: a state fitted on other text coded `examples/docs` 11 % larger and changed its
+demo answer), and
 `mark_fitted` records that a build finished fitting it; `codec_ready` says whether a build may store caches with
 the codec (it needs no fitting, or its state is fitted or marked so).
 """
@@ -51,19 +52,6 @@ def load_codec_state(codec: Any, path: Path) -> None:
             log.info("codec state in %s was not finished (%s); the next build fits it again", state_dir, exc)
             return
         raise IndexCorruptError(state_dir, f"is damaged: {str(exc).splitlines()[0]}", path) from None
-
-
-def adopt_shared_state(codec: Any, state_dir: Path, fingerprint: str) -> bool:
-    """Load the model's current shared state into ``codec`` and reference it from ``state_dir``, marked fitted;
-    False when the model has none (the build fits one).
-    """
-    digest = shared_state.adopt(codec, fingerprint)
-    if digest is None:
-        return False
-    shared_state.write_ref(state_dir, shared_state.state_name(codec, fingerprint), digest)
-    mark_fitted(state_dir)
-    log.info("adopted the shared %s state of this model (%s)", codec.name, digest)
-    return True
 
 
 def save_fitted(codec: Any, state_dir: Path, fingerprint: str, kept: str) -> None:

@@ -1,18 +1,16 @@
-"""A codec's fitted state kept once per model in the user's cache folder, shared by that model's indexes.
+"""A codec's fitted state kept in the user's cache folder, outside the index that references it.
 
-A fitted ``cachegen`` state belongs to a model (3.9 MB for SmolLM2-135M), not to the chunks it was fitted on: kept
-in every index, it was most of a small index. Here it is kept once.
+A fitted ``cachegen`` state is 3.9 MB for SmolLM2-135M: kept in every index, it was most of a small index. Here it is
+kept beside the model's other states, content-addressed.
 
 Contract:
 
 - States live under ``default_cache_dir()/codec-states/<name>/<digest>/`` (`kvrag.user_cache`), ``name`` =
   `state_name` (the codec and the model's fingerprint), ``digest`` = `files_digest` of the state's files (their
   names and bytes): a folder is written once and never changed, so a state an index references cannot change
-  under it. ``<name>/current`` holds the digest that new indexes of the model adopt.
+  under it, and indexes whose fits are identical share one folder.
 - `publish` saves ``codec``'s fitted state (atomically: a temporary folder renamed into place; an existing folder
-  of the same digest is kept, a damaged one replaced) and makes it current; it returns the digest. `adopt` loads
-  the current state into ``codec`` and returns its digest, or None when there is none or it does not load whole
-  (the caller fits).
+  of the same digest is kept, a damaged one replaced); it returns the digest.
   `load` loads the state of one digest, raising `SharedStateError` when it is missing, damaged or another one
   (twice in a row: a folder being put right by another process is read again).
 - An index references its state with ``codec/shared.json`` (`write_ref`, `read_ref`): ``{"name", "digest"}``.
@@ -29,12 +27,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvrag.atomic_files import atomic_write_bytes, atomic_write_json, read_json
+from kvrag.atomic_files import atomic_write_json, read_json
 from kvrag.user_cache import default_cache_dir
 
 REF = "shared.json"
 RETRY_S = 0.5
-_CURRENT = "current"
 
 
 class SharedStateError(ValueError):
@@ -66,7 +63,7 @@ def _folder(name: str, digest: str) -> Path:
 
 
 def publish(codec: Any, fingerprint: str) -> str:
-    """Save ``codec``'s fitted state as the model's current shared state; its digest."""
+    """Save ``codec``'s fitted state among the model's shared states; its digest."""
     name = state_name(codec, fingerprint)
     parent = states_root() / name
     parent.mkdir(parents=True, exist_ok=True)
@@ -84,7 +81,6 @@ def publish(codec: Any, fingerprint: str) -> str:
                 raise
     finally:
         shutil.rmtree(temp, ignore_errors=True)
-    atomic_write_bytes(parent / _CURRENT, digest.encode())
     return digest
 
 
@@ -109,17 +105,6 @@ def _load_once(codec: Any, name: str, digest: str) -> None:
         codec.load_state(folder)
     except (ValueError, OSError) as exc:
         raise SharedStateError(f"the shared codec state {folder} is damaged: {str(exc).splitlines()[0]}") from None
-
-
-def adopt(codec: Any, fingerprint: str) -> str | None:
-    """Load the model's current shared state into ``codec``; its digest, or None when there is none that loads."""
-    name = state_name(codec, fingerprint)
-    try:
-        digest = (states_root() / name / _CURRENT).read_text().strip()
-        load(codec, name, digest)
-    except (OSError, SharedStateError):
-        return None
-    return digest
 
 
 def write_ref(state_dir: Path, name: str, digest: str) -> None:

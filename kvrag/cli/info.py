@@ -101,7 +101,7 @@ def _text(info: dict[str, Any]) -> str:
         rows.append(("bound", f"caches kept under {human_bytes(info['max_cache_bytes'])}, least recently used "
                               "evicted (computed again from their text when needed)"))
     if info["codec_state"]:
-        rows.append(("codec", f"state shared by the model's indexes: {info['codec_state']}"))
+        rows.append(("codec", f"state in the user's cache folder: {info['codec_state']}"))
     return "\n".join(f"{name:<10} {value}" for name, value in rows)
 
 

@@ -22,6 +22,7 @@ Contract:
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import math
 import threading
@@ -162,13 +163,18 @@ class PassageCache:
         """The passages found in a flat prompt (`kvrag.passages.finder.find_passages`)."""
         return find_passages(prompt, self.min_chars)
 
+    def _stored_key(self, text: str) -> tuple[list[int], str | None]:
+        """A passage's token ids, and its key when its cache is stored (else None)."""
+        ids = self.context.chunk_ids(text)
+        key = self.key(ids)
+        return ids, key if key is not None and self.kvstore.contains(key) else None
+
     def _lookup(self, prompt: str, texts: Iterable[str]) -> tuple[list[RetrievedChunk], list[_Missing]]:
         """The passages of ``texts`` in ``prompt`` whose caches are stored, and the others."""
         found, missing = [], []
         for seq, text in enumerate(dict.fromkeys(t.strip() for t in texts if t.strip() and t.strip() in prompt)):
-            ids = self.context.chunk_ids(text)
-            key = self.key(ids)
-            if key is not None and self.kvstore.contains(key):
+            ids, key = self._stored_key(text)
+            if key is not None:
                 found.append(RetrievedChunk(key, text, math.nan, "", "prompt", seq))
             else:
                 missing.append(_Missing(text, tuple(ids)))
@@ -242,9 +248,8 @@ class PassageCache:
         """
         missing = []
         for text in dict.fromkeys(p for t in texts for p in split_passages(t or "", self.min_chars)):
-            ids = self.context.chunk_ids(text)
-            key = self.key(ids)
-            if key is None or not self.kvstore.contains(key):
+            ids, key = self._stored_key(text)
+            if key is None:
                 missing.append(_Missing(text, tuple(ids)))
         before = self.stats.stored
         self._store_missing(missing, show_progress)
@@ -260,29 +265,34 @@ class PassageCache:
                 return
             yield got
 
-    def _fit(self, work: list[_Missing]) -> None:
-        """Fit the codec on the first passages and publish its state (another process's, if it was first)."""
-        sample = [kv for _, kv in self._caches(work[:FIT_PASSAGES])]
+    def _fit(self, work: list[_Missing]) -> dict[_Missing, KV]:
+        """Fit the codec on the first passages and publish its state (another process's, if it was first); the
+        sample's caches, to be stored rather than computed again.
+        """
+        sample = list(dict.fromkeys(work))[:FIT_PASSAGES]
+        caches = {sample[i]: (k.cpu(), v.cpu()) for i, (k, v) in self._caches(sample)}
         codec = self.kvstore.codec
-        codec.fit([(k.cpu(), v.cpu()) for k, v in sample], self.lm.spec.n_layers)
+        codec.fit(list(caches.values()), self.lm.spec.n_layers)
         self._digest = publish_state(self.store, codec, self.lm.fingerprint)
-        log.info("fitted the %s codec's state for %s on %d passages", codec.name, self.lm.source, len(sample))
+        log.info("fitted the %s codec's state for %s on %d passages", codec.name, self.lm.source, len(caches))
+        return caches
 
     def _store_missing(self, missing: list[_Missing], show_progress: bool = False) -> None:
         """Compute and store the caches of ``missing`` passages that are still not stored."""
         if not missing:
             return
-        if self._digest is None:
-            self._fit(missing)
+        fitted = self._fit(missing) if self._digest is None else {}
         todo = [(m, key) for m in dict.fromkeys(missing)
                 if (key := self.key(m.ids)) is not None and not self.kvstore.contains(key)]
+        rest = [(m, key) for m, key in todo if m not in fitted]
         with tqdm(total=sum(len(m.ids) for m, _ in todo), unit="tok", desc="caching passages",
                   disable=not show_progress or not todo) as bar:
-            for i, kv in self._caches([m for m, _ in todo]):
-                size = self.kvstore.put(todo[i][1], kv[0].cpu(), kv[1].cpu())
+            done = [(m, key, fitted[m]) for m, key in todo if m in fitted]
+            done_later = ((rest[i][0], rest[i][1], kv) for i, kv in self._caches([m for m, _ in rest]))
+            for m, key, kv in itertools.chain(done, done_later):
+                self.stats.stored_bytes += self.kvstore.put(key, kv[0].cpu(), kv[1].cpu())
                 self.stats.stored += 1
-                self.stats.stored_bytes += size
-                bar.update(len(todo[i][0].ids))
+                bar.update(len(m.ids))
 
     def _recompute(self, chunk: RetrievedChunk, lead: bool = False) -> KV:
         """A passage's cache computed again (its blob was evicted or damaged since the lookup) and stored."""

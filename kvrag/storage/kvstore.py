@@ -65,12 +65,6 @@ class KVStore:
         return out
 
     @property
-    def hit_rate(self) -> float:
-        """Caches found over caches asked for by `reader` (NaN before any)."""
-        asked = self.found + self.missing
-        return self.found / asked if asked else float("nan")
-
-    @property
     def throughput(self) -> float | None:
         """The store link's recent read throughput in bytes per second (None: a local store, or no read yet)."""
         meter = getattr(self.store, "meter", None)

@@ -2,6 +2,7 @@
 
 - Redis killed mid-answer, then down, then hung (SIGSTOP), then back: every request gets the answer it got with
   Redis up (computed from the chunks' text), never a 5xx; the caches are stored again and ``kvrag verify`` is clean.
+- Redis unreachable (stopped) for 30 s under two clients: every answer as with Redis up, each in bounded time.
 - Redis killed mid-build: the build ends with one line or completes; run again after Redis is back, it completes,
   verifies clean and answers as an undisturbed index. Two ``kvrag index`` processes into one Redis at once.
 - The conversations' disk tier on a full disk (a 256 KB tmpfs, or a file-size limit where mounting is not allowed)
@@ -111,6 +112,47 @@ def test_redis_killed_mid_answer_down_hung_and_back(redis, docs_dir: Path, tiny_
 
     stored = redis_py.Redis.from_url(redis.url()).dbsize()
     assert stored > 0  # refilled after the restart
+    verify = subprocess.run([sys.executable, "-m", "kvrag.cli", "verify", str(index)], capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+HUNG_S = 30  # how long Redis stays unreachable
+
+
+def test_redis_unreachable_for_30_seconds(redis, docs_dir: Path, tiny_model_dir: Path, tmp_path: Path):
+    if redis.proc is None:
+        redis.start()
+    index = tmp_path / "idx"
+    assert _index(docs_dir, index, tiny_model_dir, redis.url(db=5)).returncode == 0
+    with ServeProcess(index, "--store-cache-mb", "0", "--max-active", "4", "--max-wait", "0", "--no-warmup") as server:
+        expected = {q: _text(_chat(server.url, q)) for q in QUESTIONS}
+        answers: list[tuple[str, httpx.Response, float]] = []
+
+        def ask_until(deadline: float, offset: int) -> None:
+            n = offset
+            while time.monotonic() < deadline:
+                q = QUESTIONS[n % len(QUESTIONS)]
+                sent = time.monotonic()
+                answers.append((q, _chat(server.url, q), time.monotonic() - sent))
+                n += 1
+
+        assert redis.proc is not None
+        redis.proc.send_signal(signal.SIGSTOP)  # unreachable: connections accepted, nothing answered
+        try:
+            askers = [threading.Thread(target=ask_until, args=(time.monotonic() + HUNG_S, i)) for i in range(2)]
+            for t in askers:
+                t.start()
+            for t in askers:
+                t.join(HUNG_S + 120)
+        finally:
+            redis.proc.send_signal(signal.SIGCONT)
+        hung = len(answers)
+        time.sleep(6)  # past the store's back-off after a failure
+        answers += [(q, _chat(server.url, q), 0.0) for q in QUESTIONS]
+        assert hung >= 4  # the server kept answering while Redis was away
+        assert all(_text(r) == expected[q] for q, r, _ in answers), [(q, r.status_code) for q, r, _ in answers]
+        assert max(took for _, _, took in answers) < 20  # a wait on the store is bounded, not one per chunk
+        _no_5xx(server)
     verify = subprocess.run([sys.executable, "-m", "kvrag.cli", "verify", str(index)], capture_output=True, text=True)
     assert verify.returncode == 0, verify.stdout + verify.stderr
 

@@ -17,7 +17,8 @@ COLUMNS = ("server", "clients", "answers", "empty", "answers/s", "tokens/s", "TT
            "p99 between tokens s", "peak RSS MB", "429", "5xx", "other errors")
 
 
-def _quantile(values: list[float], q: float) -> float | None:
+def quantile(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile of ``values`` (the value at rank ``q * n``); None for none."""
     if not values:
         return None
     ordered = sorted(values)
@@ -30,8 +31,8 @@ def summarise(row: dict[str, Any]) -> dict[str, Any]:
     return {"server": row["server"], "clients": row["clients"], "answers": row["answers"],
             "empty": row.get("empty_answers", 0),
             "answers/s": row["answers"] / wall, "tokens/s": row["tokens"] / wall,
-            "TTFT p50 s": _quantile(row["ttft_s"], 0.5), "TTFT p99 s": _quantile(row["ttft_s"], 0.99),
-            "p99 between tokens s": _quantile(row["gaps_s"], 0.99), "peak RSS MB": row["peak_rss_bytes"] / 2**20,
+            "TTFT p50 s": quantile(row["ttft_s"], 0.5), "TTFT p99 s": quantile(row["ttft_s"], 0.99),
+            "p99 between tokens s": quantile(row["gaps_s"], 0.99), "peak RSS MB": row["peak_rss_bytes"] / 2**20,
             "429": row["refused_429"], "5xx": row["server_5xx"], "other errors": row["other_errors"]}
 
 

@@ -98,38 +98,43 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], path: str, timeout: flo
     raise RuntimeError(f"the server for {url} did not start within {timeout:.0f} s")
 
 
-def start_servers(index: Path, f32: Path, threads: int, k: int, max_wait: float, log: Path) -> dict[str, Any]:
+def start_servers(index: Path, f32: Path | None, threads: int, k: int, max_wait: float, log: Path) -> dict[str, Any]:
+    """Both servers (only kvrag's when ``f32`` is None), ready to answer: name -> (process, port)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
     kport, lport = _free_port(), _free_port()
     out = open(log, "ab")  # noqa: SIM115 - held for the servers' lifetime
     kvrag = subprocess.Popen([sys.executable, "-m", "kvrag.cli", "serve", str(index), "--port", str(kport),
                               "--device", "cpu", "--k", str(k), "--max-tokens", "24", "--max-wait", str(max_wait),
                               "--model-name", "smollm2"], stdout=out, stderr=subprocess.STDOUT, env=env)
+    _wait_ready(f"http://127.0.0.1:{kport}", kvrag, "/health")
+    if f32 is None:
+        return {"kvrag": (kvrag, kport)}
     llama = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(f32), "--port", str(lport),
                               "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "4096",
                               "--cache", "true", "--model_alias", "smollm2", "--verbose", "false",
                               "--interrupt_requests", "false"],  # its default cuts a stream when another arrives
                              stdout=out, stderr=subprocess.STDOUT, env=env)
-    _wait_ready(f"http://127.0.0.1:{kport}", kvrag, "/health")
     _wait_ready(f"http://127.0.0.1:{lport}", llama, "/v1/models")
     return {"kvrag": (kvrag, kport), "llama.cpp": (llama, lport)}
 
 
 def targets(servers: dict[str, Any], k: int) -> dict[str, Target]:
+    """How each started server is loaded: kvrag retrieves its own passages, llama.cpp gets them in the message."""
+
     def with_passages(turn: Turn) -> str:
         return "Passages:\n" + "\n\n".join(turn.passages) + f"\n\nQuestion: {turn.question}"
 
     return {"kvrag": Target("kvrag", f"http://127.0.0.1:{servers['kvrag'][1]}/v1", "smollm2",
                             lambda turn: turn.question, {"k": k}),
-            "llama.cpp": Target("llama.cpp", f"http://127.0.0.1:{servers['llama.cpp'][1]}/v1", "smollm2",
-                                with_passages)}
+            **({"llama.cpp": Target("llama.cpp", f"http://127.0.0.1:{servers['llama.cpp'][1]}/v1", "smollm2",
+                                    with_passages)} if "llama.cpp" in servers else {})}
 
 
 class PeakRss:
     """Samples a process's resident memory every 0.25 s while in use."""
 
     def __init__(self, pid: int) -> None:
-        self.pid, self.peak, self._stop = pid, 0, threading.Event()
+        self.pid, self.peak, self.last, self._stop = pid, 0, 0, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
@@ -137,7 +142,8 @@ class PeakRss:
             try:
                 for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
                     if line.startswith("VmRSS:"):
-                        self.peak = max(self.peak, int(line.split()[1]) * 1024)
+                        self.last = int(line.split()[1]) * 1024
+                        self.peak = max(self.peak, self.last)
             except OSError:
                 return
             self._stop.wait(0.25)

@@ -1,0 +1,90 @@
+"""`kvrag serve` held under steady load: resident memory and errors, window by window.
+
+Usage (from the repository root):
+
+    python benchmarks/serve-load/soak.py --out benchmarks/serve-load/soak --clients 16 --minutes 60
+
+Prepares as `run.py` does (the same index, conversations and settings), starts only ``kvrag serve`` and runs
+``--clients`` concurrent clients without a pause for ``--minutes``, in windows of ``--window`` seconds. For each
+window it records the answers, 429s, 5xx and other errors, the TTFT p50 and p99, and the server's resident memory
+at the window's end and at its peak. Writes ``soak.json`` and ``soak.md`` to ``--out``; the memory is flat when the
+later windows' end values stay within a few percent of the first window's after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from load import run_level  # noqa: E402
+from report import quantile  # noqa: E402
+from run import PeakRss, _interrupted, conversations, prepare, start_servers, targets  # noqa: E402
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The windows as a Markdown table."""
+    head = ("window", "minutes", "answers", "429", "5xx", "other errors", "TTFT p50 s", "TTFT p99 s", "RSS end MB",
+            "RSS peak MB")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for i, r in enumerate(rows):
+        lines.append(f"| {i + 1} | {r['end_min']:.1f} | {r['answers']} | {r['refused_429']} | {r['server_5xx']} | "
+                     f"{r['other_errors']} | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | "
+                     f"{r['rss_end_bytes'] / 2**20:.0f} | {r['rss_peak_bytes'] / 2**20:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, _interrupted)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=HERE / "soak")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/kvrag-serve-load"))
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--minutes", type=float, default=60.0)
+    parser.add_argument("--window", type=float, default=300.0, help="seconds a window lasts")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--max-wait", type=float, default=10.0)
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    index, picked, _ = prepare(args.work, args.k, args.threads)
+    convs = conversations(picked, 200)
+    servers = start_servers(index, None, args.threads, args.k, args.max_wait, args.out / "server.log")
+    proc, _ = servers["kvrag"]
+    target = targets(servers, args.k)["kvrag"]
+    rows: list[dict[str, Any]] = []
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < args.minutes * 60:
+            with PeakRss(proc.pid) as rss:
+                level = asyncio.run(run_level(target, convs[len(rows) % 7:], args.clients, args.window))
+                time.sleep(0.5)  # one more sample after the window's last turn
+            rows.append({"end_min": (time.monotonic() - start) / 60, "answers": level.answers,
+                         "refused_429": level.refused_429, "server_5xx": level.server_5xx,
+                         "other_errors": level.other_errors, "error_samples": level.error_samples,
+                         "ttft_p50_s": quantile(level.ttft_s, 0.5) or 0.0,
+                         "ttft_p99_s": quantile(level.ttft_s, 0.99) or 0.0,
+                         "rss_end_bytes": rss.last, "rss_peak_bytes": rss.peak, "alive": proc.poll() is None})
+            print(json.dumps(rows[-1]), flush=True)
+            (args.out / "soak.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                            "windows": rows}, indent=1) + "\n")
+            (args.out / "soak.md").write_text(table(rows))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,6 +1,6 @@
 """The whole path on a tiny model of every family: build an index (the default codec fitted on its layers), answer
 under the default gate, score a continuation as transformers does, hold a conversation's turn, serve a chat
-completion, answer a LangChain chain's flat prompt."""
+completion, answer a LangChain chain's flat prompt and a LlamaIndex query engine's."""
 
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ def test_build_answer_score_and_chat_on_every_family(arch: str, tmp_path: Path):
         assert served.status_code == 200, served.text
         assert served.json()["usage"]["completion_tokens"] > 0
         _langchain_chain_reads_the_stored_caches(rag)
+        _llama_index_engine_reads_the_stored_caches(rag)
     finally:
         rag.close()
 
@@ -77,4 +78,18 @@ def _langchain_chain_reads_the_stored_caches(rag: KVRag) -> None:
 
     default, full = KVCachedLLM(rag=rag, max_new_tokens=3), KVCachedLLM(rag=rag, mode="full", max_new_tokens=3)
     assert chain(default).invoke(Q) == chain(full).invoke(Q)
+    assert len(default.last_answer.chunks) == 2 and default.last_answer.gate is not None
+
+
+def _llama_index_engine_reads_the_stored_caches(rag: KVRag) -> None:
+    """LlamaIndex's default query engine over kvrag's retriever: the passages' caches are read under the gate, and
+    its answer is the full prefill's."""
+    pytest.importorskip("llama_index.core")
+    from kvrag.integrations.llama_index import KVCachedLLM, KVRetriever
+    from llama_index.core.query_engine import RetrieverQueryEngine
+
+    default, full = KVCachedLLM(rag=rag, max_new_tokens=3), KVCachedLLM(rag=rag, mode="full", max_new_tokens=3)
+    engines = [RetrieverQueryEngine.from_args(KVRetriever(rag=rag, k=2), llm=llm) for llm in (default, full)]
+    texts = [str(engine.query(Q)) for engine in engines]
+    assert texts[0] == texts[1]
     assert len(default.last_answer.chunks) == 2 and default.last_answer.gate is not None

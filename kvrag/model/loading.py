@@ -134,7 +134,17 @@ def _materialise_gguf(gguf: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to safetensors in %s (once)", gguf, out)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                           output_loading_info=True)
+    except RuntimeError as exc:  # weights of other shapes than the config transformers read says
+        raise ValueError("transformers' GGUF reader gives weights of other shapes than the model the file's "
+                         "metadata describes; load the original safetensors checkpoint instead") from exc
+    missing = sorted(set(info.get("missing_keys") or ()) - _tied_keys(model))
+    if missing:  # left randomly initialised: never convert a model that is not the file's
+        raise ValueError(f"transformers' GGUF reader does not read {len(missing)} of the "
+                         f"{model.config.model_type} model's weights (e.g. {missing[0]}); "
+                         f"load the original safetensors checkpoint instead")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tmp = out.with_name(out.name + ".tmp")
     # A GGUF-loaded model refuses save_pretrained; rebuild a plain float model from its weights.
@@ -147,6 +157,13 @@ def _materialise_gguf(gguf: Path) -> Path:
     tokenizer.save_pretrained(tmp)
     tmp.rename(out)
     return out
+
+
+def _tied_keys(model: Any) -> set[str]:
+    """The names of weights a model ties to others (its output head to its embedding), never missing from a file."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return set()
+    return {name for name, _ in model.named_parameters(remove_duplicate=False) if name.startswith("lm_head")}
 
 
 def _smollm2_gguf() -> Path | None:

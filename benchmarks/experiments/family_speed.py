@@ -11,8 +11,9 @@ their caches stored on disk with the default codec. Three runs per family: trans
 prompt (``hf-prefill``), ``full``, and the default (``probe@0.15``, the gate's fused path at this length, caches
 read from disk while fusing). Every run of every family is repeated ``--repeats`` times, families and runs
 interleaved (each round in a rotated order) so that the load of a shared machine falls on all of them alike; the
-figure is the median TTFT (to the first token's logits). Writes ``family_speed.json`` to ``--out`` and prints a
-table.
+figure is the median TTFT (to the first token's logits). The stored caches' bytes are reported as kvrag stores
+them (a windowed layer keeps its window's rows) and, for the windowed families, with every row kept. Writes
+``family_speed.json`` to ``--out`` and prints a table.
 """
 
 from __future__ import annotations
@@ -87,15 +88,17 @@ def family_model(name: str) -> Any:
     return wrap_model(model.eval(), None, source=f"random:{name}")
 
 
-def workload(lm: Any, folder: Path, length: int, chunk_tokens: int) -> Workload:
-    """Chunks of ``lm``'s stored on disk in ``folder`` with the default codec."""
+def workload(lm: Any, folder: Path, length: int, chunk_tokens: int, cut: bool = True) -> Workload:
+    """Chunks of ``lm``'s stored on disk in ``folder`` with the default codec, a windowed layer's keeping its
+    window's rows (``cut``, as kvrag stores them) or every row."""
     from kvrag.codec.base import make_codec
     from kvrag.config import CodecConfig
     from kvrag.storage.kvstore import KVStore
     from kvrag.storage.stores import make_store
 
     codec = CodecConfig()
-    kvstore = KVStore(make_store("disk", folder, fsync=False), make_codec(codec.name, codec.level), lm.fingerprint)
+    kvstore = KVStore(make_store("disk", folder, fsync=False), make_codec(codec.name, codec.level), lm.fingerprint,
+                      lm.family.windows if cut else None)
     return Workload(lm, kvstore, length, chunk_tokens, seed=0)
 
 
@@ -113,10 +116,14 @@ def main() -> int:
     default = parse_mode("probe@0.15").config
     full = parse_mode("full").config
     runs: list[tuple[str, str, Any]] = []
+    stored: dict[str, tuple[int, int]] = {}  # per family: the caches' bytes as stored, and with every row kept
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         for name in names:
             lm = family_model(name)
             work = workload(lm, Path(tmp) / name, args.length, args.chunk_tokens)
+            stored[name] = work.stored_bytes, (workload(lm, Path(tmp) / f"{name}-whole", args.length,
+                                                        args.chunk_tokens, cut=False).stored_bytes
+                                               if any(lm.family.windows) else work.stored_bytes)
             runs += [(name, "hf-prefill", lambda lm=lm, w=work: w.time_plain_prefill(lm)),
                      (name, "full", lambda lm=lm, w=work: w.time_mode(lm, full)),
                      (name, "default", lambda lm=lm, w=work: w.time_mode(lm, default))]
@@ -129,7 +136,7 @@ def main() -> int:
             shift = r * len(runs) // args.repeats
             for name, mode, run in runs[shift:] + runs[:shift]:
                 samples[name, mode].append(run())
-    rows = summarise(names, samples)
+    rows = summarise(names, samples, stored)
     print(table(rows))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -140,8 +147,10 @@ def main() -> int:
     return 0
 
 
-def summarise(names: list[str], samples: dict[tuple[str, str], list[dict[str, float]]]) -> list[dict[str, Any]]:
-    """Per family: median TTFT of each run (ms), every sample, and the default's recompute fraction."""
+def summarise(names: list[str], samples: dict[tuple[str, str], list[dict[str, float]]],
+              stored: dict[str, tuple[int, int]]) -> list[dict[str, Any]]:
+    """Per family: median TTFT of each run (ms), every sample, the default's recompute fraction and the stored
+    caches' bytes (as stored, and with every row of the windowed layers kept)."""
     rows = []
     for name in names:
         ms = {mode: [s["ttft_s"] * 1e3 for s in samples[name, mode]] for mode in ("hf-prefill", "full", "default")}
@@ -149,16 +158,18 @@ def summarise(names: list[str], samples: dict[tuple[str, str], list[dict[str, fl
         rows.append({"family": name, "tokens": samples[name, "full"][0]["tokens"],
                      **{f"{mode}_ms": med[mode] for mode in med}, **{f"{mode}_ms_all": ms[mode] for mode in ms},
                      "default_speedup": med["full"] / med["default"],
-                     "default_recompute_fraction": samples[name, "default"][0]["recompute_fraction"]})
+                     "default_recompute_fraction": samples[name, "default"][0]["recompute_fraction"],
+                     "stored_bytes": stored[name][0], "stored_bytes_every_row": stored[name][1]})
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| family | tokens | transformers prefill | `full` | default (probe@0.15) | default vs `full` |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| family | tokens | transformers prefill | `full` | default (probe@0.15) | default vs `full` "
+             "| stored caches (every row) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['family']} | {r['tokens']} | {r['hf-prefill_ms']:.0f} ms | {r['full_ms']:.0f} ms | "
-                     f"{r['default_ms']:.0f} ms | {r['default_speedup']:.2f}× |")
+                     f"{r['default_ms']:.0f} ms | {r['default_speedup']:.2f}× | {r['stored_bytes'] / 1e6:.2f} MB "
+                     f"({r['stored_bytes_every_row'] / 1e6:.2f} MB) |")
     return "\n".join(lines)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvrag.fusion import recorded_attention, scatter_attention, tiled_attention
+from kvrag.fusion.inputs import Segments
 from kvrag.model import LoadedModel
 from kvrag.model.families import DEFAULT_ROPE
 
@@ -41,12 +42,31 @@ Block = tuple[slice, int, "torch.Tensor | None", tuple[torch.Tensor, torch.Tenso
 FLEX_MIN_KEYS = 16384
 
 
-def attention_mask(sel: torch.Tensor, total: int, dtype: torch.dtype, window: int | None) -> torch.Tensor:
-    """Additive mask ``[1, 1, n_sel, total]``: selected token i sees positions j <= pos_i (within window)."""
+def unstored_rows(seg: Segments, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Bool ``[N]``: the chunk rows a layer with ``window`` does not store (all but each chunk's last ``window``,
+    `kvrag.storage.container.encode_chunk`), which read back as zeros; None where there are none. Positions
+    recomputed in the layer have fresh rows there; the rest of these are hidden from the selected tokens.
+    """
+    if window is None or all(n <= window for n in seg.chunk_lens):
+        return None
+    rows = torch.zeros(seg.total, dtype=torch.bool)
+    for start, n in zip(seg.chunk_starts, seg.chunk_lens):
+        if n > window and not bool(seg.forced[start]):
+            rows[start : start + n - window] = True
+    return rows.to(device)
+
+
+def attention_mask(sel: torch.Tensor, total: int, dtype: torch.dtype, window: int | None,
+                   visible: torch.Tensor | None = None) -> torch.Tensor:
+    """Additive mask ``[1, 1, n_sel, total]``: selected token i sees positions j <= pos_i (within window), and
+    only those where ``visible`` (bool ``[>= total]``) is set.
+    """
     cols = torch.arange(total, device=sel.device)
     allowed = cols[None, :] <= sel[:, None]
     if window is not None:
         allowed &= cols[None, :] > sel[:, None] - window
+    if visible is not None:
+        allowed &= visible[None, :total]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=sel.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
@@ -63,7 +83,7 @@ def causal_lower_right(n: int, total: int) -> Any:
 
 def layer_blocks(lm: LoadedModel, sel: torch.Tensor, total: int, dtype: torch.dtype, window: int | None,
                  causal_ok: bool, flex_from: int | None = None, tiled: bool = False,
-                 rope: str | None = DEFAULT_ROPE) -> list[Block]:
+                 rope: str | None = DEFAULT_ROPE, unstored: torch.Tensor | None = None) -> list[Block]:
     """How the selected tokens run through each layer.
 
     Every position selected and a kernel that masks causally by itself (``causal_ok``): one block,
@@ -77,7 +97,8 @@ def layer_blocks(lm: LoadedModel, sel: torch.Tensor, total: int, dtype: torch.dt
     order; a block attends only to the positions up to its last token, so the attention reads about
     half the keys it would with one block over all of them. Exact: a block sees the fresh
     rows written by the blocks before it, and no row after it. Each block's rotary embeddings (the model's
-    embedding ``rope``, `kvrag.model.families.LayerKind`) are computed here, once per pass.
+    embedding ``rope``, `kvrag.model.families.LayerKind`) are computed here, once per pass. A windowed layer's
+    ``unstored`` rows (`unstored_rows`) are masked wherever they are not recomputed.
     """
     n = int(sel.numel())
     like = torch.empty(0, dtype=dtype, device=sel.device)  # the dtype and device of the embeddings
@@ -85,7 +106,7 @@ def layer_blocks(lm: LoadedModel, sel: torch.Tensor, total: int, dtype: torch.dt
     def block(part: slice, limit: int, mask: torch.Tensor | None) -> Block:
         return part, limit, mask, lm.family.rope(lm.model, rope, like, sel[part][None])
 
-    causal_ok = causal_ok and (window is None or total <= window)  # the window masks nothing here
+    causal_ok = causal_ok and (window is None or total <= window) and unstored is None  # no mask needed
     if causal_ok and n == total:
         return [block(slice(0, n), total, None)]
     first, last = (int(p) for p in sel[[0, -1]].tolist())
@@ -100,6 +121,10 @@ def layer_blocks(lm: LoadedModel, sel: torch.Tensor, total: int, dtype: torch.dt
         return [block(slice(0, n), last, scatter_attention.ScatterBias(plan))]
     if causal_ok and tiled:
         return [block(slice(0, n), last, tiled_attention.SortedCausalBias(sel))]
+    visible = None
+    if unstored is not None:  # every row but the unstored ones the selection does not write afresh
+        visible = ~unstored
+        visible[sel] = True
     min_tokens = MIN_BLOCK_TOKENS_CUDA if sel.device.type == "cuda" else MIN_BLOCK_TOKENS
     count = max(1, min(ATTENTION_BLOCKS, n // min_tokens))
     bounds = [round(i * n / count) for i in range(count + 1)]
@@ -108,7 +133,7 @@ def layer_blocks(lm: LoadedModel, sel: torch.Tensor, total: int, dtype: torch.dt
     for a, b, end in zip(bounds, bounds[1:], limits):
         limit = int(end) + 1
         within = window if window is not None and limit > window else None
-        blocks.append(block(slice(a, b), limit, attention_mask(sel[a:b], limit, dtype, within)))
+        blocks.append(block(slice(a, b), limit, attention_mask(sel[a:b], limit, dtype, within, visible)))
     return blocks
 
 

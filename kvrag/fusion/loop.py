@@ -107,11 +107,13 @@ class _LayerLoop:
         self.lm, self.ids, self.seg, self.cache = lm, ids, seg, cache
         self.selector, self.score, self.flex_from, self.tiled = selector, score, flex_from, tiled
         self.kinds, self.causal_ok = lm.family.kinds, attn.causal_kernel(lm)
+        self.unstored = {kind.window: attn.unstored_rows(seg, kind.window, lm.device) for kind in self.kinds}
 
     def blocks(self, sel: torch.Tensor, dtype: torch.dtype) -> dict[LayerKind, list[attn.Block]]:
         """`attn.layer_blocks` for ``sel`` under this loop's model and kernel, per kind of layer."""
         return {kind: attn.layer_blocks(self.lm, sel, self.seg.total, dtype, kind.window, self.causal_ok,
-                                        self.flex_from, self.tiled, kind.rope) for kind in dict.fromkeys(self.kinds)}
+                                        self.flex_from, self.tiled, kind.rope, self.unstored[kind.window])
+                for kind in dict.fromkeys(self.kinds)}
 
     def run(
         self, sel: torch.Tensor, placing: tuple[ChunkFeed, list[Rope]] | None,

@@ -150,9 +150,10 @@ class KVBuildWorker:
         from kvrag.storage.kvstore import level_key
 
         keys, values = kv[0].cpu(), kv[1].cpu()
-        blobs = [(key, encode_chunk(self.codec, key, self.lm.fingerprint, keys, values))]
+        windows = self.lm.family.windows
+        blobs = [(key, encode_chunk(self.codec, key, self.lm.fingerprint, keys, values, windows))]
         for level in self.setup.stream_levels:
             stored = level_key(key, level)
             blobs.append((stored, encode_chunk(self.codec.with_level(level), stored, self.lm.fingerprint, keys,
-                                               values)))
+                                               values, windows)))
         return blobs

@@ -17,6 +17,7 @@ chunk's layer ``i`` alone gives, side by side, with zeros for chunks without a c
   Triton rANS decoder, two batched matmuls).
 - Host: chunk by chunk, on the CPU into each chunk's columns of the layer (via a chunk-sized buffer where they
   are not contiguous); for CUDA into a buffer of the chunks one after another, put side by side on the GPU.
+  Always where a chunk's windowed layers keep only their last rows (`ChunkHeader.cut`).
 """
 
 from __future__ import annotations
@@ -94,7 +95,9 @@ class StoreFeed(ChunkFeed):
         self._planar = self._planar_layout()
         self._extents = ExtentReads.of(self._readers, self._planar) if self._planar is not None else None
         self._workers = workers
-        self._region_codec = region_codec(self._readers, self.device, device_decode) if self._planar is None else None
+        cut = any(r is not None and r.header.cut for r in self._readers)
+        self._region_codec = (region_codec(self._readers, self.device, device_decode)
+                              if self._planar is None and not cut else None)
         if region_layers is not None and region_layers < 1:
             raise ValueError(f"region_layers must be >= 1, got {region_layers}")
         self._group = region_layers
@@ -115,6 +118,10 @@ class StoreFeed(ChunkFeed):
             level = self.levels[j]
             reader = self.kvstore.reader(key) if level is None else self.kvstore.reader(key, level)
             stored, n = reader.header.shape[2], self.lengths[j]
+            if self._rows_prefix and stored > n and reader.header.cut and self._recover is not None:
+                reader.close()  # a windowed layer keeps the cache's last rows, not the prefix's: compute it
+                self._recovered[j] = self._recover(j)
+                return
             if self._rows_prefix and stored > n and reader.header.n_layers >= self.n_layers:
                 with reader:  # its first rows only: decoded whole now, sliced
                     keys, values = reader.decode_all()
@@ -154,8 +161,8 @@ class StoreFeed(ChunkFeed):
                    for r in self._readers if r is not None}
         first = next((r for r in self._readers if r is not None), None)
         planes = first.codec.planes(*shape, first.header.dtype) if first is not None and len(layouts) == 1 else None
-        if first is None or planes is None:
-            return None
+        if first is None or planes is None or any(r is not None and r.header.cut for r in self._readers):
+            return None  # (a windowed layer's rows stand after zeros: decoded chunk by chunk)
         packed = self.device.type in PACKED_STAGING_DEVICES
         return PlaneLayout(first.codec, planes, first.header.dtype, self.lengths, self.offsets, packed)
 

@@ -109,7 +109,7 @@ class PassageCache:
                             f"{type(store).__name__}")
         self.lm, self.store, self.min_chars = lm, store, min_chars
         self.layout = build_layout(lm.tokenizer)
-        self.kvstore = KVStore(store, codec or make_codec(CodecConfig().name), lm.fingerprint)
+        self.kvstore = KVStore(store, codec or make_codec(CodecConfig().name), lm.fingerprint, lm.family.windows)
         self._digest = load_shared_state(store, self.kvstore.codec, lm.fingerprint)
         self._lock = threading.RLock()  # the model: one fusion or background prefill at a time
         self._prefix: PrefixCache | None = None

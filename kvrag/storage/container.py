@@ -9,6 +9,11 @@ The header names the chunk key, the model fingerprint, the codec and its paramet
 shape ``[layers, kv_heads, seq, head_dim]`` and dtype, and for every layer its (offset, length,
 crc32) relative to the end of the header, so one layer is read and checked without the rest.
 Nothing here is pickled: a hostile file can at worst raise `CorruptChunkError`.
+
+A layer with a sliding window keeps only its last ``window`` rows (``rows`` in the header, present when some
+layer is cut): no later token's query can see the others. Such a layer reads back at full length with zeros
+for the rows it does not keep (`ChunkHeader.rows`), which fusion never lets a query see
+(`kvrag.fusion.attention.unstored_rows`).
 """
 
 from __future__ import annotations
@@ -43,11 +48,29 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise ValueError(f"unsupported cache dtype {dtype}")
 
 
+def kept_rows(seq: int, windows: Sequence[int | None] | None, n_layers: int) -> list[int]:
+    """Per layer, the rows of a ``seq``-token chunk's cache that are stored: all, or a windowed layer's last
+    ``window`` (``windows``: per layer, None for a layer without a window; None for no windowed layer).
+    """
+    if windows is None:
+        return [seq] * n_layers
+    if len(windows) != n_layers:
+        raise ValueError(f"{len(windows)} layer windows for a cache of {n_layers} layers")
+    return [seq if w is None else min(seq, int(w)) for w in windows]
+
+
 def encode_chunk(
-    codec: Codec, key: str, fingerprint: str, keys: torch.Tensor, values: torch.Tensor
+    codec: Codec, key: str, fingerprint: str, keys: torch.Tensor, values: torch.Tensor,
+    windows: Sequence[int | None] | None = None,
 ) -> bytes:
-    """Frame a chunk's cache (``keys``/``values``: ``[L, H, S, D]``, keys pre-RoPE) as bytes."""
-    blobs = [codec.encode_layer(keys[i], values[i], i) for i in range(keys.shape[0])]
+    """Frame a chunk's cache (``keys``/``values``: ``[L, H, S, D]``, keys pre-RoPE) as bytes; a layer with a
+    window in ``windows`` (per layer, None for none) keeps only its last ``window`` rows.
+    """
+    seq = keys.shape[2]
+    rows = kept_rows(seq, windows, keys.shape[0])
+    blobs = [codec.encode_layer(keys[i], values[i], i) if r == seq
+             else codec.encode_layer(keys[i, :, seq - r:].contiguous(), values[i, :, seq - r:].contiguous(), i)
+             for i, r in enumerate(rows)]
     table, offset = [], 0
     for blob in blobs:
         table.append([offset, len(blob), crc32(blob)])
@@ -60,6 +83,8 @@ def encode_chunk(
         "dtype": dtype_name(keys.dtype),
         "layers": table,
     }
+    if any(r < seq for r in rows):
+        header["rows"] = rows
     head = json.dumps(header, sort_keys=True).encode()
     return _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(head), crc32(head)) + head + b"".join(blobs)
 
@@ -75,10 +100,20 @@ class ChunkHeader:
     dtype: torch.dtype
     layers: tuple[tuple[int, int, int], ...]
     data_start: int
+    rows: tuple[int, ...] = ()  # per layer, the last rows stored (a windowed layer's); empty: every row
 
     @property
     def n_layers(self) -> int:
         return self.shape[0]
+
+    def stored_rows(self, layer: int) -> int:
+        """How many of the chunk's last rows ``layer`` stores (the rest read back as zeros)."""
+        return self.rows[layer] if self.rows else self.shape[2]
+
+    @property
+    def cut(self) -> bool:
+        """Whether some layer stores fewer rows than the chunk has tokens."""
+        return any(r < self.shape[2] for r in self.rows)
 
 
 def _parse_header(key: str, preamble: bytes, read: Any) -> ChunkHeader:
@@ -98,6 +133,7 @@ def _parse_header(key: str, preamble: bytes, read: Any) -> ChunkHeader:
         meta = json.loads(head)
         shape = tuple(int(s) for s in meta["shape"])
         layers = tuple((int(o), int(n), int(c)) for o, n, c in meta["layers"])
+        rows = tuple(int(r) for r in meta.get("rows", ()))
         header = ChunkHeader(
             key=str(meta["key"]),
             fingerprint=str(meta["fingerprint"]),
@@ -106,11 +142,14 @@ def _parse_header(key: str, preamble: bytes, read: Any) -> ChunkHeader:
             dtype=_DTYPES[meta["dtype"]],
             layers=layers,
             data_start=_PREAMBLE.size + head_len,
+            rows=rows,
         )
     except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
         raise CorruptChunkError(key, f"malformed header: {type(exc).__name__}: {exc}") from None
     if len(shape) != 4 or len(layers) != shape[0] or min(shape) < 0:
         raise CorruptChunkError(key, "header shape and layer table disagree")
+    if rows and (len(rows) != shape[0] or not all(0 <= r <= shape[2] for r in rows)):
+        raise CorruptChunkError(key, "header rows and shape disagree")
     offset = 0
     for start, length, _ in layers:
         if start != offset or length < 0:
@@ -189,11 +228,15 @@ class ChunkReader:
             raise CorruptChunkError(self.key, f"layer {layer} checksum mismatch")
 
     def decode_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(keys, values)`` of one layer, each ``[H, S, D]``."""
+        """``(keys, values)`` of one layer, each ``[H, S, D]`` (zeros for rows a windowed layer does not store)."""
         blob = self.read_layer_bytes(layer)
         _, h, s, d = self.header.shape
+        r = self.header.stored_rows(layer)
         with self._decoding(layer):
-            return self._codec.decode_layer(blob, layer, (h, s, d), self.header.dtype)
+            keys, values = self._codec.decode_layer(blob, layer, (h, r, d), self.header.dtype)
+        if r == s:
+            return keys, values
+        return _front_zeros(keys, s), _front_zeros(values, s)
 
     @contextlib.contextmanager
     def _decoding(self, layer: int) -> Iterator[None]:
@@ -215,6 +258,11 @@ class ChunkReader:
         if tuple(out.shape) != (2, h, s, d) or out.device.type != "cpu" or not out.is_contiguous():
             raise ValueError(f"decode_layer_into needs a contiguous CPU tensor of shape {(2, h, s, d)}, "
                              f"got {tuple(out.shape)} on {out.device}")
+        if self.header.stored_rows(layer) < s:  # a windowed layer's last rows, after zeros
+            keys, values = self.decode_layer(layer)
+            out[0].copy_(keys)
+            out[1].copy_(values)
+            return
         if self._codec.name == "raw" and out.dtype == self.header.dtype:  # read_layer_into checks the size
             self.read_layer_into(layer, [out.view(-1).view(torch.uint8).numpy().data])
             return
@@ -263,3 +311,10 @@ class ChunkReader:
         """All layers stacked: ``(keys, values)``, each ``[L, H, S, D]``."""
         ks, vs = zip(*self.layers())
         return torch.stack(ks), torch.stack(vs)
+
+
+def _front_zeros(rows: torch.Tensor, seq: int) -> torch.Tensor:
+    """``rows`` ``[H, r, D]`` as the last rows of ``[H, seq, D]``, zeros before them."""
+    out = rows.new_zeros((rows.shape[0], seq, rows.shape[2]))
+    out[:, seq - rows.shape[1]:] = rows
+    return out

@@ -48,12 +48,18 @@ def log_recovery(logger: logging.Logger, exc: CorruptChunkError, then: str = "re
 
 
 class KVStore:
-    """Chunk caches in and out of a `ByteStore` through a `Codec`."""
+    """Chunk caches in and out of a `ByteStore` through a `Codec`.
+
+    ``windows`` (per layer, None for a layer without a sliding window): each windowed layer stores only a chunk's
+    last ``window`` rows (`kvrag.storage.container.encode_chunk`).
+    """
 
     SIZES_KEPT = 100_000  # stored sizes remembered (content-hash keys: a size changes only if its blob is damaged)
 
-    def __init__(self, store: ByteStore, codec: Codec, fingerprint: str) -> None:
+    def __init__(self, store: ByteStore, codec: Codec, fingerprint: str,
+                 windows: Sequence[int | None] | None = None) -> None:
         self.store, self.codec, self.fingerprint = store, codec, fingerprint
+        self.windows = list(windows) if windows is not None and any(w is not None for w in windows) else None
         self._sizes: dict[str, int] = {}
         self.found = self.missing = 0  # caches asked of `reader`: found in the store, or not (evicted, never stored)
 
@@ -101,7 +107,7 @@ class KVStore:
         sizes = {}
         for level in self.codec.levels() if levels is None else levels:
             codec = self.codec_at(level)
-            data = encode_chunk(codec, self._key(key, level), self.fingerprint, keys, values)
+            data = encode_chunk(codec, self._key(key, level), self.fingerprint, keys, values, self.windows)
             self.store.put(self._key(key, level), data)
             self._sizes.pop(self._key(key, level), None)
             sizes[level] = len(data)
@@ -117,7 +123,7 @@ class KVStore:
 
     def put(self, key: str, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Encode and store one chunk (``[L, H, S, D]`` each); returns the stored size in bytes."""
-        data = encode_chunk(self.codec, key, self.fingerprint, keys, values)
+        data = encode_chunk(self.codec, key, self.fingerprint, keys, values, self.windows)
         self.store.put(key, data)
         self._sizes.pop(key, None)
         return len(data)

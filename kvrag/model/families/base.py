@@ -65,6 +65,13 @@ class Family:
         return str(self.config.model_type)
 
     @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Per layer, its sliding window (None: it sees every position); a stored chunk cache keeps a windowed
+        layer's last ``window`` rows only.
+        """
+        return tuple(kind.window for kind in self.kinds)
+
+    @property
     def head_dim(self) -> int:
         cfg = self.config
         return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)

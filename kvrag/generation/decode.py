@@ -1,5 +1,6 @@
 """Decoding from a fused cache: the first token comes from the fusion pass's last-token logits,
-the rest from ordinary single-token forward steps over the (growing) `DynamicCache`.
+the rest from ordinary single-token forward steps over the (growing) `DynamicCache` (run together with other
+answers' steps where a `kvrag.generation.step_batch.StepBatch` is installed).
 
 The decoder knows nothing about retrieval; it sees a cache, logits and the next position.
 """
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from kvrag.config import GenerateConfig
+from kvrag.generation import step_batch
 from kvrag.model import hf_compat
 
 
@@ -46,27 +48,39 @@ def decode_tokens(
 ) -> Iterator[int]:
     """Yield generated token ids; stops at an EOS id or after ``max_new_tokens`` (EOS not yielded).
 
-    When ``logprobs`` is given, each yielded token's log-probability under the model is appended to it.
+    When ``logprobs`` is given, each yielded token's log-probability under the model is appended to it. With a
+    `StepBatch` installed on this thread, each step after a yielded token is announced to it before the yield and
+    taken from it when computed meanwhile.
     """
     generator = None
     if config.seed is not None:
         generator = torch.Generator(device="cpu").manual_seed(config.seed)
     logits, pos = first_logits, start_pos
     device = first_logits.device
-    for _ in range(config.max_new_tokens):
-        token = pick_token(logits.cpu() if generator is not None else logits, config, generator)
-        if token in stop_ids:
-            return
-        if logprobs is not None:
-            logprobs.append(float(torch.log_softmax(logits.float(), dim=-1)[token]))
-        yield token
-        with torch.no_grad():
-            out = model(
-                input_ids=torch.tensor([[token]], device=device),
-                position_ids=torch.tensor([[pos]], device=device),
-                **hf_compat.with_cache(model, cache), use_cache=True,
-            )
-        logits, pos = out.logits[0, -1].float(), pos + 1
+    batch, step = step_batch.current(), object()  # the next step, announced to an installed batch
+    try:
+        for _ in range(config.max_new_tokens):
+            token = pick_token(logits.cpu() if generator is not None else logits, config, generator)
+            if token in stop_ids:
+                return
+            if logprobs is not None:
+                logprobs.append(float(torch.log_softmax(logits.float(), dim=-1)[token]))
+            if batch is not None:
+                batch.announce(step, model, cache, token, pos)
+            yield token
+            batched = batch.take(step) if batch is not None else None
+            if batched is None:
+                with torch.no_grad():
+                    out = model(
+                        input_ids=torch.tensor([[token]], device=device),
+                        position_ids=torch.tensor([[pos]], device=device),
+                        **hf_compat.with_cache(model, cache), use_cache=True,
+                    )
+                batched = out.logits[0, -1].float()
+            logits, pos = batched, pos + 1
+    finally:
+        if batch is not None:  # an answer that ends at a yield never takes its announced step
+            batch.withdraw(step)
 
 
 class TextStreamer:

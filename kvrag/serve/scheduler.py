@@ -7,7 +7,8 @@ queue is bounded, never unbounded memory) or, with ``max_wait`` set, `WaitTooLon
 wait for its first token exceeds it (`kvrag.serve.admission`, from the step times the worker measures); both
 carry ``retry_after``, the seconds after which a retry may be admitted. A cancelled job no longer counts.
 The worker keeps up to ``max_active`` jobs' ``chat_stream``
-generators and calls ``next()`` on each in turn, so concurrent conversations all progress; a job waiting
+generators and calls ``next()`` on each in turn, so concurrent conversations all progress; before each round it
+runs the decoding steps the answers announced as one pass (`kvrag.generation.step_batch`); a job waiting
 for a slot has had ``rag.sessions.expect(messages)`` called (its history is prefetched and kept from
 eviction), and every job, however it ends, has ``rag.sessions.release(messages)`` called once.
 
@@ -28,6 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrag.generation import step_batch
 from kvrag.serve.admission import Pending, ServiceTimes, expected_wait
 
 log = logging.getLogger(__name__)
@@ -127,6 +129,8 @@ class Scheduler:
         self._arrived: deque[Job] = deque()  # submitted, not yet seen by the worker (no expect() yet)
         self._waiting: deque[Job] = deque()  # seen by the worker (expect() called), waiting for a slot
         self._active: list[Job] = []
+        self._batch = step_batch.StepBatch()  # the active answers' decoding steps, one pass a round
+        self._batch_share = 0.0  # seconds of the last round's pass per step it computed
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kvrag-serve-worker", daemon=True)
 
@@ -209,15 +213,25 @@ class Scheduler:
 
     def _run(self) -> None:
         try:
-            while self._take_arrivals():
-                self._admit()
-                for job in list(self._active):
-                    self._step(job)
+            with step_batch.installed(self._batch):
+                while self._take_arrivals():
+                    self._admit()
+                    self._run_batch()
+                    for job in list(self._active):
+                        self._step(job)
         except BaseException:  # a bug here must not leave requests hanging: fail them all, then stop
             log.exception("the serve worker failed")
             raise
         finally:
             self._fail_all(ServerStopping("the server is shutting down"))
+
+    def _run_batch(self) -> None:
+        """The active answers' announced decoding steps in one pass; each batched step's share of its time is
+        counted in the step time of its job (`_step`).
+        """
+        began = time.perf_counter()
+        computed = self._batch.run()
+        self._batch_share = (time.perf_counter() - began) / computed if computed else 0.0
 
     def _take_arrivals(self) -> bool:
         """Wait for work; move new jobs to the waiting line, announcing each to the session cache, and drop
@@ -286,7 +300,7 @@ class Scheduler:
         if job.steps == 0:
             self.times.observe_first(took)
         else:
-            self.times.observe_step(took)
+            self.times.observe_step(took + self._batch_share)
         job.steps += 1
         self._note_answer(job, before)
         if piece:

@@ -168,7 +168,7 @@ class KVRag(PromptAnswers):
         path = Path(path)
         index = ChunkIndex.open(path)
         manifest = index.manifest
-        codec = check_opened(manifest, path, embedder)  # before the model loads
+        codec = check_opened(manifest, path, embedder, model)  # before the model loads
         stored = manifest["model"]
         lm = model if isinstance(model, LoadedModel) else load_model(model or stored["source"], device=device,
                                                                        dtype=dtype or stored["spec"]["dtype"])

@@ -1,8 +1,8 @@
 """What opening an index trusts, and the one-line errors for what an edited or damaged index names.
 
 A manifest's checksum is no signature: these tests edit ``manifest.json`` and write it back with its checksum
-recomputed, as anyone who can write the file can. An embedder path outside the index is refused unless the
-caller names it; a codec level kvrag does not offer is one `IndexCorruptError`; a chunk key the index does not
+recomputed, as anyone who can write the file can. An embedder or model path outside the index is refused unless
+the caller names it or this user built an index from it; a codec level kvrag does not offer is one `IndexCorruptError`; a chunk key the index does not
 hold (rows lost from a ``chunks.sqlite`` overwritten with garbage pages) is one `ChunkNotFoundError`, never a
 bare `KeyError`. Tiny random model.
 """
@@ -80,6 +80,31 @@ def test_an_embedder_inside_the_index_or_a_hub_name_opens(clean: Path, tmp_path:
         assert opened.embedder.name == str(inside)
     _edit_manifest(path, embedder="someone/some-hub-model")  # a hub id is no local path
     KVRag.open(path, model=tiny_lm).close()
+
+
+def test_a_model_path_outside_the_index_is_refused_unless_named_or_built_from_here(clean: Path, tmp_path: Path,
+                                                                                   tiny_lm, tiny_model_dir, capsys):
+    from kvrag import trusted_paths
+
+    path = _copy(clean, tmp_path)
+    foreign = Path(shutil.copytree(tiny_model_dir, tmp_path / "someone-elses-model"))  # never built from here
+    _edit_manifest(path, model={"source": str(foreign)})
+    with pytest.raises(UntrustedPathError) as refused:
+        KVRag.open(path)
+    message = str(refused.value)
+    assert "\n" not in message and str(foreign) in message and "model=" in message and "--model" in message
+    assert main(["ask", str(path), QUESTION]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--model" in err
+    with KVRag.open(path, model=str(foreign)) as opened:  # named by the caller: trusted
+        assert opened.lm.fingerprint == tiny_lm.fingerprint
+    KVRag.open(path, model=tiny_lm).close()
+    # an index this user builds from a local folder opens again without naming it
+    built = tmp_path / "built"
+    KVRag.build(DOCS[:3], built, model=str(foreign), split=SplitConfig(mode="document"), show_progress=False).close()
+    assert trusted_paths.trusted(foreign)
+    KVRag.open(built).close()
+    KVRag.open(path).close()  # the folder is this user's now
 
 
 @pytest.mark.parametrize("level", [10**9, -3, "high", 2.5])

@@ -5,13 +5,15 @@ The manifest records the format version, the library versions, the model (source
 neighbour-context settings, and where the chunk caches are stored (``"store"``: the URL of a store other
 than the index's ``chunks/`` folder, without its password, and the namespace of the index's keys there;
 `kvrag.storage.stores.index_store.store_record`), and the ``stream_levels``: the codec levels each chunk's cache is
-also stored at for the streaming loader (absent when none; `check_stream_levels`). `new_manifest` writes
-nothing: `ChunkIndex.create` stores it atomically.
+also stored at for the streaming loader (absent when none; `check_stream_levels`). `new_manifest` writes no
+index file (`ChunkIndex.create` stores it atomically); it records the local model and embedder paths it names as
+this user's (`kvrag.trusted_paths`).
 
 A manifest's checksum detects damage, not tampering: whoever can edit the file can recompute it. So what a
 manifest names is checked before it is used: `manifest_codec` turns a codec or level this kvrag does not offer
-into one `IndexCorruptError`, and `check_embedder` refuses an embedder path outside the index (a
-sentence-transformers folder names the Python classes it is built from) unless the caller passes it.
+into one `IndexCorruptError`, and `check_embedder` and `check_model_path` refuse an embedder or model path outside
+the index (a sentence-transformers folder names the Python classes it is built from) unless the caller passes it
+or this user built an index from it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from kvrag import trusted_paths
 from kvrag.codec.base import Codec
 from kvrag.config import SplitConfig, StoreConfig
 from kvrag.errors import IndexCorruptError, IndexMismatchError, UntrustedPathError
@@ -82,6 +85,10 @@ def new_manifest(lm: LoadedModel, embedder_name: str, codec: Codec, split: Split
     if codec_state not in ("shared", "index"):
         raise ValueError(f"codec_state must be 'shared' or 'index', got {codec_state!r}")
     levels = check_stream_levels(codec, stream_levels)
+    for name in (lm.source, embedder_name):  # paths this user chose: opening the index may load them again
+        local = local_path(name)
+        if local is not None:
+            trusted_paths.trust(local)
     return {**({"stream_levels": list(levels)} if levels else {}),
         "format_version": FORMAT_VERSION,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -130,15 +137,24 @@ def manifest_codec(manifest: dict[str, Any], path: Path) -> Codec:
                                 fix=f"rebuild the index from its documents (kvrag index DOCS --index {path})") from None
 
 
-def outside_path(name: str, root: Path) -> Path | None:
-    """The folder or file ``name`` loads from when it is a local path outside ``root``; None for a hub id or a
-    path inside ``root``. A name is a local path when it is absolute, starts with ``.`` or ``~``, or exists.
+def local_path(name: str) -> Path | None:
+    """The folder or file ``name`` loads from when it is a local path (absolute, starting with ``.`` or ``~``, or
+    existing); None for a hub id or an alias.
     """
     candidate = Path(name).expanduser()
     if not (candidate.is_absolute() or name.startswith((".", "~")) or candidate.exists()):
         return None
-    resolved = candidate.resolve()
-    return None if resolved.is_relative_to(root.resolve()) else resolved
+    return candidate.resolve()
+
+
+def outside_path(name: str, root: Path) -> Path | None:
+    """The folder or file ``name`` loads from when it is a local path outside ``root``, unless this user built an
+    index from it (`kvrag.trusted_paths`); None for a hub id, a path inside ``root`` or a trusted one.
+    """
+    resolved = local_path(name)
+    if resolved is None or resolved.is_relative_to(root.resolve()) or trusted_paths.trusted(resolved):
+        return None
+    return resolved
 
 
 def check_embedder(manifest: dict[str, Any], path: Path, given: str | None) -> None:
@@ -164,16 +180,32 @@ def check_embedder(manifest: dict[str, Any], path: Path, given: str | None) -> N
                                  f"embedder=PATH) or --embedder PATH")
 
 
-def check_opened(manifest: dict[str, Any], path: Path, embedder: str | None) -> Codec:
+def check_model_path(manifest: dict[str, Any], path: Path, given: Any) -> None:
+    """Refuse to load the manifest's model from a path outside the index unless the caller gives a model (``given``)
+    or this user built an index from that path (`kvrag.trusted_paths`).
+
+    Raises:
+        UntrustedPathError: the manifest's model is such a path and ``given`` is None.
+    """
+    stored = str(manifest.get("model", {}).get("source", ""))
+    if given is None and stored and outside_path(stored, path) is not None:
+        raise UntrustedPathError(f"{IndexLayout.of(path).manifest} names model {stored[:200]!r}, a path outside the "
+                                 f"index that no index was built from here; kvrag loads it only if you name it "
+                                 f"yourself: KVRag.open(..., model=PATH) or --model PATH")
+
+
+def check_opened(manifest: dict[str, Any], path: Path, embedder: str | None, model: Any = None) -> Codec:
     """Check an index's manifest before opening it; return its codec (unfitted).
 
     Raises:
         IndexMismatchError: another format version, or ``embedder`` is not the index's.
-        UntrustedPathError: the manifest's embedder is a path outside the index and ``embedder`` is None.
+        UntrustedPathError: the manifest's embedder or model is a path outside the index, not named by the caller
+            (``embedder``, ``model``) and not one this user built an index from.
         IndexCorruptError: the manifest names a codec or level this kvrag does not offer.
     """
     check_format(manifest, path)
     check_embedder(manifest, path, embedder)
+    check_model_path(manifest, path, model)
     return manifest_codec(manifest, path)
 
 

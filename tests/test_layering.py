@@ -30,6 +30,7 @@ STAGE: dict[str, int] = {
     "kvrag.embedder": _FOUNDATION,
     "kvrag.byte_lru": _FOUNDATION,
     "kvrag.user_cache": _FOUNDATION,
+    "kvrag.trusted_paths": _FOUNDATION,
     "kvrag.model": _FOUNDATION,
     # the storage format, and its optional Triton decoder (which checks itself against the CPU one)
     "kvrag.codec": 1,

@@ -228,6 +228,9 @@ def test_eight_concurrent_conversations_all_progress(tiny_url: str, tiny_rag: KV
     first_turns = sorted((t[2], t[3]) for t in (turns[0] for turns in out.values()))
     overlapping = sum(a_end > b_start for (_, a_end), (b_start, _) in zip(first_turns, first_turns[1:]))
     assert overlapping >= 1, "concurrent conversations were served one after another"
+    batched = [line for line in httpx.get(f"{tiny_url}/metrics", timeout=10).text.splitlines()
+               if line.startswith("kvrag_decode_steps_batched ")]
+    assert batched and float(batched[0].split()[-1]) > 0  # their token steps shared forward passes
     tiny_rag.sessions.wait()
     tiers = tiny_rag.sessions.stats()["tiers"]
     assert all(t["bytes"] <= t["limit"] for t in tiers.values()), tiers

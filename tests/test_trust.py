@@ -2,9 +2,9 @@
 
 A manifest's checksum is no signature: these tests edit ``manifest.json`` and write it back with its checksum
 recomputed, as anyone who can write the file can. An embedder or model path outside the index is refused unless
-the caller names it or this user built an index from it; a codec level kvrag does not offer is one `IndexCorruptError`; a chunk key the index does not
-hold (rows lost from a ``chunks.sqlite`` overwritten with garbage pages) is one `ChunkNotFoundError`, never a
-bare `KeyError`. Tiny random model.
+the caller names it or this user built an index from it; a codec level kvrag does not offer is one
+`IndexCorruptError`; a chunk key the index does not hold (rows lost from a ``chunks.sqlite`` overwritten with
+garbage pages) is one `ChunkNotFoundError`, never a bare `KeyError`. Tiny random model.
 """
 
 from __future__ import annotations

@@ -93,7 +93,8 @@ class ServerState:
         self.metrics = ServeMetrics(self.scheduler.queue_depth, self.scheduler.active_count,
                                     (lambda: rag.sessions.stats()) if has_sessions else (lambda: None),
                                     self.scheduler.expected_wait,
-                                    (lambda: rag.kvstore.stats()) if hasattr(rag, "kvstore") else (lambda: None))
+                                    (lambda: rag.kvstore.stats()) if hasattr(rag, "kvstore") else (lambda: None),
+                                    self.scheduler.batched_steps)
 
     def check_key(self, request: Request) -> None:
         """Raise a 401 `RequestError` unless the request carries the API key (when one is set)."""

@@ -17,6 +17,7 @@ cache). Metric names, all prefixed ``kvrag_``:
 - ``kvrag_expected_wait_seconds`` (gauge: a request's expected wait for its first token now, -1 before anything
   was measured), ``kvrag_refused_total{reason}`` (429s: ``queue`` full or expected ``wait`` too long);
 - ``kvrag_inter_token_seconds``: time between a streamed answer's text pieces (histogram);
+- ``kvrag_decode_steps_batched`` (gauge): token steps run in a pass shared with other answers since start;
 - ``process_resident_memory_bytes`` and the other ``process_*`` figures (where /proc exists);
 - ``kvrag_chunk_caches_found_total``, ``kvrag_chunk_caches_missing_total`` (chunk caches read from the store,
   or computed again from their text: evicted or never stored), and for a store bounded in bytes
@@ -127,12 +128,14 @@ class ServeMetrics:
         session_stats: returns `rag.sessions.stats()` (or None).
         expected_wait: returns a request's expected wait for its first token now (None: not measured yet).
         chunk_store: returns the index's `KVStore.stats()` (or None).
+        batched_steps: returns how many token steps ran in a pass shared with other answers.
     """
 
     def __init__(self, queue_depth: Callable[[], int], active: Callable[[], int],
                  session_stats: Callable[[], dict[str, Any] | None],
                  expected_wait: Callable[[], float | None] = lambda: None,
-                 chunk_store: Callable[[], dict[str, int] | None] = lambda: None) -> None:
+                 chunk_store: Callable[[], dict[str, int] | None] = lambda: None,
+                 batched_steps: Callable[[], int] = lambda: 0) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("kvrag_requests", "finished HTTP requests by endpoint and status code",
@@ -157,6 +160,8 @@ class ServeMetrics:
                                ["reason"], registry=r)
         self.inter_token = Histogram("kvrag_inter_token_seconds", "time between a streamed answer's text pieces",
                                      buckets=TOKEN_BUCKETS, registry=r)
+        Gauge("kvrag_decode_steps_batched", "token steps run in a pass shared with other answers, since start",
+              registry=r).set_function(lambda: float(batched_steps()))
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
         r.register(SessionCollector(session_stats))
         r.register(ChunkStoreCollector(chunk_store))

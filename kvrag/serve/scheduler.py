@@ -199,6 +199,10 @@ class Scheduler:
         with self._lock:
             return self._expected_wait_locked()
 
+    def batched_steps(self) -> int:
+        """Token steps run in a pass shared with other answers, since the worker started."""
+        return self._batch.batched_steps
+
     def queue_depth(self) -> int:
         """Requests waiting for a slot (not yet generating)."""
         with self._lock:

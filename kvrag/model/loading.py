@@ -135,8 +135,9 @@ def _materialise_gguf(gguf: Path) -> Path:
 
     log.info("converting %s to safetensors in %s (once)", gguf, out)
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+        loaded: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
                                                            output_loading_info=True)
+        model, info = loaded
     except RuntimeError as exc:  # weights of other shapes than the config transformers read says
         raise ValueError("transformers' GGUF reader gives weights of other shapes than the model the file's "
                          "metadata describes; load the original safetensors checkpoint instead") from exc

@@ -157,6 +157,23 @@ class PeakRss:
         self._thread.join(2)
 
 
+def server_args(parser: argparse.ArgumentParser) -> None:
+    """The options of how the servers run and what they serve, on ``parser``."""
+    parser.add_argument("--work", type=Path, default=Path("/tmp/kvrag-serve-load"))
+    parser.add_argument("--threads", type=int, default=1, help="threads of each server")
+    parser.add_argument("--k", type=int, default=4, help="passages per turn")
+    parser.add_argument("--max-wait", type=float, default=10.0, help="kvrag serve --max-wait")
+
+
+def started(args: argparse.Namespace, llama: bool, log: str) -> tuple[dict[str, Any], list[list[Turn]]]:
+    """The prepared index and conversations, and the servers started on them (llama.cpp's too with ``llama``)."""
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    index, picked, f32 = prepare(args.work, args.k, args.threads)
+    servers = start_servers(index, f32 if llama else None, args.threads, args.k, args.max_wait, args.out / log)
+    return servers, conversations(picked, 200)
+
+
 def _interrupted(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM stops the servers too
 
@@ -165,19 +182,12 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _interrupted)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/kvrag-serve-load"))
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--duration", type=float, default=60.0, help="seconds each level starts conversations")
-    parser.add_argument("--threads", type=int, default=1, help="threads of each server")
-    parser.add_argument("--k", type=int, default=4, help="passages per turn")
-    parser.add_argument("--max-wait", type=float, default=10.0, help="kvrag serve --max-wait")
     parser.add_argument("--servers", nargs="+", default=["kvrag", "llama.cpp"])
+    server_args(parser)
     args = parser.parse_args()
-    args.work.mkdir(parents=True, exist_ok=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    index, picked, f32 = prepare(args.work, args.k, args.threads)
-    convs = conversations(picked, 200)
-    servers = start_servers(index, f32, args.threads, args.k, args.max_wait, args.out / "servers.log")
+    servers, convs = started(args, llama="llama.cpp" in args.servers, log="servers.log")
     rows: list[dict[str, Any]] = []
     try:
         load = targets(servers, args.k)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 
 from load import run_level  # noqa: E402
 from report import quantile  # noqa: E402
-from run import PeakRss, _interrupted, conversations, prepare, start_servers, targets  # noqa: E402
+from run import PeakRss, _interrupted, server_args, started, targets  # noqa: E402
 
 
 def host_tier_bytes(url: str) -> float:
@@ -62,19 +62,12 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _interrupted)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=HERE / "soak")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/kvrag-serve-load"))
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--minutes", type=float, default=60.0)
     parser.add_argument("--window", type=float, default=300.0, help="seconds a window lasts")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--max-wait", type=float, default=10.0)
+    server_args(parser)
     args = parser.parse_args()
-    args.work.mkdir(parents=True, exist_ok=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    index, picked, _ = prepare(args.work, args.k, args.threads)
-    convs = conversations(picked, 200)
-    servers = start_servers(index, None, args.threads, args.k, args.max_wait, args.out / "server.log")
+    servers, convs = started(args, llama=False, log="server.log")
     proc, _ = servers["kvrag"]
     target = targets(servers, args.k)["kvrag"]
     rows: list[dict[str, Any]] = []

@@ -286,8 +286,13 @@ def test_decode_layer_into_equals_decode_layer(codec: Codec, tmp_path: Path, dty
             reader.decode_layer_into(layer, out)
             k, v = reader.decode_layer(layer)
             assert torch.equal(out[0], k.to(out.dtype)) and torch.equal(out[1], v.to(out.dtype))
-        with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        with pytest.raises(ValueError, match="CPU tensor of shape"):
             reader.decode_layer_into(0, out[:, :, :-1])
+        wide = torch.full((2, out.shape[1], out.shape[2] + 3, out.shape[3]), float("nan"), dtype=out.dtype)
+        reader.decode_layer_into(1, wide[:, :, 2:-1])  # columns of a wider layer: through a buffer
+        k, v = reader.decode_layer(1)
+        assert torch.equal(wide[0, :, 2:-1], k.to(out.dtype)) and torch.equal(wide[1, :, 2:-1], v.to(out.dtype))
+        assert wide[:, :, :2].isnan().all() and wide[:, :, -1:].isnan().all()
 
 
 @pytest.mark.parametrize("target", ["strided", "bfloat16", "float16", "stored bfloat16"])

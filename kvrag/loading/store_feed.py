@@ -207,7 +207,7 @@ class StoreFeed(ChunkFeed):
         t0 = time.perf_counter()
         h, d = self._shape
         # on CUDA the chunks are staged one after another and put side by side on the GPU; on the CPU each
-        # chunk is decoded into its columns of the layer (`_decode_into`), so the layer is never held twice
+        # chunk is decoded into its columns of the layer (`ChunkReader.decode_layer_into`), never held twice
         staged = (self._copier.buffer(i) if self._copier is not None
                   else torch.empty((2, h, self.total, d), dtype=self.dtype))
 
@@ -215,7 +215,7 @@ class StoreFeed(ChunkFeed):
             region = self._region(staged, j) if self._copier is not None else staged[:, :, self._columns(j)]
             if not self.available[j]:
                 region.zero_()
-            elif not self._read(j, lambda reader: _decode_into(reader, i, region)):
+            elif not self._read(j, lambda reader: reader.decode_layer_into(i, region)):
                 kv = self._recovered[j]
                 region[0].copy_(kv[0][i])
                 region[1].copy_(kv[1][i])
@@ -394,14 +394,3 @@ class StoreFeed(ChunkFeed):
                 reader.close()
         self._readers = [None] * len(self.keys)
 
-
-def _decode_into(reader: Any, i: int, region: torch.Tensor) -> None:
-    """Layer ``i`` of ``reader``'s chunk decoded into ``region`` ``[2, H, n, D]``; through a buffer of the chunk's
-    own size when ``region`` is columns of a wider layer (the readers decode into contiguous tensors).
-    """
-    if region.is_contiguous():
-        reader.decode_layer_into(i, region)
-        return
-    part = torch.empty(region.shape, dtype=region.dtype)
-    reader.decode_layer_into(i, part)
-    region.copy_(part)

@@ -247,21 +247,27 @@ class ChunkReader:
             raise CorruptChunkError(self.key, f"layer {layer} does not decode: {exc}") from None
 
     def decode_layer_into(self, layer: int, out: torch.Tensor) -> None:
-        """Decode one layer into ``out``, a contiguous CPU tensor ``[2, H, S, D]`` (keys, then values).
+        """Decode one layer into ``out``, a CPU tensor ``[2, H, S, D]`` (keys, then values).
 
-        A ``raw`` layer stored in ``out``'s dtype is read straight into ``out`` and checked there:
+        A ``raw`` layer stored in ``out``'s dtype is read straight into a contiguous ``out`` and checked there:
         one copy, and both the read and the checksum run without holding the GIL. Other codecs decode
         into it (`Codec.decode_layer_into`: in place where the codec can, else through a copy that
-        converts the dtype).
+        converts the dtype). An ``out`` that is columns of a wider tensor, or a windowed layer's kept rows
+        (after zeros), go through a buffer of the chunk's own size.
         """
         _, h, s, d = self.header.shape
-        if tuple(out.shape) != (2, h, s, d) or out.device.type != "cpu" or not out.is_contiguous():
-            raise ValueError(f"decode_layer_into needs a contiguous CPU tensor of shape {(2, h, s, d)}, "
+        if tuple(out.shape) != (2, h, s, d) or out.device.type != "cpu":
+            raise ValueError(f"decode_layer_into needs a CPU tensor of shape {(2, h, s, d)}, "
                              f"got {tuple(out.shape)} on {out.device}")
         if self.header.stored_rows(layer) < s:  # a windowed layer's last rows, after zeros
             keys, values = self.decode_layer(layer)
             out[0].copy_(keys)
             out[1].copy_(values)
+            return
+        if not out.is_contiguous():
+            part = torch.empty(out.shape, dtype=out.dtype)
+            self.decode_layer_into(layer, part)
+            out.copy_(part)
             return
         if self._codec.name == "raw" and out.dtype == self.header.dtype:  # read_layer_into checks the size
             self.read_layer_into(layer, [out.view(-1).view(torch.uint8).numpy().data])

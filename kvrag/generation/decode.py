@@ -68,16 +68,16 @@ def decode_tokens(
             if batch is not None:
                 batch.announce(step, model, cache, token, pos)
             yield token
-            batched = batch.take(step) if batch is not None else None
-            if batched is None:
+            taken = batch.take(step) if batch is not None else None  # computed with other answers' steps
+            if taken is None:
                 with torch.no_grad():
                     out = model(
                         input_ids=torch.tensor([[token]], device=device),
                         position_ids=torch.tensor([[pos]], device=device),
                         **hf_compat.with_cache(model, cache), use_cache=True,
                     )
-                batched = out.logits[0, -1].float()
-            logits, pos = batched, pos + 1
+                taken = out.logits[0, -1].float()
+            logits, pos = taken, pos + 1
     finally:
         if batch is not None:  # an answer that ends at a yield never takes its announced step
             batch.withdraw(step)

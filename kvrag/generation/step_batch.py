@@ -132,20 +132,13 @@ def forward_steps(model: Any, steps: list[_Step]) -> torch.Tensor:
     return family.logits(model, hidden)[:, -1].float()
 
 
-def _heads(proj: Any, norm: Any, h: torch.Tensor, head_dim: int) -> torch.Tensor:
-    x = F.linear(h, proj.weight, proj.bias).view(h.shape[0], h.shape[1], -1, head_dim)  # [B, 1, heads, D]
-    if norm is not None:
-        x = llama_layer.rms_norm(norm, x)
-    return x.transpose(1, 2)
-
-
 def _attention(layer: Any, idx: int, h: torch.Tensor, rot: llama_layer.Rope, steps: list[_Step]) -> torch.Tensor:
     """The attention block's output ``[B, 1, hidden]``: projections together, each step over its own cache."""
     attn = layer.self_attn
     d = attn.head_dim
-    queries = rot.rotate(_heads(attn.q_proj, getattr(attn, "q_norm", None), h, d))
-    keys = rot.rotate(_heads(attn.k_proj, getattr(attn, "k_norm", None), h, d))
-    values = _heads(attn.v_proj, None, h, d)
+    queries = rot.rotate(llama_layer.heads(attn.q_proj, getattr(attn, "q_norm", None), h, d))
+    keys = rot.rotate(llama_layer.heads(attn.k_proj, getattr(attn, "k_norm", None), h, d))
+    values = llama_layer.heads(attn.v_proj, None, h, d)
     outs = []
     for b, step in enumerate(steps):
         k, v = step.cache.update(keys[b : b + 1], values[b : b + 1], idx)

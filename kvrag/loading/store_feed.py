@@ -92,12 +92,12 @@ class StoreFeed(ChunkFeed):
                 self._open(j, key)
         self._shape = self._probe_shape()
         self._copier: DeviceCopier | None = None
+        self._cut = any(r is not None and r.header.cut for r in self._readers)  # decoded chunk by chunk (host)
         self._planar = self._planar_layout()
         self._extents = ExtentReads.of(self._readers, self._planar) if self._planar is not None else None
         self._workers = workers
-        cut = any(r is not None and r.header.cut for r in self._readers)
         self._region_codec = (region_codec(self._readers, self.device, device_decode)
-                              if self._planar is None and not cut else None)
+                              if self._planar is None and not self._cut else None)
         if region_layers is not None and region_layers < 1:
             raise ValueError(f"region_layers must be >= 1, got {region_layers}")
         self._group = region_layers
@@ -161,8 +161,8 @@ class StoreFeed(ChunkFeed):
                    for r in self._readers if r is not None}
         first = next((r for r in self._readers if r is not None), None)
         planes = first.codec.planes(*shape, first.header.dtype) if first is not None and len(layouts) == 1 else None
-        if first is None or planes is None or any(r is not None and r.header.cut for r in self._readers):
-            return None  # (a windowed layer's rows stand after zeros: decoded chunk by chunk)
+        if first is None or planes is None or self._cut:
+            return None
         packed = self.device.type in PACKED_STAGING_DEVICES
         return PlaneLayout(first.codec, planes, first.header.dtype, self.lengths, self.offsets, packed)
 

@@ -118,10 +118,10 @@ def forget_rotations() -> None:
 
 
 def heads(proj: Any, norm: Any, h: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Projection ``proj`` of the normed layer input ``h`` ``[1, n, hidden]`` split into heads ``[1, heads, n, D]``
+    """Projection ``proj`` of the normed layer input ``h`` ``[B, n, hidden]`` split into heads ``[B, heads, n, D]``
     (the per-head ``norm`` applied where the model has one).
     """
-    x = F.linear(h, proj.weight, proj.bias).view(1, h.shape[1], -1, head_dim)  # [1, n, heads, D]
+    x = F.linear(h, proj.weight, proj.bias).view(h.shape[0], h.shape[1], -1, head_dim)  # [B, n, heads, D]
     if norm is not None:
         x = rms_norm(norm, x) if type(norm).__name__ in _RMS_NORMS else norm(x)
     return x.transpose(1, 2)

@@ -134,13 +134,12 @@ def _materialise_gguf(gguf: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to safetensors in %s (once)", gguf, out)
-    try:
-        loaded: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                                                           output_loading_info=True)
-        model, info = loaded
-    except RuntimeError as exc:  # weights of other shapes than the config transformers read says
+    loaded: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                       output_loading_info=True, ignore_mismatched_sizes=True)
+    model, info = loaded  # the loading report says what was not read as the file holds it
+    if info.get("mismatched_keys"):
         raise ValueError("transformers' GGUF reader gives weights of other shapes than the model the file's "
-                         "metadata describes; load the original safetensors checkpoint instead") from exc
+                         "metadata describes; load the original safetensors checkpoint instead")
     missing = sorted(set(info.get("missing_keys") or ()) - _tied_keys(model))
     if missing:  # left randomly initialised: never convert a model that is not the file's
         raise ValueError(f"transformers' GGUF reader does not read {len(missing)} of the "

@@ -68,9 +68,8 @@ def encode_chunk(
     """
     seq = keys.shape[2]
     rows = kept_rows(seq, windows, keys.shape[0])
-    blobs = [codec.encode_layer(keys[i], values[i], i) if r == seq
-             else codec.encode_layer(keys[i, :, seq - r:].contiguous(), values[i, :, seq - r:].contiguous(), i)
-             for i, r in enumerate(rows)]
+    blobs = [codec.encode_layer(keys[i, :, seq - r:].contiguous(), values[i, :, seq - r:].contiguous(), i)
+             for i, r in enumerate(rows)]  # (every row: the layer itself, no copy)
     table, offset = [], 0
     for blob in blobs:
         table.append([offset, len(blob), crc32(blob)])
@@ -229,14 +228,18 @@ class ChunkReader:
 
     def decode_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, values)`` of one layer, each ``[H, S, D]`` (zeros for rows a windowed layer does not store)."""
-        blob = self.read_layer_bytes(layer)
-        _, h, s, d = self.header.shape
-        r = self.header.stored_rows(layer)
-        with self._decoding(layer):
-            keys, values = self._codec.decode_layer(blob, layer, (h, r, d), self.header.dtype)
-        if r == s:
+        keys, values = self._decode_kept(layer)
+        s = self.header.shape[2]
+        if keys.shape[1] == s:
             return keys, values
         return _front_zeros(keys, s), _front_zeros(values, s)
+
+    def _decode_kept(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` of the rows ``layer`` stores, each ``[H, stored_rows, D]``."""
+        blob = self.read_layer_bytes(layer)
+        _, h, _, d = self.header.shape
+        with self._decoding(layer):
+            return self._codec.decode_layer(blob, layer, (h, self.header.stored_rows(layer), d), self.header.dtype)
 
     @contextlib.contextmanager
     def _decoding(self, layer: int) -> Iterator[None]:
@@ -252,17 +255,19 @@ class ChunkReader:
         A ``raw`` layer stored in ``out``'s dtype is read straight into a contiguous ``out`` and checked there:
         one copy, and both the read and the checksum run without holding the GIL. Other codecs decode
         into it (`Codec.decode_layer_into`: in place where the codec can, else through a copy that
-        converts the dtype). An ``out`` that is columns of a wider tensor, or a windowed layer's kept rows
-        (after zeros), go through a buffer of the chunk's own size.
+        converts the dtype). An ``out`` that is columns of a wider tensor goes through a buffer of the chunk's own
+        size; a windowed layer's kept rows are copied in after zeros.
         """
         _, h, s, d = self.header.shape
         if tuple(out.shape) != (2, h, s, d) or out.device.type != "cpu":
             raise ValueError(f"decode_layer_into needs a CPU tensor of shape {(2, h, s, d)}, "
                              f"got {tuple(out.shape)} on {out.device}")
-        if self.header.stored_rows(layer) < s:  # a windowed layer's last rows, after zeros
-            keys, values = self.decode_layer(layer)
-            out[0].copy_(keys)
-            out[1].copy_(values)
+        r = self.header.stored_rows(layer)
+        if r < s:  # a windowed layer's last rows, after zeros
+            keys, values = self._decode_kept(layer)
+            out[:, :, : s - r].zero_()
+            out[0, :, s - r:].copy_(keys)
+            out[1, :, s - r:].copy_(values)
             return
         if not out.is_contiguous():
             part = torch.empty(out.shape, dtype=out.dtype)

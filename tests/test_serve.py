@@ -237,6 +237,28 @@ def test_eight_concurrent_conversations_all_progress(tiny_url: str, tiny_rag: KV
     assert tiers["disk"]["entries"] > 0, tiers
 
 
+def test_concurrent_answers_are_the_answers_each_gets_alone_and_the_full_prefills(tiny_url: str):
+    questions = [QUESTION, "Who commands beta station?", "Where is the gamma telescope?", "What does alpha run on?"]
+
+    def ask(question: str, **extra: Any) -> str:
+        body = chat_body(question, max_tokens=12, temperature=0, history_cache=False, **extra)
+        reply = httpx.post(f"{tiny_url}/v1/chat/completions", json=body, headers=AUTH, timeout=120)
+        assert reply.status_code == 200, reply.text
+        return str(reply.json()["choices"][0]["message"]["content"])
+
+    alone = [ask(q) for q in questions]
+    assert alone == [ask(q, mode="full") for q in questions]  # short prompts: the gate's prefill is full's
+    together: list[tuple[int, str]] = []
+    threads = [threading.Thread(target=lambda i=i: together.append((i, ask(questions[i]))))
+               for i in range(len(questions)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert len(together) == 2 * len(questions)
+    assert all(text == alone[i] for i, text in together), together  # token steps shared between answers
+
+
 def test_queue_overflow_gives_429(tiny_rag: KVRag):
     statuses: list[int] = []
     bodies: list[dict[str, Any]] = []

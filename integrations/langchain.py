@@ -36,6 +36,7 @@ Installed with ``pip install 'kvrag[langchain]'``.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Generator, Iterator, Sequence
 from functools import partial
 from typing import Any
@@ -156,6 +157,37 @@ class KVCachedLLM(LLM):
                             "its chunks' caches when they are added")
         texts = [d if isinstance(d, str) else d.page_content for d in documents]
         return int(self.rag.warm(texts, show_progress=show_progress))
+
+    def warm_on_add(self, store: Any) -> Any:
+        """Have ``store`` (any LangChain ``VectorStore``) warm what it is given from now on: after each
+        ``add_documents`` or ``add_texts`` on it, the new texts' caches are computed and stored (`warm`), so the
+        first prompt that holds them reads their caches. Returns ``store``; calling it twice changes nothing.
+        Needs the passage cache (``model=``).
+        """
+        if not hasattr(self.rag, "warm"):
+            raise TypeError("warm_on_add() is for a passage cache (KVCachedLLM(model=..., cache=...))")
+        if getattr(store, "_kvrag_warms", None) is not None:
+            return store
+        adding = threading.local()  # add_documents may call add_texts: warm once, at the outer call
+
+        def warming(method: Any, texts_of: Any) -> Any:
+            def added(items: Any, *args: Any, **kwargs: Any) -> Any:
+                items = list(items)
+                outer = not getattr(adding, "depth", 0)
+                adding.depth = getattr(adding, "depth", 0) + 1
+                try:
+                    ids = method(items, *args, **kwargs)
+                finally:
+                    adding.depth -= 1
+                if outer:
+                    self.warm(texts_of(items), show_progress=False)
+                return ids
+            return added
+
+        store.add_documents = warming(store.add_documents, lambda docs: [d.page_content for d in docs])
+        store.add_texts = warming(store.add_texts, lambda texts: [str(t) for t in texts])
+        store._kvrag_warms = self
+        return store
 
     @property
     def _llm_type(self) -> str:

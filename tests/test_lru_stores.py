@@ -152,3 +152,17 @@ def test_a_redis_cache_url_carries_its_bound(redis_server):
     store = open_cache_store(redis_server.url(db=4) + "?max_bytes=1MB")
     assert isinstance(store, LRURedisStore) and store.max_bytes == 10**6
     store.ping()
+
+
+def test_a_bounded_redis_index_store_reports_its_bytes_through_its_local_cache(redis_server, tmp_path):
+    from kvrag.codec import make_codec
+    from kvrag.storage.kvstore import KVStore
+    from kvrag.storage.stores.index_store import open_index_store
+
+    url = redis_server.url(db=5)
+    store = open_index_store(tmp_path, {"store": {"url": url, "max_bytes": 300_000}, "fingerprint": "f" * 16})
+    assert store.max_bytes != 300_000  # the local cache's own bound is not the store's
+    store.put("a", b"x" * 1000)
+    stats = KVStore(store, make_codec("raw"), "f" * 16).stats()
+    assert stats["held_bytes"] == 1000 and stats["max_bytes"] == 300_000
+    store.close()

@@ -65,6 +65,27 @@ def test_the_expected_wait_grows_with_the_work_ahead():
     assert expected_wait(times, busy, [], 4) < full
 
 
+def test_replayed_waits_are_scaled_by_how_admitted_waits_compared():
+    times = _measured()
+    assert times.calibrated(None) is None and times.calibrated(8.0) == 8.0  # nothing compared yet: as replayed
+    for _ in range(3):
+        times.observe_wait(4.0, 6.0)
+    assert times.wait_scale == 1.0  # too few ratios to trust
+    times.observe_wait(0.1, 5.0)  # a near-zero replay says nothing
+    assert times.wait_scale == 1.0
+    for measured in (5.0, 5.0, 5.0, 5.0, 8.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0):
+        times.observe_wait(4.0, measured)
+    # the bound is on the slow waits: the scale follows a high quantile (1.5 and 2.0 among 1.25s), not the mean
+    assert 1.5 <= times.wait_scale <= 2.0
+    assert times.calibrated(6.0) == 6.0 * times.wait_scale
+    for _ in range(40):  # older ratios age out, and the replay was pessimistic: the scale goes below 1
+        times.observe_wait(4.0, 3.0)
+    assert times.wait_scale == 0.75
+    for _ in range(40):  # one odd stretch cannot blow the scale up without bound
+        times.observe_wait(1.0, 100.0)
+    assert times.wait_scale == 4.0
+
+
 def test_a_request_whose_wait_exceeds_the_bound_gets_429_with_retry_after(index: Path):
     import openai
 

@@ -9,7 +9,7 @@ import torch
 
 from kvrag import KVRag, SplitConfig
 from kvrag.query.answer import RetrievedChunk
-from kvrag.query.locate import chat_prompt, index_chunks, lay_out_prompt
+from kvrag.query.locate import chat_prompt, encode, index_chunks, lay_out_prompt
 from kvrag.query.pipeline import LaidOut
 from kvrag.query.spans import find_chunk_spans
 
@@ -129,6 +129,7 @@ def test_flat_fusion_recomputing_everything_equals_plain_forward(tiny_rag, mode,
     prompt, _ = _flat_prompt(tiny_rag, sep=sep)
     fused = tiny_rag.prepare_prompt(prompt, mode=mode, ratio=1.0)
     ids = _token_ids(_laid_out(tiny_rag, prompt))
+    assert ids == encode(tiny_rag.lm.tokenizer, prompt)  # the prompt's own tokens, as a full prefill runs them
     assert (fused.fused.logits - _plain_logits(tiny_rag, ids)).abs().max().item() <= 1e-4
 
 
@@ -236,10 +237,13 @@ def test_chunks_without_separator_reuse_their_leading_cache_rows(tiny_rag):
     prompt, chunks = _flat_prompt(tiny_rag, sep="\n- ")
     laid = _laid_out(tiny_rag, prompt, chunks)
     assert [c.key for c in laid.used] == [c.key for c in chunks] and laid.rows_prefix
-    for ids, chunk in zip(laid.piece_ids, laid.chunks, strict=True):
+    assert _token_ids(laid) == encode(tiny_rag.lm.tokenizer, prompt)
+    # after "- " a chunk's first word carries the space: it is text, and the chunk reads its stored rows from 1 on
+    assert laid.row_starts is not None and sorted(set(laid.row_starts)) == [0, 1]
+    for ids, chunk, row in zip(laid.piece_ids, laid.chunks, laid.row_starts, strict=True):
         if chunk is not None:
             stored = chunk_token_ids(tiny_rag.lm.tokenizer, chunk.text)
-            assert 0 < len(ids) < len(stored) and stored[: len(ids)] == ids.tolist()
+            assert 0 < row + len(ids) < len(stored) and stored[row : row + len(ids)] == ids.tolist()
     answer = tiny_rag.answer_prompt(prompt, mode="cacheblend", max_new_tokens=3)
     assert [c.key for c in answer.chunks] == [c.key for c in chunks] and answer.recompute_fraction < 1
     exact = tiny_rag.answer_prompt(prompt, mode="cacheblend", ratio=1.0, max_new_tokens=3)
@@ -266,3 +270,17 @@ def test_chunks_at_the_very_start_and_end_are_recomputed(tiny_rag):
     assert laid.prefix.ids.tolist() == chunk_token_ids(tok, chunks[0].text)
     assert laid.suffix_ids.tolist() == chunk_token_ids(tok, chunks[2].text)
     assert _laid_out(tiny_rag, _fmt(chunks[0]), chunks).used == []
+
+
+def test_a_span_covers_the_tokens_that_hold_it_and_whitespace_only():
+    from kvrag.query.prompt_tokens import PromptTokens, common_prefix
+
+    #  "Context: The cat.\n\nA dog." as a BPE tokenizer cuts it: " The" carries the space before the passage
+    prompt = "Context: The cat.\n\nA dog."
+    cuts = [(0, 7), (7, 8), (8, 12), (12, 16), (16, 17), (17, 18), (18, 19), (19, 20), (20, 24), (24, 25)]
+    tokens = PromptTokens(prompt, list(range(len(cuts))), [a for a, _ in cuts], [b for _, b in cuts])
+    assert tokens.cover(prompt.index("The"), prompt.index("\n")) == (2, 5)
+    assert tokens.cover(prompt.index("A dog"), len(prompt)) == (7, 10)
+    assert tokens.cover(prompt.index("he cat"), prompt.index("\n")) is None  # "The" joins the span to "T"
+    assert tokens.cover(prompt.index("The"), prompt.index("cat") + 2) is None  # "cat" runs past the span's end
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([], [1]) == 0

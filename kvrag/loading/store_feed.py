@@ -39,7 +39,7 @@ from kvrag.loading.chunk_feed import DEFAULT_DEPTH, ChunkFeed
 from kvrag.loading.device_region import StagingBuffer, layers_per_launch, region_codec
 from kvrag.loading.prefetch import DeviceCopier, Prefetcher, consume, copy_stream, is_cuda, on_stream, spare_core
 from kvrag.loading.staging import ExtentReads, LayerKV, PlaneLayout
-from kvrag.model.prefix import KV
+from kvrag.model.prefix import KV, kv_rows
 from kvrag.storage.kvstore import log_recovery
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,8 @@ class StoreFeed(ChunkFeed):
     its codec (`kvrag.storage.kvstore.level_key`), as a streaming plan chose (`kvrag.query.plan`).
 
     ``rows_prefix``: a chunk may cover fewer tokens than its stored cache holds and take its first rows (causal
-    attention makes them that prefix's own cache); it is decoded whole when the feed opens. ``prefetch``: read
+    attention makes them that prefix's own cache), or, from ``row_starts`` (one per chunk), the rows from another
+    (a first token the prompt joins to the text before it); it is decoded whole when the feed opens. ``prefetch``: read
     ahead on the worker thread (True) or each layer when fusion asks for it (False); None: where a core is spare
     for the thread (`kvrag.loading.prefetch.spare_core`; benchmarks/experiments/loader_thread.py).
     """
@@ -76,13 +77,15 @@ class StoreFeed(ChunkFeed):
                  device: torch.device | str, dtype: torch.dtype, recover: Callable[[int], KV] | None = None,
                  depth: int = DEFAULT_DEPTH, workers: int | None = None, device_decode: bool | None = None,
                  region_layers: int | None = None, levels: Sequence[int | None] | None = None,
-                 rows_prefix: bool = False, prefetch: bool | None = None) -> None:
+                 rows_prefix: bool = False, prefetch: bool | None = None,
+                 row_starts: Sequence[int] | None = None) -> None:
         super().__init__(lengths, [k is not None for k in keys], n_layers, device, dtype)
         if workers is None:  # decoding threads; a layer's chunks decode in parallel
             workers = min(MAX_WORKERS, os.cpu_count() or 1) if is_cuda(self.device) else 1
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvrag-decode") if workers > 1 else None
         self.kvstore, self.keys, self._recover, self._rows_prefix = kvstore, list(keys), recover, rows_prefix
         self.levels = list(levels) if levels is not None else [None] * len(self.keys)
+        self._row_starts = list(row_starts) if row_starts is not None else [0] * len(self.keys)
         self._readers: list[Any] = [None] * len(self.keys)
         self._recovered: dict[int, KV] = {}
         self._lock = threading.Lock()
@@ -117,15 +120,15 @@ class StoreFeed(ChunkFeed):
         try:
             level = self.levels[j]
             reader = self.kvstore.reader(key) if level is None else self.kvstore.reader(key, level)
-            stored, n = reader.header.shape[2], self.lengths[j]
-            if self._rows_prefix and stored > n and reader.header.cut and self._recover is not None:
+            stored, n, start = reader.header.shape[2], self.lengths[j], self._row_starts[j]
+            part = self._rows_prefix and stored >= start + n and (stored > n or start > 0)
+            if part and reader.header.cut and self._recover is not None:
                 reader.close()  # a windowed layer keeps the cache's last rows, not the prefix's: compute it
-                self._recovered[j] = self._recover(j)
+                self._recovered[j] = kv_rows(self._recover(j), start, n)
                 return
-            if self._rows_prefix and stored > n and reader.header.n_layers >= self.n_layers:
-                with reader:  # its first rows only: decoded whole now, sliced
-                    keys, values = reader.decode_all()
-                self._recovered[j] = (keys[:, :, :n].contiguous(), values[:, :, :n].contiguous())
+            if part and reader.header.n_layers >= self.n_layers:
+                with reader:  # some of its rows only: decoded whole now, sliced
+                    self._recovered[j] = kv_rows(reader.decode_all(), start, n)
                 return
             if stored != n or reader.header.n_layers < self.n_layers:
                 reader.close()
@@ -141,7 +144,7 @@ class StoreFeed(ChunkFeed):
         reader, self._readers[j] = self._readers[j], None
         if reader is not None:
             reader.close()
-        self._recovered[j] = self._recover(j)
+        self._recovered[j] = kv_rows(self._recover(j), self._row_starts[j], self.lengths[j])
 
     def _probe_shape(self) -> tuple[int, int] | None:
         for reader in self._readers:

@@ -37,3 +37,11 @@ def prefix_cache(lm: LoadedModel, prefix_ids: Sequence[int]) -> PrefixCache:
         out = base(input_ids=ids[None], **hf_compat.with_cache(base, hf_compat.full_cache()), use_cache=True)
     kv = [(k.clone(), v.clone()) for k, v in hf_compat.cache_layers(hf_compat.returned_cache(out))]
     return PrefixCache(ids, kv)
+
+
+def kv_rows(kv: KV, start: int, n: int) -> KV:
+    """Rows ``[start, start + n)`` of a cache ``([L, H, T, D], [L, H, T, D])`` (itself when it has just those)."""
+    keys, values = kv
+    if start == 0 and keys.shape[2] == n:
+        return kv
+    return keys[:, :, start : start + n].contiguous(), values[:, :, start : start + n].contiguous()

@@ -46,8 +46,11 @@ from kvrag.passages.finder import MIN_CHARS, find_passages, split_passages
 from kvrag.prompt import build_layout
 from kvrag.query import gate as answering
 from kvrag.query.answer import Answer, RetrievedChunk, finish
+from kvrag.query.locate import encode
 from kvrag.query.pipeline import QueryContext
 from kvrag.query.plan import LoadController
+from kvrag.query.prompt_tokens import align, tokenize_prompt
+from kvrag.query.spans import find_chunk_spans
 from kvrag.storage.keys import chunk_key
 from kvrag.storage.kvstore import KVStore
 
@@ -163,19 +166,39 @@ class PassageCache:
         """The passages found in a flat prompt (`kvrag.passages.finder.find_passages`)."""
         return find_passages(prompt, self.min_chars)
 
-    def _stored_key(self, text: str) -> tuple[list[int], str | None]:
-        """A passage's token ids, and its key when its cache is stored (else None)."""
-        ids = self.context.chunk_ids(text)
+    def passage_ids(self, text: str) -> list[int]:
+        """A passage's own token ids (its stripped text alone): the cache `warm` stores, and the one a prompt reads
+        wherever the passage stands after a line break, as a stuff step puts it.
+        """
+        return encode(self.lm.tokenizer, text.strip())
+
+    def _stored_key(self, ids: Sequence[int]) -> str | None:
+        """The key of the cache computed for ``ids`` when it is stored, else None."""
         key = self.key(ids)
-        return ids, key if key is not None and self.kvstore.contains(key) else None
+        return key if key is not None and self.kvstore.contains(key) else None
 
     def _lookup(self, prompt: str, texts: Iterable[str]) -> tuple[list[RetrievedChunk], list[_Missing]]:
-        """The passages of ``texts`` in ``prompt`` whose caches are stored, and the others."""
+        """The passages of ``texts`` in ``prompt`` whose caches are stored, and the others. A passage is looked up
+        by its tokens in the prompt (`kvrag.query.prompt_tokens`: after ``"Context: "`` its first word carries the
+        space), else by its own tokens when enough of them meet those (`kvrag.query.prompt_tokens.align`; the prompt
+        then reads the rows that match, `kvrag.query.locate`). A passage found in neither is stored as the prompt
+        has it.
+        """
+        texts = list(dict.fromkeys(t.strip() for t in texts if t.strip() and t.strip() in prompt))
+        tokens = tokenize_prompt(self.lm.tokenizer, prompt)
+        places: dict[str, tuple[int, int]] = {}
+        for span in find_chunk_spans(prompt, [RetrievedChunk("", t, math.nan, "", "prompt", 0) for t in texts]):
+            if tokens is not None and (cover := tokens.cover(span.start, span.end)) is not None:
+                places.setdefault(span.chunk.text, cover)
         found, missing = [], []
-        for seq, text in enumerate(dict.fromkeys(t.strip() for t in texts if t.strip() and t.strip() in prompt)):
-            ids, key = self._stored_key(text)
+        for seq, text in enumerate(texts):
+            own = self.passage_ids(text)
+            ids = tokens.ids[places[text][0]:places[text][1]] if tokens is not None and text in places else own
+            key = self._stored_key(ids)
+            if key is None and ids != own and align(ids, own)[0] and (plain := self._stored_key(own)):
+                ids, key = own, plain
             if key is not None:
-                found.append(RetrievedChunk(key, text, math.nan, "", "prompt", seq))
+                found.append(RetrievedChunk(key, text, math.nan, "", "prompt", seq, tuple(ids)))
             else:
                 missing.append(_Missing(text, tuple(ids)))
         self.stats.looked_up += len(found) + len(missing)
@@ -248,8 +271,8 @@ class PassageCache:
         """
         missing = []
         for text in dict.fromkeys(p for t in texts for p in split_passages(t or "", self.min_chars)):
-            ids, key = self._stored_key(text)
-            if key is None:
+            ids = self.passage_ids(text)
+            if self._stored_key(ids) is None:
                 missing.append(_Missing(text, tuple(ids)))
         before = self.stats.stored
         self._store_missing(missing, show_progress)
@@ -296,7 +319,7 @@ class PassageCache:
 
     def _recompute(self, chunk: RetrievedChunk, lead: bool = False) -> KV:
         """A passage's cache computed again (its blob was evicted or damaged since the lookup) and stored."""
-        _, kv = next(chunk_caches(self.lm, self.prefix, [self.context.chunk_ids(chunk.text)], BATCH_TOKENS))
+        _, kv = next(chunk_caches(self.lm, self.prefix, [self.context.stored_ids(chunk)], BATCH_TOKENS))
         self.kvstore.put(chunk.key, kv[0].cpu(), kv[1].cpu())
         return kv
 

@@ -25,7 +25,9 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class RetrievedChunk:
-    """A chunk used for an answer: its key, text, retrieval score and origin."""
+    """A chunk used for an answer: its key, text, retrieval score and origin, and the token ids its cache was
+    computed for when they are not its text's own (`kvrag.query.pipeline.QueryContext.stored_ids`).
+    """
 
     key: str
     text: str
@@ -33,6 +35,7 @@ class RetrievedChunk:
     doc_id: str
     source: str
     seq: int
+    ids: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_record(cls, record: ChunkRecord, score: float = math.nan) -> RetrievedChunk:

@@ -1,9 +1,10 @@
 """The first stage for a framework's flat prompt: find the stored passages in it and lay it out for fusion.
 
 LangChain and LlamaIndex hand the LLM one string: their template with the retrieved passages stuffed in.
-`lay_out_prompt` cuts it at the passages `kvrag.query.spans.find_chunk_spans` finds and tokenizes it piece by
-piece into the same `LaidOut` that `kvrag.query.pipeline.lay_out` gives for a question, so the gate, its
-short-prompt path, the loading planner and the streaming loader all run for it:
+`lay_out_prompt` tokenizes it once, as a full prefill does, cuts the tokens at the passages
+`kvrag.query.spans.find_chunk_spans` finds (`kvrag.query.prompt_tokens`) and gives the same `LaidOut` that
+`kvrag.query.pipeline.lay_out` gives for a question, so the gate, its short-prompt path, the loading planner and
+the streaming loader all run for it:
 
     [head][passage 1][text between]…[passage k][tail]
 
@@ -13,15 +14,18 @@ short-prompt path, the loading planner and the streaming loader all run for it:
   not recomputed, and the head's other tokens (a new question) are a text piece recomputed with the rest. A
   head equal to kvrag's own prompt prefix uses the index's prefix, so the first passage's stored cache is
   exact there.
-- Each **passage** reads its stored cache: whole when kvrag's separator follows it in the prompt, else its
-  first rows, where its tokens there are a prefix of the stored ones (a template that ends the context
-  without a separator). A passage that tokenizes otherwise, or was edited, stays text.
+- Each **passage** reads its stored cache for as many of its tokens in the prompt as equal, from the first, the
+  ids that cache was computed for (`QueryContext.stored_ids`): all of them when the prompt holds it as it was
+  stored, else its first rows (where the blank line after it tokenizes otherwise in the prompt); its other tokens
+  are text. A passage edited, or whose first token differs (a template that joins a space to its first word),
+  stays text.
 - **Text between** passages is a piece without a cache, always recomputed; the **tail** (the question or
   the rest of the template, and the generation prompt) is the suffix.
 
-The fused token ids are the pieces' ids one after another, so a mode that recomputes everything gives a
-plain forward pass over exactly those ids. Without any passage found, the prompt is the kept head rows it starts
-with (`HeadCache.leading`), one text piece and its last token, all recomputed in one pass.
+The fused token ids are the prompt's own ids, so a mode that recomputes everything gives a plain forward pass over
+exactly what a full prefill runs. Without any passage found, the prompt is the kept head rows it starts with
+(`HeadCache.leading`), one text piece and its last token, all recomputed in one pass. A tokenizer without
+character offsets (a slow one) has the pieces tokenized one by one instead.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 from kvrag.errors import InputError
 from kvrag.query.answer import RetrievedChunk
 from kvrag.query.pipeline import LaidOut, QueryContext, check_length
+from kvrag.query.prompt_tokens import PromptTokens, align, tokenize_prompt
 from kvrag.query.spans import Span, find_chunk_spans
 
 
@@ -57,7 +62,7 @@ def encode(tokenizer: Any, text: str) -> list[int]:
 
 def _cached_ids(ctx: QueryContext, prompt: str, span: Span) -> list[int] | None:
     """The span's token ids if they are (a prefix of) the ids its cache was computed for, else None."""
-    stored = ctx.chunk_ids(span.chunk.text)
+    stored = ctx.stored_ids(span.chunk)  # type: ignore[arg-type]
     ids = encode(ctx.lm.tokenizer, prompt[span.start : span.stop])
     return ids if ids and stored[: len(ids)] == ids else None
 
@@ -73,6 +78,53 @@ def _usable(ctx: QueryContext, prompt: str, spans: Sequence[Span]) -> list[tuple
     if usable and not prompt[usable[-1][0].stop :]:
         usable.pop()
     return usable
+
+
+def _runs(ctx: QueryContext, tokens: PromptTokens, spans: Sequence[Span]) -> list[tuple[Span, int, int, int]]:
+    """The spans whose caches fit the prompt's own tokens, each as ``(span, i, n, row)``: its tokens ``[i, i + n)``
+    equal the ids its cache was computed for from row ``row`` on (`kvrag.query.prompt_tokens.align`: from the
+    first token and row, or, where the prompt joined its first word to the space before it, from a later
+    token and row). The span's other tokens are text. A run at the very start joins the
+    head and one at the very end the tail.
+    """
+    runs: list[tuple[Span, int, int, int]] = []
+    for span in spans:
+        cover = tokens.cover(span.start, span.stop) or tokens.cover(span.start, span.end)  # with its separator
+        if cover is None or (runs and cover[0] < runs[-1][1] + runs[-1][2]):
+            continue
+        i, j = cover
+        n, skip, row = align(tokens.ids[i:j], ctx.stored_ids(span.chunk))  # type: ignore[arg-type]
+        if n:
+            runs.append((span, i + skip, n, row))
+    if runs and runs[0][1] == 0:
+        runs.pop(0)
+    if runs and runs[-1][1] + runs[-1][2] >= len(tokens.ids):
+        runs.pop()
+    return runs
+
+
+def _no_passage(ctx: QueryContext, prompt: str, ids: list[int], t0: float) -> LaidOut:
+    """A prompt with no passage to read: the kept head rows it starts with, one text piece and its last token."""
+    check_length(ctx, len(ids))
+    if len(ids) < 2:
+        raise InputError(f"the prompt {prompt!r:.40} has fewer than two tokens")
+    t1 = time.perf_counter()
+    prefix, rest = ctx.heads.leading(ctx.lm, ids[:-1])  # the rest is recomputed in the answer's one pass
+    return LaidOut(prefix, [None] if rest else [], [torch.tensor(rest)] if rest else [], torch.tensor(ids[-1:]),
+                   False, True, t0, {"locate_s": t1 - t0, "head_s": time.perf_counter() - t1})
+
+
+def _laid_out(ctx: QueryContext, head: list[int], pieces: list[tuple[RetrievedChunk | None, list[int]]],
+              tail: list[int], rows_prefix: bool, t0: float) -> LaidOut:
+    """The head's kept rows as the prefix (its other tokens a first text piece), then ``pieces``, then ``tail``."""
+    own = tuple(head) == tuple(ctx.layout.prefix_ids) and ctx.prefix_exact  # kvrag's own prompt prefix
+    t_head = time.perf_counter()
+    prefix, head_rest = (ctx.prefix, []) if own else ctx.heads.split(ctx.lm, head)
+    head_s = time.perf_counter() - t_head
+    pieces = ([(None, head_rest)] if head_rest else []) + [(c, ids) for c, ids in pieces if ids]
+    check_length(ctx, prefix.length + sum(len(ids) for _, ids in pieces) + len(tail))
+    return LaidOut(prefix, [c for c, _ in pieces], [torch.tensor(ids) for _, ids in pieces], torch.tensor(tail),
+                   own, True, t0, {"locate_s": time.perf_counter() - t0 - head_s, "head_s": head_s}, rows_prefix)
 
 
 def lay_out_prompt(ctx: QueryContext, prompt: str, candidates: Sequence[RetrievedChunk],
@@ -92,36 +144,42 @@ def lay_out_prompt(ctx: QueryContext, prompt: str, candidates: Sequence[Retrieve
     if not isinstance(prompt, str) or not prompt.strip():
         raise InputError(f"prompt must be a non-empty str, got {prompt!r:.40}")
     tokenizer = ctx.lm.tokenizer
-    usable = _usable(ctx, prompt, find_chunk_spans(prompt, candidates))
-    if not usable:  # nothing to reuse but a kept head: the prompt's last token is the suffix
-        ids = encode(tokenizer, prompt)
-        check_length(ctx, len(ids))
-        if len(ids) < 2:
-            raise InputError(f"the prompt {prompt!r:.40} has fewer than two tokens")
-        t1 = time.perf_counter()
-        prefix, rest = ctx.heads.leading(ctx.lm, ids[:-1])  # the rest is recomputed in the answer's one pass
-        return LaidOut(prefix, [None] if rest else [], [torch.tensor(rest)] if rest else [], torch.tensor(ids[-1:]),
-                       False, True, t0, {"locate_s": t1 - t0, "head_s": time.perf_counter() - t1})
-    head = encode(tokenizer, prompt[: usable[0][0].start])
-    own = tuple(head) == tuple(ctx.layout.prefix_ids) and ctx.prefix_exact  # kvrag's own prompt prefix
-    t_head = time.perf_counter()
-    prefix, head_rest = (ctx.prefix, []) if own else ctx.heads.split(ctx.lm, head)
-    head_s = time.perf_counter() - t_head
-    chunks: list[RetrievedChunk | None] = [None] if head_rest else []
-    pieces: list[list[int]] = [head_rest] if head_rest else []
+    spans = find_chunk_spans(prompt, candidates)
+    tokens = tokenize_prompt(tokenizer, prompt)
+    if tokens is None:  # no character offsets: the pieces are tokenized one by one
+        return _piecewise(ctx, prompt, spans, t0)
+    runs = _runs(ctx, tokens, spans)
+    if not runs:
+        return _no_passage(ctx, prompt, tokens.ids, t0)
+    ids, rows = tokens.ids, []
+    pieces: list[tuple[RetrievedChunk | None, list[int]]] = []
+    for k, (span, i, n, row) in enumerate(runs):
+        pieces.append((span.chunk, ids[i : i + n]))  # type: ignore[arg-type]
+        pieces.append((None, ids[i + n : runs[k + 1][1] if k + 1 < len(runs) else i + n]))
+        rows += [row, 0]
+    end = runs[-1][1] + runs[-1][2]
+    partial = any(row or n < len(ctx.stored_ids(span.chunk)) for span, _, n, row in runs)  # type: ignore[arg-type]
+    laid = _laid_out(ctx, ids[: runs[0][1]], pieces, ids[end:], partial, t0)
+    if any(rows):  # the pieces as laid out: the head's text first, the empty gaps left out
+        kept = [row for (_, piece), row in zip(pieces, rows) if piece]
+        laid.row_starts = [0] * (len(laid.chunks) - len(kept)) + kept
+    return laid
+
+
+def _piecewise(ctx: QueryContext, prompt: str, spans: Sequence[Span], t0: float) -> LaidOut:
+    """`lay_out_prompt` for a tokenizer without character offsets: each piece of the prompt tokenized alone."""
+    tokenizer = ctx.lm.tokenizer
+    usable = _usable(ctx, prompt, spans)
+    if not usable:
+        return _no_passage(ctx, prompt, encode(tokenizer, prompt), t0)
+    pieces: list[tuple[RetrievedChunk | None, list[int]]] = []
     for i, (span, ids) in enumerate(usable):
-        chunks.append(span.chunk)  # type: ignore[arg-type]
-        pieces.append(ids)
+        pieces.append((span.chunk, ids))  # type: ignore[arg-type]
         gap_end = usable[i + 1][0].start if i + 1 < len(usable) else span.stop
-        gap = encode(tokenizer, prompt[span.stop : gap_end])
-        if gap:
-            chunks.append(None)
-            pieces.append(gap)
-    tail = encode(tokenizer, prompt[usable[-1][0].stop :])
-    check_length(ctx, prefix.length + sum(map(len, pieces)) + len(tail))
-    rows_prefix = any(len(ids) < len(ctx.chunk_ids(span.chunk.text)) for span, ids in usable)
-    return LaidOut(prefix, chunks, [torch.tensor(p) for p in pieces], torch.tensor(tail), own, True, t0,
-                   {"locate_s": time.perf_counter() - t0 - head_s, "head_s": head_s}, rows_prefix)
+        pieces.append((None, encode(tokenizer, prompt[span.stop : gap_end])))
+    rows_prefix = any(len(ids) < len(ctx.stored_ids(span.chunk)) for span, ids in usable)  # type: ignore[arg-type]
+    return _laid_out(ctx, encode(tokenizer, prompt[: usable[0][0].start]), pieces,
+                     encode(tokenizer, prompt[usable[-1][0].stop :]), rows_prefix, t0)
 
 
 def index_chunks(ctx: QueryContext) -> list[RetrievedChunk]:

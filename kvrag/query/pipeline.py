@@ -72,6 +72,12 @@ class QueryContext:
             self.tokenized.put(text, ids, len(text) + 8 * len(ids))
         return ids
 
+    def stored_ids(self, chunk: RetrievedChunk) -> list[int]:
+        """The token ids ``chunk``'s cache was computed for: its own ``ids`` (a passage as a prompt had it), else
+        its text's `chunk_ids`.
+        """
+        return list(chunk.ids) if chunk.ids is not None else self.chunk_ids(chunk.text)
+
 
 def check_question(question: str) -> None:
     """Refuse a question that is not a non-empty string."""
@@ -127,7 +133,7 @@ class LaidOut:
         first_exact: piece 0 is a chunk whose stored cache was computed right after this very prefix.
         reuse_prefix: the prefix's rows are kept as they are, even by a mode that recomputes everything.
         rows_prefix: a chunk piece may be shorter than its stored cache and read its first rows (a passage
-            that a framework's template cut from kvrag's separator).
+            that a framework's template cut from kvrag's separator), or read them from ``row_starts[j]`` on.
         t0: when the question or prompt arrived; ``timings``: the first stage's seconds.
         found: the passages found in a flat prompt laid out as one text (nothing read), for `used` to report.
     """
@@ -142,6 +148,7 @@ class LaidOut:
     timings: dict[str, float] = field(default_factory=dict)
     rows_prefix: bool = False
     found: list[RetrievedChunk] | None = None
+    row_starts: list[int] | None = None  # per piece: the first stored row it reads (None: 0 for every piece)
 
     @property
     def used(self) -> list[RetrievedChunk]:
@@ -202,6 +209,7 @@ def load(ctx: QueryContext, laid: LaidOut, mode: str, caches: Sequence[KV | None
 
     feed = StoreFeed(ctx.kvstore, keys, [int(c.numel()) for c in ids], ctx.lm.spec.n_layers, ctx.lm.device,
                      laid.prefix.kv[0][0].dtype, recover=recover, rows_prefix=laid.rows_prefix,
+                     row_starts=laid.row_starts,
                      levels=[None if levels is None or (j == 0 and lead) else levels[j] for j in range(len(ids))])
     return FusionInput(laid.prefix, ids, feed, laid.suffix_ids, laid.first_exact, laid.reuse_prefix)
 

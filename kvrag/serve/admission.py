@@ -8,14 +8,24 @@ the bound is on the slow ones, so a first step counts as its mean plus twice its
 `expected_wait(times, active, queued, max_active)` replays the worker's round-robin over the
 jobs ahead (processor sharing: with ``n`` jobs active each gets ``1/n`` of the worker) and returns the seconds
 until the new job's first token, or None while nothing has been measured. Each job is given as the tokens it may
-still generate and whether its first step is done. Nothing here touches the model, FastAPI or a clock.
+still generate and whether its first step is done. The replay misses what it does not model (later turns' longer
+prompts, batched steps' shared time, the event loop), so `ServiceTimes` also keeps the ratios of admitted jobs'
+measured waits to their replayed ones (`observe_wait`), and `calibrated` scales a replayed wait by a high
+quantile of them (`WAIT_QUANTILE` of the last `WAIT_SAMPLES`): the bound is on the slow waits, not the mean.
+Nothing here touches the model, FastAPI or a clock.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 SMOOTHING = 0.2  # the weight of each new measurement in the moving averages
+WAIT_SAMPLES = 40  # the admitted jobs' wait ratios kept for `ServiceTimes.calibrated`
+WAIT_QUANTILE = 0.95  # the quantile of those ratios a replayed wait is scaled by
+WAIT_MIN_SAMPLES = 4  # fewer ratios than this: replayed waits are taken as they are
+WAIT_MIN_REPLAYED_S = 0.5  # a replayed wait shorter than this gives no ratio (noise over a near-zero)
+WAIT_SCALE_RANGE = (0.5, 4.0)  # the scale stays within this, whatever a few odd waits say
 
 
 @dataclass(frozen=True)
@@ -39,12 +49,34 @@ class ServiceTimes:
         first_dev: the mean absolute deviation of the first steps' seconds.
         step_s: seconds of one later step (one token); None until measured.
         tokens: tokens a finished job generated; None until a job finished.
+        wait_ratios: the last admitted jobs' measured waits for a first token over their replayed ones.
     """
 
     first_s: float | None = None
     first_dev: float = 0.0
     step_s: float | None = None
     tokens: float | None = None
+    wait_ratios: deque[float] = field(default_factory=lambda: deque(maxlen=WAIT_SAMPLES))
+
+    def observe_wait(self, replayed: float | None, measured: float) -> None:
+        """Record an admitted job's measured wait for its first token against the wait replayed at admission."""
+        if replayed is not None and replayed >= WAIT_MIN_REPLAYED_S:
+            self.wait_ratios.append(max(measured, 0.0) / replayed)
+
+    @property
+    def wait_scale(self) -> float:
+        """What a replayed wait is multiplied by: a high quantile of the measured-to-replayed ratios (1 until
+        `WAIT_MIN_SAMPLES` were measured).
+        """
+        if len(self.wait_ratios) < WAIT_MIN_SAMPLES:
+            return 1.0
+        ratios = sorted(self.wait_ratios)
+        high = ratios[min(int(WAIT_QUANTILE * len(ratios)), len(ratios) - 1)]
+        return min(max(high, WAIT_SCALE_RANGE[0]), WAIT_SCALE_RANGE[1])
+
+    def calibrated(self, replayed: float | None) -> float | None:
+        """A replayed wait scaled by `wait_scale` (None stays None)."""
+        return None if replayed is None else replayed * self.wait_scale
 
     def observe_first(self, seconds: float) -> None:
         """Record a first step's duration."""

@@ -4,7 +4,8 @@ Contract: `KVRag` is not thread-safe, so every call into it (``chat_stream`` and
 ``next()``, ``sessions.expect``/``release``) happens on `Scheduler`'s worker thread. `Scheduler.submit`
 (any thread) queues a `Job` or raises `QueueFull` when ``max_queue`` jobs already wait for a slot (the
 queue is bounded, never unbounded memory) or, with ``max_wait`` set, `WaitTooLong` when the job's expected
-wait for its first token exceeds it (`kvrag.serve.admission`, from the step times the worker measures); both
+wait for its first token exceeds it (`kvrag.serve.admission`, from the step times the worker measures, scaled by
+how admitted jobs' measured waits compared with their expected ones); both
 carry ``retry_after``, the seconds after which a retry may be admitted. A cancelled job no longer counts.
 The worker keeps up to ``max_active`` jobs' ``chat_stream``
 generators and calls ``next()`` on each in turn, so concurrent conversations all progress; before each round it
@@ -90,6 +91,7 @@ class Job:
     started: float | None = None
     answer: Any = None
     steps: int = 0  # next() calls that returned (the first one gives the first token)
+    replayed_wait: float | None = None  # the uncalibrated expected wait at admission, for `observe_wait`
     _cancelled: threading.Event = field(default_factory=threading.Event)
     _stream: Iterator[str] | None = None
 
@@ -175,7 +177,8 @@ class Scheduler:
         with self._lock:
             if self._stopping or (self._thread.ident is not None and not self._thread.is_alive()):
                 raise ServerStopping("the server is shutting down")
-            wait = self._expected_wait_locked()
+            replayed = self._expected_wait_locked()
+            wait = self.times.calibrated(replayed)
             if self._queued_locked() >= self.max_queue + max(0, self.max_active - len(self._active)):
                 raise QueueFull(f"{self.max_queue} requests are already waiting", max(wait or 1.0, 1.0))
             # alone, a job waits for nothing but itself; a cancelled one ends at its next step
@@ -183,6 +186,7 @@ class Scheduler:
             if self.max_wait is not None and wait is not None and wait > self.max_wait and busy:
                 raise WaitTooLong(f"its expected wait for a first token, {wait:.1f} s, exceeds the server's bound "
                                   f"of {self.max_wait:g} s", max(wait - self.max_wait, 1.0))
+            job.replayed_wait = replayed
             self._arrived.append(job)
             self._lock.notify_all()
 
@@ -197,7 +201,7 @@ class Scheduler:
     def expected_wait(self) -> float | None:
         """Seconds a request submitted now would wait for its first token (None before anything was measured)."""
         with self._lock:
-            return self._expected_wait_locked()
+            return self.times.calibrated(self._expected_wait_locked())
 
     def batched_steps(self) -> int:
         """Token steps run in a pass shared with other answers, since the worker started."""
@@ -303,6 +307,8 @@ class Scheduler:
         took = time.perf_counter() - began
         if job.steps == 0:
             self.times.observe_first(took)
+            with self._lock:  # submitters read the ratios under the lock
+                self.times.observe_wait(job.replayed_wait, time.perf_counter() - job.submitted)
         else:
             self.times.observe_step(took + self._batch_share)
         job.steps += 1

@@ -66,8 +66,14 @@ class KVStore:
     def stats(self) -> dict[str, int]:
         """Caches found and missing (`reader`), and for a store bounded in bytes its bytes held and bound."""
         out = {"found": self.found, "missing": self.missing}
-        if hasattr(self.store, "held"):
-            out.update(held_bytes=int(self.store.held()), max_bytes=int(getattr(self.store, "max_bytes", 0)))
+        bounded = self.store
+        while not hasattr(bounded, "held") and hasattr(bounded, "inner"):  # a remote store behind its local cache
+            bounded = bounded.inner
+        if hasattr(bounded, "held"):
+            try:
+                out.update(held_bytes=int(bounded.held()), max_bytes=int(getattr(bounded, "max_bytes", 0)))
+            except StoreUnavailableError:  # unreachable now: the counts still stand
+                pass
         return out
 
     @property

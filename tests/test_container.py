@@ -293,6 +293,13 @@ def test_decode_layer_into_equals_decode_layer(codec: Codec, tmp_path: Path, dty
         k, v = reader.decode_layer(1)
         assert torch.equal(wide[0, :, 2:-1], k.to(out.dtype)) and torch.equal(wide[1, :, 2:-1], v.to(out.dtype))
         assert wide[:, :, :2].isnan().all() and wide[:, :, -1:].isnan().all()
+        reader.rows = (1, 2)  # some rows only (a prompt that reads part of a stored cache)
+        part = torch.empty((2, out.shape[1], 2, out.shape[3]), dtype=out.dtype)
+        reader.decode_layer_into(1, part)
+        assert torch.equal(part[0], k[:, 1:3].to(out.dtype)) and torch.equal(part[1], v[:, 1:3].to(out.dtype))
+        with pytest.raises(ValueError, match="rows 1..3"):
+            reader.decode_layer_into(1, out)
+        assert reader.rows == (1, 2)
 
 
 @pytest.mark.parametrize("target", ["strided", "bfloat16", "float16", "stored bfloat16"])

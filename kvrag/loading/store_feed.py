@@ -68,7 +68,7 @@ class StoreFeed(ChunkFeed):
 
     ``rows_prefix``: a chunk may cover fewer tokens than its stored cache holds and take its first rows (causal
     attention makes them that prefix's own cache), or, from ``row_starts`` (one per chunk), the rows from another
-    (a first token the prompt joins to the text before it); it is decoded whole when the feed opens. ``prefetch``: read
+    (a first token the prompt joins to the text before it); each layer is decoded whole, then sliced. ``prefetch``: read
     ahead on the worker thread (True) or each layer when fusion asks for it (False); None: where a core is spare
     for the thread (`kvrag.loading.prefetch.spare_core`; benchmarks/experiments/loader_thread.py).
     """
@@ -95,7 +95,7 @@ class StoreFeed(ChunkFeed):
                 self._open(j, key)
         self._shape = self._probe_shape()
         self._copier: DeviceCopier | None = None
-        self._cut = any(r is not None and r.header.cut for r in self._readers)  # decoded chunk by chunk (host)
+        self._cut = any(r is not None and (r.header.cut or r.rows is not None) for r in self._readers)  # (host)
         self._planar = self._planar_layout()
         self._extents = ExtentReads.of(self._readers, self._planar) if self._planar is not None else None
         self._workers = workers
@@ -127,8 +127,8 @@ class StoreFeed(ChunkFeed):
                 self._recovered[j] = kv_rows(self._recover(j), start, n)
                 return
             if part and reader.header.n_layers >= self.n_layers:
-                with reader:  # some of its rows only: decoded whole now, sliced
-                    self._recovered[j] = kv_rows(reader.decode_all(), start, n)
+                reader.rows = (start, n)  # some of its rows only: each layer decoded whole, then sliced (host path)
+                self._readers[j] = reader
                 return
             if stored != n or reader.header.n_layers < self.n_layers:
                 reader.close()

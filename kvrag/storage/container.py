@@ -175,6 +175,7 @@ class ChunkReader:
 
     def __init__(self, key: str, fh: BinaryIO, codec: Codec, fingerprint: str | None = None) -> None:
         self.key, self._fh, self._codec = key, fh, codec
+        self.rows: tuple[int, int] | None = None  # (start, n): `decode_layer_into` gives only these rows
         self.header = _parse_header(key, fh.read(_PREAMBLE.size), fh.read)
         if self.header.key != key:
             raise CorruptChunkError(key, f"file holds chunk {self.header.key}")
@@ -256,9 +257,22 @@ class ChunkReader:
         one copy, and both the read and the checksum run without holding the GIL. Other codecs decode
         into it (`Codec.decode_layer_into`: in place where the codec can, else through a copy that
         converts the dtype). An ``out`` that is columns of a wider tensor goes through a buffer of the chunk's own
-        size; a windowed layer's kept rows are copied in after zeros.
+        size; a windowed layer's kept rows are copied in after zeros. With ``rows`` set to ``(start, n)``,
+        ``out`` is ``[2, H, n, D]`` and takes the layer's rows ``[start, start + n)`` (the layer decoded whole first).
         """
         _, h, s, d = self.header.shape
+        if self.rows is not None:
+            start, n = self.rows
+            if tuple(out.shape) != (2, h, n, d) or start + n > s:
+                raise ValueError(f"rows {start}..{start + n} of {s} need a tensor of shape {(2, h, n, d)}, "
+                                 f"got {tuple(out.shape)}")
+            whole, self.rows = torch.empty((2, h, s, d), dtype=out.dtype), None
+            try:
+                self.decode_layer_into(layer, whole)
+            finally:
+                self.rows = (start, n)
+            out.copy_(whole[:, :, start : start + n])
+            return
         if tuple(out.shape) != (2, h, s, d) or out.device.type != "cpu":
             raise ValueError(f"decode_layer_into needs a CPU tensor of shape {(2, h, s, d)}, "
                              f"got {tuple(out.shape)} on {out.device}")

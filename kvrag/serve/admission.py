@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 SMOOTHING = 0.2  # the weight of each new measurement in the moving averages
 WAIT_SAMPLES = 40  # the admitted jobs' wait ratios kept for `ServiceTimes.calibrated`
-WAIT_QUANTILE = 0.95  # the quantile of those ratios a replayed wait is scaled by
+WAIT_QUANTILE = 0.99  # the quantile of those ratios a replayed wait is scaled by: the bound is on the p99 wait
 WAIT_MIN_SAMPLES = 4  # fewer ratios than this: replayed waits are taken as they are
 WAIT_MIN_REPLAYED_S = 0.5  # a replayed wait shorter than this gives no ratio (noise over a near-zero)
 WAIT_SCALE_RANGE = (0.5, 4.0)  # the scale stays within this, whatever a few odd waits say

@@ -284,3 +284,14 @@ def test_a_span_covers_the_tokens_that_hold_it_and_whitespace_only():
     assert tokens.cover(prompt.index("he cat"), prompt.index("\n")) is None  # "The" joins the span to "T"
     assert tokens.cover(prompt.index("The"), prompt.index("cat") + 2) is None  # "cat" runs past the span's end
     assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([], [1]) == 0
+
+
+def test_a_tokenizer_without_offsets_lays_the_pieces_out_one_by_one(tiny_rag, monkeypatch):
+    import kvrag.query.locate as locate
+
+    monkeypatch.setattr(locate, "tokenize_prompt", lambda tokenizer, prompt: None)  # a slow tokenizer
+    prompt, chunks = _flat_prompt(tiny_rag)
+    laid = _laid_out(tiny_rag, prompt, chunks)
+    assert [c.key for c in laid.used] == [c.key for c in chunks]
+    fused = tiny_rag.prepare_prompt(prompt, mode="cacheblend", ratio=1.0)
+    assert (fused.fused.logits - _plain_logits(tiny_rag, _token_ids(laid))).abs().max().item() <= 1e-4

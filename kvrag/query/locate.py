@@ -60,22 +60,27 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
-def _cached_ids(ctx: QueryContext, prompt: str, span: Span) -> list[int] | None:
-    """The span's token ids if they are (a prefix of) the ids its cache was computed for, else None."""
-    stored = ctx.stored_ids(span.chunk)  # type: ignore[arg-type]
-    ids = encode(ctx.lm.tokenizer, prompt[span.start : span.stop])
-    return ids if ids and stored[: len(ids)] == ids else None
-
-
-def _usable(ctx: QueryContext, prompt: str, spans: Sequence[Span]) -> list[tuple[Span, list[int]]]:
-    """The spans whose caches fit their tokens, with those tokens. A span at the very start joins the head
-    (the prefix needs a token) and one at the very end joins the tail (the last token is recomputed for its
-    logits).
+def _cached_ids(ctx: QueryContext, prompt: str, span: Span) -> tuple[list[int], int] | None:
+    """The span's token ids, and where they end in the prompt, if they are (a prefix of) the ids its cache was
+    computed for, else None.
     """
-    usable = [(s, ids) for s in spans if (ids := _cached_ids(ctx, prompt, s)) is not None]
+    stored = ctx.stored_ids(span.chunk)  # type: ignore[arg-type]
+    for stop in dict.fromkeys((span.stop, span.end)):  # with its separator, else without (a passage cache's own)
+        ids = encode(ctx.lm.tokenizer, prompt[span.start : stop])
+        if ids and stored[: len(ids)] == ids:
+            return ids, stop
+    return None
+
+
+def _usable(ctx: QueryContext, prompt: str, spans: Sequence[Span]) -> list[tuple[Span, list[int], int]]:
+    """The spans whose caches fit their tokens, with those tokens and where they end. A span at the very start
+    joins the head (the prefix needs a token) and one at the very end joins the tail (the last token is
+    recomputed for its logits).
+    """
+    usable = [(s, *fit) for s in spans if (fit := _cached_ids(ctx, prompt, s)) is not None]
     if usable and usable[0][0].start == 0:
         usable.pop(0)
-    if usable and not prompt[usable[-1][0].stop :]:
+    if usable and not prompt[usable[-1][2] :]:
         usable.pop()
     return usable
 
@@ -173,13 +178,13 @@ def _piecewise(ctx: QueryContext, prompt: str, spans: Sequence[Span], t0: float)
     if not usable:
         return _no_passage(ctx, prompt, encode(tokenizer, prompt), t0)
     pieces: list[tuple[RetrievedChunk | None, list[int]]] = []
-    for i, (span, ids) in enumerate(usable):
+    for i, (span, ids, stop) in enumerate(usable):
         pieces.append((span.chunk, ids))  # type: ignore[arg-type]
-        gap_end = usable[i + 1][0].start if i + 1 < len(usable) else span.stop
-        pieces.append((None, encode(tokenizer, prompt[span.stop : gap_end])))
-    rows_prefix = any(len(ids) < len(ctx.stored_ids(span.chunk)) for span, ids in usable)  # type: ignore[arg-type]
+        gap_end = usable[i + 1][0].start if i + 1 < len(usable) else stop
+        pieces.append((None, encode(tokenizer, prompt[stop:gap_end])))
+    rows_prefix = any(len(ids) < len(ctx.stored_ids(span.chunk)) for span, ids, _ in usable)  # type: ignore[arg-type]
     return _laid_out(ctx, encode(tokenizer, prompt[: usable[0][0].start]), pieces,
-                     encode(tokenizer, prompt[usable[-1][0].stop :]), rows_prefix, t0)
+                     encode(tokenizer, prompt[usable[-1][2] :]), rows_prefix, t0)
 
 
 def index_chunks(ctx: QueryContext) -> list[RetrievedChunk]:

@@ -11,7 +11,8 @@ until the new job's first token, or None while nothing has been measured. Each j
 still generate and whether its first step is done. The replay misses what it does not model (later turns' longer
 prompts, batched steps' shared time, the event loop), so `ServiceTimes` also keeps the ratios of admitted jobs'
 measured waits to their replayed ones (`observe_wait`), and `calibrated` scales a replayed wait by a high
-quantile of them (`WAIT_QUANTILE` of the last `WAIT_SAMPLES`): the bound is on the slow waits, not the mean.
+quantile of them (`WAIT_QUANTILE` of the last `WAIT_SAMPLES`; the range's top before any were measured): the bound
+is on the slow waits, not the mean.
 Nothing here touches the model, FastAPI or a clock.
 """
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 SMOOTHING = 0.2  # the weight of each new measurement in the moving averages
 WAIT_SAMPLES = 40  # the admitted jobs' wait ratios kept for `ServiceTimes.calibrated`
 WAIT_QUANTILE = 0.99  # the quantile of those ratios a replayed wait is scaled by: the bound is on the p99 wait
-WAIT_MIN_SAMPLES = 4  # fewer ratios than this: replayed waits are taken as they are
+WAIT_MIN_SAMPLES = 4  # fewer ratios than this: replayed waits are scaled by the range's top (a cold start's burst)
 WAIT_MIN_REPLAYED_S = 0.5  # a replayed wait shorter than this gives no ratio (noise over a near-zero)
 WAIT_SCALE_RANGE = (0.5, 4.0)  # the scale stays within this, whatever a few odd waits say
 
@@ -65,11 +66,12 @@ class ServiceTimes:
 
     @property
     def wait_scale(self) -> float:
-        """What a replayed wait is multiplied by: a high quantile of the measured-to-replayed ratios (1 until
-        `WAIT_MIN_SAMPLES` were measured).
+        """What a replayed wait is multiplied by: a high quantile of the measured-to-replayed ratios, and the top of
+        `WAIT_SCALE_RANGE` until `WAIT_MIN_SAMPLES` were measured (a burst at a cold start is admitted cautiously:
+        with scale 1, its first turns overran the bound before any ratio was known).
         """
         if len(self.wait_ratios) < WAIT_MIN_SAMPLES:
-            return 1.0
+            return WAIT_SCALE_RANGE[1]
         ratios = sorted(self.wait_ratios)
         high = ratios[min(int(WAIT_QUANTILE * len(ratios)), len(ratios) - 1)]
         return min(max(high, WAIT_SCALE_RANGE[0]), WAIT_SCALE_RANGE[1])

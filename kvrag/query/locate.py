@@ -119,17 +119,24 @@ def _no_passage(ctx: QueryContext, prompt: str, ids: list[int], t0: float) -> La
                    False, True, t0, {"locate_s": t1 - t0, "head_s": time.perf_counter() - t1})
 
 
-def _laid_out(ctx: QueryContext, head: list[int], pieces: list[tuple[RetrievedChunk | None, list[int]]],
-              tail: list[int], rows_prefix: bool, t0: float) -> LaidOut:
-    """The head's kept rows as the prefix (its other tokens a first text piece), then ``pieces``, then ``tail``."""
+Piece = tuple[RetrievedChunk | None, list[int], int]  # (chunk or None for text, its ids, its first stored row)
+
+
+def _laid_out(ctx: QueryContext, head: list[int], pieces: list[Piece], tail: list[int], t0: float) -> LaidOut:
+    """The head's kept rows as the prefix (its other tokens a first text piece), then ``pieces`` (the empty ones
+    left out), then ``tail``; ``rows_prefix`` and ``row_starts`` say which chunks read only part of their cache.
+    """
     own = tuple(head) == tuple(ctx.layout.prefix_ids) and ctx.prefix_exact  # kvrag's own prompt prefix
     t_head = time.perf_counter()
     prefix, head_rest = (ctx.prefix, []) if own else ctx.heads.split(ctx.lm, head)
     head_s = time.perf_counter() - t_head
-    pieces = ([(None, head_rest)] if head_rest else []) + [(c, ids) for c, ids in pieces if ids]
-    check_length(ctx, prefix.length + sum(len(ids) for _, ids in pieces) + len(tail))
-    return LaidOut(prefix, [c for c, _ in pieces], [torch.tensor(ids) for _, ids in pieces], torch.tensor(tail),
-                   own, True, t0, {"locate_s": time.perf_counter() - t0 - head_s, "head_s": head_s}, rows_prefix)
+    pieces = ([(None, head_rest, 0)] if head_rest else []) + [p for p in pieces if p[1]]
+    check_length(ctx, prefix.length + sum(len(ids) for _, ids, _ in pieces) + len(tail))
+    partial = any(c is not None and (row or len(ids) < len(ctx.stored_ids(c))) for c, ids, row in pieces)
+    rows = [row for _, _, row in pieces]
+    return LaidOut(prefix, [c for c, _, _ in pieces], [torch.tensor(ids) for _, ids, _ in pieces],
+                   torch.tensor(tail), own, True, t0, {"locate_s": time.perf_counter() - t0 - head_s, "head_s": head_s},
+                   partial, row_starts=rows if any(rows) else None)
 
 
 def lay_out_prompt(ctx: QueryContext, prompt: str, candidates: Sequence[RetrievedChunk],
@@ -156,19 +163,12 @@ def lay_out_prompt(ctx: QueryContext, prompt: str, candidates: Sequence[Retrieve
     runs = _runs(ctx, tokens, spans)
     if not runs:
         return _no_passage(ctx, prompt, tokens.ids, t0)
-    ids, rows = tokens.ids, []
-    pieces: list[tuple[RetrievedChunk | None, list[int]]] = []
+    ids, pieces = tokens.ids, list[Piece]()
     for k, (span, i, n, row) in enumerate(runs):
-        pieces.append((span.chunk, ids[i : i + n]))  # type: ignore[arg-type]
-        pieces.append((None, ids[i + n : runs[k + 1][1] if k + 1 < len(runs) else i + n]))
-        rows += [row, 0]
+        pieces.append((span.chunk, ids[i : i + n], row))  # type: ignore[arg-type]
+        pieces.append((None, ids[i + n : runs[k + 1][1] if k + 1 < len(runs) else i + n], 0))
     end = runs[-1][1] + runs[-1][2]
-    partial = any(row or n < len(ctx.stored_ids(span.chunk)) for span, _, n, row in runs)  # type: ignore[arg-type]
-    laid = _laid_out(ctx, ids[: runs[0][1]], pieces, ids[end:], partial, t0)
-    if any(rows):  # the pieces as laid out: the head's text first, the empty gaps left out
-        kept = [row for (_, piece), row in zip(pieces, rows) if piece]
-        laid.row_starts = [0] * (len(laid.chunks) - len(kept)) + kept
-    return laid
+    return _laid_out(ctx, ids[: runs[0][1]], pieces, ids[end:], t0)
 
 
 def _piecewise(ctx: QueryContext, prompt: str, spans: Sequence[Span], t0: float) -> LaidOut:
@@ -177,14 +177,13 @@ def _piecewise(ctx: QueryContext, prompt: str, spans: Sequence[Span], t0: float)
     usable = _usable(ctx, prompt, spans)
     if not usable:
         return _no_passage(ctx, prompt, encode(tokenizer, prompt), t0)
-    pieces: list[tuple[RetrievedChunk | None, list[int]]] = []
+    pieces: list[Piece] = []
     for i, (span, ids, stop) in enumerate(usable):
-        pieces.append((span.chunk, ids))  # type: ignore[arg-type]
+        pieces.append((span.chunk, ids, 0))  # type: ignore[arg-type]
         gap_end = usable[i + 1][0].start if i + 1 < len(usable) else stop
-        pieces.append((None, encode(tokenizer, prompt[stop:gap_end])))
-    rows_prefix = any(len(ids) < len(ctx.stored_ids(span.chunk)) for span, ids, _ in usable)  # type: ignore[arg-type]
+        pieces.append((None, encode(tokenizer, prompt[stop:gap_end]), 0))
     return _laid_out(ctx, encode(tokenizer, prompt[: usable[0][0].start]), pieces,
-                     encode(tokenizer, prompt[usable[-1][2] :]), rows_prefix, t0)
+                     encode(tokenizer, prompt[usable[-1][2] :]), t0)
 
 
 def index_chunks(ctx: QueryContext) -> list[RetrievedChunk]:

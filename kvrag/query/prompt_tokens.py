@@ -14,9 +14,13 @@ recomputing every token reproduces it. Pure tokenizer work: no model.
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+RECENT_PROMPTS = 8  # prompts whose tokens `tokenize_prompt` keeps
+ALIGN_SLACK = 3  # tokens a passage's first word may take otherwise in the prompt than alone ("Nob"+"ody", " Nobody")
 
 
 @dataclass(frozen=True)
@@ -42,9 +46,11 @@ class PromptTokens:
         return i, j
 
 
+@functools.lru_cache(maxsize=RECENT_PROMPTS)
 def tokenize_prompt(tokenizer: Any, prompt: str) -> PromptTokens | None:
     """``prompt``'s token ids with their character spans (no special tokens added), or None when the tokenizer
-    gives no offsets.
+    gives no offsets. The last `RECENT_PROMPTS` are kept: a passage cache looks a prompt's passages up, then lays
+    the same prompt out. Callers do not change what it returns.
     """
     if not getattr(tokenizer, "is_fast", False):
         return None
@@ -58,13 +64,10 @@ def tokenize_prompt(tokenizer: Any, prompt: str) -> PromptTokens | None:
     return PromptTokens(prompt, [int(t) for t in ids], [int(s) for s, _ in offsets], [int(e) for _, e in offsets])
 
 
-ALIGN_SLACK = 3  # tokens a passage's first word may take otherwise in the prompt than alone ("Nob"+"ody", " Nobody")
-
-
 def align(prompt_ids: Sequence[int], stored: Sequence[int]) -> tuple[int, int, int]:
     """Where a passage's tokens in a prompt meet the ids its cache was computed for: ``(n, a, b)``, the longest
     run of ``n`` ids with ``prompt_ids[a:a + n] == stored[b:b + n]``, from the start (``a = b = 0``) when they
-    start alike, else with ``a`` and ``b`` below `ALIGN_SLACK` (a first word joined to the space before it);
+    start alike, else with ``a`` and ``b`` at most `ALIGN_SLACK` (a first word joined to the space before it);
     ``(0, 0, 0)`` when there is none.
     """
     best = (common_prefix(prompt_ids, stored), 0, 0)

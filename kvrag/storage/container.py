@@ -261,18 +261,20 @@ class ChunkReader:
         ``out`` is ``[2, H, n, D]`` and takes the layer's rows ``[start, start + n)`` (the layer decoded whole first).
         """
         _, h, s, d = self.header.shape
-        if self.rows is not None:
-            start, n = self.rows
-            if tuple(out.shape) != (2, h, n, d) or start + n > s:
-                raise ValueError(f"rows {start}..{start + n} of {s} need a tensor of shape {(2, h, n, d)}, "
-                                 f"got {tuple(out.shape)}")
-            whole, self.rows = torch.empty((2, h, s, d), dtype=out.dtype), None
-            try:
-                self.decode_layer_into(layer, whole)
-            finally:
-                self.rows = (start, n)
-            out.copy_(whole[:, :, start : start + n])
+        if self.rows is None:
+            self._decode_whole_into(layer, out)
             return
+        start, n = self.rows
+        if tuple(out.shape) != (2, h, n, d) or start + n > s:
+            raise ValueError(f"rows {start}..{start + n} of {s} need a tensor of shape {(2, h, n, d)}, "
+                             f"got {tuple(out.shape)}")
+        whole = torch.empty((2, h, s, d), dtype=out.dtype)
+        self._decode_whole_into(layer, whole)
+        out.copy_(whole[:, :, start : start + n])
+
+    def _decode_whole_into(self, layer: int, out: torch.Tensor) -> None:
+        """`decode_layer_into` of every row of the layer."""
+        _, h, s, d = self.header.shape
         if tuple(out.shape) != (2, h, s, d) or out.device.type != "cpu":
             raise ValueError(f"decode_layer_into needs a CPU tensor of shape {(2, h, s, d)}, "
                              f"got {tuple(out.shape)} on {out.device}")
@@ -285,7 +287,7 @@ class ChunkReader:
             return
         if not out.is_contiguous():
             part = torch.empty(out.shape, dtype=out.dtype)
-            self.decode_layer_into(layer, part)
+            self._decode_whole_into(layer, part)
             out.copy_(part)
             return
         if self._codec.name == "raw" and out.dtype == self.header.dtype:  # read_layer_into checks the size

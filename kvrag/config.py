@@ -110,6 +110,9 @@ class StoreConfig:
             connection error (a timeout is not tried again).
         retry_after_s: after a remote store failed, for how long it is taken as away without asking it
             again (chunks are then computed from their text).
+        decoded_mb: the bound, in MiB, of the process's tier of hot chunk caches kept decoded in memory
+            (`kvrag.storage.decoded_tier`, on the CPU): a chunk read again is fused from there, neither read nor
+            decoded (0 turns it off).
         max_bytes: a bound on the chunk caches' bytes in the store (None: none), least recently used evicted
             (`kvrag.storage.stores.LRUDiskStore`, `LRURedisStore`); an evicted cache is computed again from its
             text when a prompt needs it. Given to a new index, it is recorded and kept.
@@ -123,14 +126,16 @@ class StoreConfig:
     retries: int = 2
     retry_after_s: float = 5.0
     max_bytes: int | None = None
+    decoded_mb: float = 512.0
 
     def __post_init__(self) -> None:
         if self.max_bytes is not None and not self.max_bytes > 0:
             raise ValueError(f"StoreConfig.max_bytes must be > 0 (or None), got {self.max_bytes!r}")
         if not self.backend:
             raise ValueError("StoreConfig.backend must name a store, got an empty string")
-        if not self.cache_mb >= 0:
-            raise ValueError(f"StoreConfig.cache_mb must be >= 0, got {self.cache_mb!r}")
+        if not (self.cache_mb >= 0 and self.decoded_mb >= 0):
+            raise ValueError(f"StoreConfig.cache_mb and decoded_mb must be >= 0, got {self.cache_mb!r}, "
+                             f"{self.decoded_mb!r}")
         if not (self.connect_timeout_s > 0 and self.timeout_s > 0):
             raise ValueError(f"StoreConfig timeouts must be > 0, got {self.connect_timeout_s!r}, {self.timeout_s!r}")
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:

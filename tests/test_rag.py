@@ -214,10 +214,14 @@ def test_corrupt_or_missing_chunk_file_is_recomputed(built):
     target.write_bytes(bytes(data))
     with pytest.raises(CorruptChunkError, match=chunks[0].key):
         rag.kvstore.load(chunks[0].key)
+    held = rag.answer(q, chunks=[c.key for c in chunks], mode="reuse", max_new_tokens=4)
+    assert held.token_ids == reference.token_ids and not rag.kvstore.is_valid(chunks[0].key)  # the decoded tier's
+    rag.kvstore.decoded.clear()  # a new process: the file is read
     repaired = rag.answer(q, chunks=[c.key for c in chunks], mode="reuse", max_new_tokens=4)
     assert repaired.token_ids == reference.token_ids
     assert rag.kvstore.is_valid(chunks[0].key)  # re-stored
     target.unlink()
+    rag.kvstore.decoded.clear()
     assert rag.answer(q, chunks=[c.key for c in chunks], mode="reuse", max_new_tokens=4).token_ids == \
         reference.token_ids
 

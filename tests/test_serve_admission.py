@@ -14,7 +14,8 @@ import pytest
 from _serve_process import ServeProcess, metric
 
 from kvrag import KVRag, SplitConfig
-from kvrag.serve.admission import WAIT_SCALE_RANGE, Pending, ServiceTimes, expected_wait
+from kvrag.serve.admission import ADMIT_HEADROOM, WAIT_SCALE_RANGE, Pending, ServiceTimes, expected_wait
+from kvrag.serve.scheduler import Job, Scheduler, WaitTooLong
 
 DOCS = ["The alpha reactor was designed by Mira Okafor. It runs on molten salt.",
         "Beta station orbits the moon. Its commander is Jonas Reyes."]
@@ -85,6 +86,23 @@ def test_replayed_waits_are_scaled_by_how_admitted_waits_compared():
     for _ in range(40):  # one odd stretch cannot blow the scale up without bound
         times.observe_wait(1.0, 100.0)
     assert times.wait_scale == 4.0
+
+
+def test_admission_keeps_headroom_below_the_bound():
+    scheduler = Scheduler(None, max_active=1, max_wait=10.0)  # never started: submit only queues
+    for _ in range(40):
+        scheduler.times.observe_wait(1.0, 1.0)  # replayed waits measured as they were: scale 1
+    replayed = iter([None, 0.9 * 10.0 * ADMIT_HEADROOM, 10.0 * (1 + ADMIT_HEADROOM) / 2])
+    scheduler._expected_wait_locked = lambda: next(replayed)  # type: ignore[method-assign]
+
+    def job() -> Job:
+        return Job([{"role": "user", "content": "q"}], {}, lambda event: None)
+
+    scheduler.submit(job())  # alone: nothing measured to wait for
+    scheduler.submit(job())  # within the headroom
+    with pytest.raises(WaitTooLong, match="too close to the server's bound of 10 s") as refused:
+        scheduler.submit(job())  # under the bound, but too close to it: measured waits scatter above
+    assert refused.value.retry_after >= 1.0
 
 
 def test_a_request_whose_wait_exceeds_the_bound_gets_429_with_retry_after(index: Path):

@@ -10,9 +10,11 @@ same model and prompt.
 The corpus is every passage of the selected questions. The first selected question warms up (loads, fits the codec
 state) and is not counted. Then, per question, over a passage cache of its own (a new folder; the model's codec
 state and the template heads kept in memory are shared, as in one long-lived process): the default LLM on passages
-it has never seen (``first``), the caches stored (``flush``), ``full``
-and the default again (``repeat``, the same passages now cached); ``full`` comes before ``first`` on every other
-question. TTFT is wall-clock from ``chain.stream`` to the first non-blank piece.
+it has never seen (``first``), the caches stored (``flush``), ``full`` and the default again (``repeat``, the same
+passages now cached: stored after the first answer, and kept decoded in the process's memory tier), then once more
+with that tier emptied (``cold``: the passages' blobs read from disk and decoded, as in a new process); ``full``
+comes before ``first`` on every other question. TTFT is wall-clock from ``chain.stream`` to the first non-blank
+piece.
 Right: gold F1 >= 0.5 or a normalised gold answer contained in the answer (`kvrag.bench.metrics.is_right`).
 
     python benchmarks/any-retriever/run.py --data benchmarks/data/musique_hipporag100.jsonl --start 51 --n 12 \
@@ -37,6 +39,9 @@ from kvrag.bench.qa_data import load_questions, passage_text
 RAG_PROMPT = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved context "
               "to answer the question. If you don't know the answer, just say that you don't know. Use three "
               "sentences maximum and keep the answer concise.\nQuestion: {question} \nContext: {context} \nAnswer:")
+
+
+RUNS = ("full", "first", "repeat", "cold")
 
 
 def format_docs(docs: Iterable[Any]) -> str:
@@ -71,12 +76,13 @@ def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
     full_right = [r for r in rows if r["full"]["right"]]
     out: dict[str, Any] = {"questions": len(rows), "median_prompt_tokens": med("prompt_tokens", "full")}
-    for run in ("full", "first", "repeat"):
+    for run in RUNS:
         out[run] = {"right": sum(r[run]["right"] for r in rows),
                     "wrong_where_full_right": sum(not r[run]["right"] for r in full_right),
                     "median_ttft_s": med("ttft_s", run), "median_passages_read": med("passages_read", run)}
     out["first_over_full"] = statistics.median(r["first"]["ttft_s"] / r["full"]["ttft_s"] for r in rows)
     out["full_over_repeat"] = statistics.median(r["full"]["ttft_s"] / r["repeat"]["ttft_s"] for r in rows)
+    out["full_over_cold"] = statistics.median(r["full"]["ttft_s"] / r["cold"]["ttft_s"] for r in rows)
     return out
 
 
@@ -136,10 +142,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             if not turn % 2:
                 row["full"] = timed(full_chain, full, item["question"])
             row["repeat"] = timed(chain, llm, item["question"])
-            for run in ("full", "first", "repeat"):
+            own.kvstore.decoded.clear()  # as in a new process: the passages' blobs read and decoded again
+            row["cold"] = timed(chain, llm, item["question"])
+            for run in RUNS:
                 row[run]["right"] = metrics.is_right(row[run]["answer"], item["answers"])
             rows.append(row)
-            print(json.dumps({k: row[k] for k in ("id", "full", "first", "repeat")}, default=str)[:400], flush=True)
+            print(json.dumps({k: row[k] for k in ("id", *RUNS)}, default=str)[:500], flush=True)
             for key, value in own.info().items():
                 if key in info:
                     info[key] += value

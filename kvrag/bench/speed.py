@@ -241,7 +241,7 @@ def run_lengths(
     store = make_store("disk", tmp / "chunk-caches", fsync=False)
     if getattr(args, "store_mbps", None):
         store = ThrottledStore(store, args.store_mbps * 1e6)
-    kvstore = KVStore(store, make_codec(args.codec), lm.fingerprint, lm.family.windows)
+    kvstore = KVStore(store, make_codec(args.codec), lm.fingerprint, lm.family.windows, decoded_bytes=0)
     results, notes = [], []
     tiers = parse_tiers(args.tiers, lm.device)
     for length in common.parse_ints(args.lengths, "--lengths"):

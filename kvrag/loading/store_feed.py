@@ -116,6 +116,10 @@ class StoreFeed(ChunkFeed):
         threaded = spare_core(self.device) if prefetch is None else prefetch
         self._prefetch = Prefetcher(self._produce, n_layers, depth, threaded) if self._shape is not None else None
 
+    def recovered(self, j: int) -> bool:
+        """Whether chunk ``j`` was recomputed from its text (its stored cache missing or damaged)."""
+        return j in self._recovered
+
     def _open(self, j: int, key: str) -> None:
         try:
             level = self.levels[j]
@@ -147,13 +151,9 @@ class StoreFeed(ChunkFeed):
         self._recovered[j] = kv_rows(self._recover(j), self._row_starts[j], self.lengths[j])
 
     def _probe_shape(self) -> tuple[int, int] | None:
-        for reader in self._readers:
-            if reader is not None:
-                _, h, _, d = reader.header.shape
-                return int(h), int(d)
-        for kv in self._recovered.values():
-            return int(kv[0].shape[1]), int(kv[0].shape[3])
-        return None
+        shapes = [r.header.shape for r in self._readers if r is not None]
+        shapes += [kv[0].shape for kv in self._recovered.values()]
+        return (int(shapes[0][1]), int(shapes[0][3])) if shapes else None  # (heads, head_dim) of [L, H, S, D]
 
     def _planar_layout(self) -> PlaneLayout | None:
         """The side-by-side plane layout when every open chunk's codec has one, the same one."""

@@ -37,10 +37,11 @@ from kvrag.codec import Codec, make_codec
 from kvrag.config import CodecConfig, FuseConfig, GateConfig, GenerateConfig
 from kvrag.fusion import selector_class
 from kvrag.indexing.kvgen import chunk_caches
+from kvrag.loading.tiered_feed import TIERED_DEVICES
 from kvrag.model import LoadedModel, load_model
 from kvrag.model.prefix import KV, PrefixCache, prefix_cache
 from kvrag.passages.background import BackgroundWork
-from kvrag.passages.cache_url import open_cache_store
+from kvrag.passages.cache_url import decoded_bound, open_cache_store
 from kvrag.passages.codec_share import load_shared_state, publish_state
 from kvrag.passages.finder import MIN_CHARS, find_passages, split_passages
 from kvrag.prompt import build_layout
@@ -51,6 +52,7 @@ from kvrag.query.pipeline import QueryContext
 from kvrag.query.plan import LoadController
 from kvrag.query.prompt_tokens import align, tokenize_prompt
 from kvrag.query.spans import find_chunk_spans
+from kvrag.storage.decoded_tier import DEFAULT_DECODED_BYTES
 from kvrag.storage.keys import chunk_key
 from kvrag.storage.kvstore import KVStore
 
@@ -100,19 +102,23 @@ class PassageCache:
         store: a bounded store (`kvrag.passages.cache_url.open_cache_store`).
         codec: the codec the caches are stored with (default: kvrag's default codec).
         min_chars: the shortest piece of a prompt taken as a passage.
+        decoded_bytes: the bound of the tier of hot passage caches kept decoded in memory (`KVStore.decoded`; on
+            the CPU, 0 turns it off): a passage stored after an answer, or read once, is fused from memory next.
 
     Example:
         >>> cache = PassageCache.open("smollm2", "file:///tmp/kv?max_bytes=2GB")  # doctest: +SKIP
         >>> cache.answer_prompt(prompt).text  # doctest: +SKIP
     """
 
-    def __init__(self, lm: LoadedModel, store: Any, codec: Codec | None = None, min_chars: int = MIN_CHARS) -> None:
+    def __init__(self, lm: LoadedModel, store: Any, codec: Codec | None = None, min_chars: int = MIN_CHARS,
+                 decoded_bytes: int = DEFAULT_DECODED_BYTES) -> None:
         if not callable(getattr(store, "put_state", None)):
             raise TypeError("a passage cache needs a store bounded in bytes (open_cache_store), got "
                             f"{type(store).__name__}")
         self.lm, self.store, self.min_chars = lm, store, min_chars
         self.layout = build_layout(lm.tokenizer)
-        self.kvstore = KVStore(store, codec or make_codec(CodecConfig().name), lm.fingerprint, lm.family.windows)
+        self.kvstore = KVStore(store, codec or make_codec(CodecConfig().name), lm.fingerprint, lm.family.windows,
+                               decoded_bytes)
         self._digest = load_shared_state(store, self.kvstore.codec, lm.fingerprint)
         self._lock = threading.RLock()  # the model: one fusion or background prefill at a time
         self._prefix: PrefixCache | None = None
@@ -130,12 +136,13 @@ class PassageCache:
         """A passage cache for ``model`` (a name, path or `LoadedModel`) in the store ``cache`` names.
 
         ``cache``: ``file:///path?max_bytes=5GB``, ``redis://host:6379/0?max_bytes=1GB``, a folder, or None for
-        the user's cache folder; ``max_bytes`` overrides the URL's bound. The store is checked before the model
-        loads.
+        the user's cache folder; ``max_bytes`` overrides the URL's bound; the URL's ``decoded_bytes`` bounds the
+        decoded tier. The store is checked before the model loads.
         """
+        decoded_bytes = decoded_bound(cache)
         store = open_cache_store(cache, max_bytes)
         lm = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
-        return cls(lm, store, make_codec(codec or CodecConfig().name, codec_level))
+        return cls(lm, store, make_codec(codec or CodecConfig().name, codec_level), decoded_bytes=decoded_bytes)
 
     # -- the question-time state ------------------------------------------------------------------
 
@@ -275,7 +282,7 @@ class PassageCache:
             if self._stored_key(ids) is None:
                 missing.append(_Missing(text, tuple(ids)))
         before = self.stats.stored
-        self._store_missing(missing, show_progress)
+        self._store_missing(missing, show_progress, hold=False)  # a bulk ingestion: the tier keeps what is read
         return self.stats.stored - before
 
     def _caches(self, work: list[_Missing]) -> Generator[tuple[int, KV], None, None]:
@@ -300,8 +307,11 @@ class PassageCache:
         log.info("fitted the %s codec's state for %s on %d passages", codec.name, self.lm.source, len(caches))
         return caches
 
-    def _store_missing(self, missing: list[_Missing], show_progress: bool = False) -> None:
-        """Compute and store the caches of ``missing`` passages that are still not stored."""
+    def _store_missing(self, missing: list[_Missing], show_progress: bool = False, hold: bool = True) -> None:
+        """Compute and store the caches of ``missing`` passages that are still not stored; with ``hold``, keep each
+        decoded in the store's tier too (on the CPU), so that the next prompt placing it reads it from memory.
+        """
+        hold = hold and self.lm.device.type in TIERED_DEVICES
         if not missing:
             return
         fitted = self._fit(missing) if self._digest is None else {}
@@ -315,6 +325,8 @@ class PassageCache:
             for m, key, kv in itertools.chain(done, done_later):
                 self.stats.stored_bytes += self.kvstore.put(key, kv[0].cpu(), kv[1].cpu())
                 self.stats.stored += 1
+                if hold:
+                    self.kvstore.hold_decoded(key, self.prefix.kv[0][0].dtype)
                 bar.update(len(m.ids))
 
     def _recompute(self, chunk: RetrievedChunk, lead: bool = False) -> KV:
@@ -328,10 +340,12 @@ class PassageCache:
         return self._writer.flush(timeout)
 
     def info(self) -> dict[str, Any]:
-        """The store's bound and bytes held, the passages looked up, found and stored, and the hit rate."""
+        """The store's bound and bytes held, the passages looked up, found and stored, the hit rate, and the
+        decoded tier's hits, misses and bytes (`KVStore.stats`).
+        """
         return {"store": type(self.store).__name__, "max_bytes": self.store.max_bytes,
                 "held_bytes": self.store.held(), "evicted": self.store.evicted, **asdict(self.stats),
-                "hit_rate": self.stats.hit_rate}
+                "hit_rate": self.stats.hit_rate, **self.kvstore.decoded.stats()}
 
     def close(self) -> None:
         """Store what is pending, then release the store."""

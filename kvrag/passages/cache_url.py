@@ -12,6 +12,10 @@ Contract: `open_cache_store(url)` builds the store a ``cache=`` argument names:
 ``max_bytes`` takes bytes or a size with a unit (``kB``, ``MB``, ``GB``, ``TB``: powers of 1000; ``KiB``, ``MiB``,
 ``GiB``, ``TiB``: of 1024), `parse_bytes`; the ``max_bytes`` argument, when given, overrides the URL's. A bad
 URL or size raises ValueError in one line, before anything is created.
+
+``decoded_bytes`` (any scheme, e.g. ``file:///path?decoded_bytes=1GiB``; 0 turns it off) bounds the process's tier
+of hot passage caches kept decoded in memory (`decoded_bound`, default
+`kvrag.storage.decoded_tier.DEFAULT_DECODED_BYTES`); it is not the store's.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from urllib.request import url2pathname
 
+from kvrag.storage.decoded_tier import DEFAULT_DECODED_BYTES
 from kvrag.storage.stores import ByteStore, LRUDiskStore, LRURedisStore, public_url
 from kvrag.user_cache import default_cache_dir
 
@@ -29,21 +34,32 @@ DEFAULT_MAX_BYTES = 5 * 10**9
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_OURS = ("max_bytes", "decoded_bytes")  # the query options kvrag reads; a redis:// URL's others go to redis-py
 
 
-def parse_bytes(text: str | int) -> int:
-    """A size in bytes from ``5000000``, ``"5GB"`` or ``"1.5 GiB"``; ValueError for anything else or <= 0."""
+def parse_bytes(text: str | int, name: str = "max_bytes", zero: bool = False) -> int:
+    """A size in bytes from ``5000000``, ``"5GB"`` or ``"1.5 GiB"``; ValueError for anything else or <= 0 (< 0 with
+    ``zero``). ``name`` is the option named in the error.
+    """
     if isinstance(text, int) and not isinstance(text, bool):
         size = text
     else:
         match = _SIZE.match(str(text))
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _UNITS:
-            raise ValueError(f"max_bytes must be a size such as 5000000, '500MB' or '5GiB', got {text!r}")
+            raise ValueError(f"{name} must be a size such as 5000000, '500MB' or '5GiB', got {text!r}")
         size = int(float(match.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise ValueError(f"max_bytes must be positive, got {text!r}")
+    if size < 0 or (size == 0 and not zero):
+        raise ValueError(f"{name} must be {'>= 0' if zero else 'positive'}, got {text!r}")
     return size
+
+
+def decoded_bound(url: str | os.PathLike[str] | None) -> int:
+    """The ``decoded_bytes`` option of a cache URL (the last one given), else the default."""
+    if url is None or "?" not in os.fspath(url):
+        return DEFAULT_DECODED_BYTES
+    given = [v for k, v in parse_qsl(urlsplit(os.fspath(url)).query, keep_blank_values=True) if k == "decoded_bytes"]
+    return parse_bytes(given[-1], "decoded_bytes", zero=True) if given else DEFAULT_DECODED_BYTES
 
 
 def open_cache_store(url: str | os.PathLike[str] | None = None, max_bytes: int | str | None = None) -> ByteStore:
@@ -57,7 +73,7 @@ def open_cache_store(url: str | os.PathLike[str] | None = None, max_bytes: int |
     given = [v for k, v in query if k == "max_bytes"]
     bound = parse_bytes(max_bytes if max_bytes is not None else given[-1] if given else DEFAULT_MAX_BYTES)
     if scheme in ("redis", "rediss"):
-        rest = urlencode([(k, v) for k, v in query if k != "max_bytes"])
+        rest = urlencode([(k, v) for k, v in query if k not in _OURS])
         return LRURedisStore(urlunsplit(parts._replace(query=rest)), bound)
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):

@@ -26,7 +26,7 @@ from kvrag.config import FuseConfig, GenerateConfig
 from kvrag.embedder import Embedder
 from kvrag.errors import InputError
 from kvrag.fusion import FusionInput, FusionResult, Selector, fuse, selector_class
-from kvrag.loading.feed import StoreFeed
+from kvrag.loading.feed import StoreFeed, TieredFeed, open_tiered
 from kvrag.model import LoadedModel, hf_compat
 from kvrag.model.prefix import KV, PrefixCache
 from kvrag.prompt import PromptLayout, chunk_token_ids, suffix_token_ids
@@ -207,10 +207,16 @@ def load(ctx: QueryContext, laid: LaidOut, mode: str, caches: Sequence[KV | None
         assert chunk is not None  # only pieces with a key are read
         return ctx.recover(chunk, bool(j == 0 and lead))
 
-    feed = StoreFeed(ctx.kvstore, keys, [int(c.numel()) for c in ids], ctx.lm.spec.n_layers, ctx.lm.device,
-                     laid.prefix.kv[0][0].dtype, recover=recover, rows_prefix=laid.rows_prefix,
-                     row_starts=laid.row_starts,
-                     levels=[None if levels is None or (j == 0 and lead) else levels[j] for j in range(len(ids))])
+    lengths, dtype = [int(c.numel()) for c in ids], laid.prefix.kv[0][0].dtype
+    read_levels = [None if levels is None or (j == 0 and lead) else levels[j] for j in range(len(ids))]
+    row_starts = laid.row_starts if laid.row_starts is not None else [0] * len(ids)
+
+    def open_store(read: list[str | None]) -> StoreFeed:
+        return StoreFeed(ctx.kvstore, read, lengths, ctx.lm.spec.n_layers, ctx.lm.device, dtype, recover=recover,
+                         rows_prefix=laid.rows_prefix, row_starts=row_starts, levels=read_levels)
+
+    feed = open_tiered(ctx.kvstore.decoded, keys, read_levels, row_starts, lengths, ctx.lm.spec.n_layers,
+                       ctx.lm.device, dtype, open_store, ctx.kvstore.touch)
     return FusionInput(laid.prefix, ids, feed, laid.suffix_ids, laid.first_exact, laid.reuse_prefix)
 
 
@@ -296,12 +302,15 @@ def run(ctx: QueryContext, laid: LaidOut, config: FuseConfig, caches: Sequence[K
     inp = load(ctx, laid, config.mode, caches, from_text, first_exact, plan.levels if plan is not None else None)
     t2 = time.perf_counter()
     fused = fuse(ctx.lm, inp, config, selector)
-    measured = selector is None and (isinstance(inp.chunk_kv, StoreFeed) or (recomputes_all and caches is None))
+    # what loading from the store costs: a fusion that read every chunk from it (none from the decoded tier)
+    feed = inp.chunk_kv
+    stored = isinstance(feed, StoreFeed) or (isinstance(feed, TieredFeed) and feed.from_memory == 0)
+    measured = selector is None and (stored or (recomputes_all and caches is None))
     if measured and ctx.lm.device.type == "cuda":  # the fusion's kernels, finished, for its measured time
         torch.cuda.synchronize(ctx.lm.device)
-    if measured and isinstance(inp.chunk_kv, StoreFeed):
+    if measured and isinstance(feed, StoreFeed | TieredFeed):
         ctx.controller.observe(config, shape, from_text, fused.n_selected,
-                               time.perf_counter() - t2 - fused.load_wait_s, inp.chunk_kv.decode_s)
+                               time.perf_counter() - t2 - fused.load_wait_s, feed.decode_s)
     elif measured:  # a plain prefill: what recomputing every chunk from its text costs (`LoadController.stream`)
         ctx.controller.observe_prefill(shape, time.perf_counter() - t2)
     # Layers load while fusion runs: load_s is opening the chunk files plus the time fusion waited

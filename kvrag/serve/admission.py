@@ -12,7 +12,7 @@ still generate and whether its first step is done. The replay misses what it doe
 prompts, batched steps' shared time, the event loop), so `ServiceTimes` also keeps the ratios of admitted jobs'
 measured waits to their replayed ones (`observe_wait`), and `calibrated` scales a replayed wait by a high
 quantile of them (`WAIT_QUANTILE` of the last `WAIT_SAMPLES`; the range's top before any were measured): the bound
-is on the slow waits, not the mean.
+is on the slow waits, not the mean. `admit_limit`: the longest such wait admitted, `ADMIT_HEADROOM` of the bound.
 Nothing here touches the model, FastAPI or a clock.
 """
 
@@ -27,6 +27,9 @@ WAIT_QUANTILE = 0.99  # the quantile of those ratios a replayed wait is scaled b
 WAIT_MIN_SAMPLES = 4  # fewer ratios than this: replayed waits are scaled by the range's top (a cold start's burst)
 WAIT_MIN_REPLAYED_S = 0.5  # a replayed wait shorter than this gives no ratio (noise over a near-zero)
 WAIT_SCALE_RANGE = (0.5, 4.0)  # the scale stays within this, whatever a few odd waits say
+# a job is admitted when its calibrated wait is within this fraction of the bound: measured waits scatter about the
+# calibration, and the bound is on the slowest admitted (at 64 clients with the whole bound, 1 of 26 turns overran)
+ADMIT_HEADROOM = 0.8
 
 
 @dataclass(frozen=True)
@@ -137,3 +140,8 @@ def expected_wait(times: ServiceTimes, active: list[Pending], queued: list[Pendi
     # the worker admits it after the round under way, then steps every job ahead of it once more before its first
     # step: the next step of each other job (a first step for those just begun), then a token each
     return clock + first + sum(head if head > 0 else step for _, head in running) + len(running) * step
+
+
+def admit_limit(max_wait: float) -> float:
+    """The longest calibrated expected wait admitted under the bound ``max_wait`` (`ADMIT_HEADROOM` of it)."""
+    return ADMIT_HEADROOM * max_wait

@@ -21,7 +21,9 @@ cache). Metric names, all prefixed ``kvrag_``:
 - ``process_resident_memory_bytes`` and the other ``process_*`` figures (where /proc exists);
 - ``kvrag_chunk_caches_found_total``, ``kvrag_chunk_caches_missing_total`` (chunk caches read from the store,
   or computed again from their text: evicted or never stored), and for a store bounded in bytes
-  ``kvrag_chunk_store_bytes`` and ``kvrag_chunk_store_limit_bytes``;
+  ``kvrag_chunk_store_bytes`` and ``kvrag_chunk_store_limit_bytes``; ``kvrag_decoded_tier_hits_total``,
+  ``kvrag_decoded_tier_misses_total``, ``kvrag_decoded_tier_bytes`` and ``kvrag_decoded_tier_limit_bytes`` (hot
+  chunk caches kept decoded in memory, `kvrag.storage.decoded_tier`);
 - ``kvrag_session_lookups_total``, ``kvrag_session_misses_total``, ``kvrag_session_saves_total``,
   ``kvrag_session_save_errors_total``, ``kvrag_session_save_seconds_total``,
   ``kvrag_session_disk_write_errors_total``, ``kvrag_session_disk_read_errors_total``, and per tier
@@ -78,6 +80,15 @@ class ChunkStoreCollector(Collector):
                                     value=float(stats["held_bytes"]))
             yield GaugeMetricFamily("kvrag_chunk_store_limit_bytes", "the chunk store's bound in bytes",
                                     value=float(stats["max_bytes"]))
+        if "decoded_hits" in stats:
+            yield CounterMetricFamily("kvrag_decoded_tier_hits", "chunk caches fused from the decoded tier in memory",
+                                      value=float(stats["decoded_hits"]))
+            yield CounterMetricFamily("kvrag_decoded_tier_misses", "chunk caches the decoded tier did not hold",
+                                      value=float(stats["decoded_misses"]))
+            yield GaugeMetricFamily("kvrag_decoded_tier_bytes", "bytes of chunk caches kept decoded in memory",
+                                    value=float(stats["decoded_bytes"]))
+            yield GaugeMetricFamily("kvrag_decoded_tier_limit_bytes", "the decoded tier's bound in bytes",
+                                    value=float(stats["decoded_max_bytes"]))
 
 
 class SessionCollector(Collector):

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrag.generation import step_batch
-from kvrag.serve.admission import Pending, ServiceTimes, expected_wait
+from kvrag.serve.admission import Pending, ServiceTimes, admit_limit, expected_wait
 
 log = logging.getLogger(__name__)
 
@@ -183,9 +183,10 @@ class Scheduler:
                 raise QueueFull(f"{self.max_queue} requests are already waiting", max(wait or 1.0, 1.0))
             # alone, a job waits for nothing but itself; a cancelled one ends at its next step
             busy = any(not job.cancelled for job in self._active) or self._queued_locked() > 0
-            if self.max_wait is not None and wait is not None and wait > self.max_wait and busy:
-                raise WaitTooLong(f"its expected wait for a first token, {wait:.1f} s, exceeds the server's bound "
-                                  f"of {self.max_wait:g} s", max(wait - self.max_wait, 1.0))
+            limit = admit_limit(self.max_wait) if self.max_wait is not None else None
+            if limit is not None and wait is not None and wait > limit and busy:
+                raise WaitTooLong(f"its expected wait for a first token, {wait:.1f} s, is too close to the server's "
+                                  f"bound of {self.max_wait:g} s", max(wait - limit, 1.0))
             job.replayed_wait = replayed
             self._arrived.append(job)
             self._lock.notify_all()

@@ -27,6 +27,7 @@ import torch
 from kvrag.codec.base import Codec
 from kvrag.errors import ChunkUnavailableError, CorruptChunkError, StoreUnavailableError
 from kvrag.storage.container import ChunkReader, encode_chunk
+from kvrag.storage.decoded_tier import DEFAULT_DECODED_BYTES, DecodedTier
 from kvrag.storage.stores.base import ByteStore
 
 log = logging.getLogger(__name__)
@@ -51,21 +52,26 @@ class KVStore:
     """Chunk caches in and out of a `ByteStore` through a `Codec`.
 
     ``windows`` (per layer, None for a layer without a sliding window): each windowed layer stores only a chunk's
-    last ``window`` rows (`kvrag.storage.container.encode_chunk`).
+    last ``window`` rows (`kvrag.storage.container.encode_chunk`). ``decoded``: the process's tier of hot caches
+    kept decoded (`DecodedTier`, ``decoded_bytes`` of them; 0 turns it off), which the question-time feed reads
+    before the store (`kvrag.loading.tiered_feed`).
     """
 
     SIZES_KEPT = 100_000  # stored sizes remembered (content-hash keys: a size changes only if its blob is damaged)
 
     def __init__(self, store: ByteStore, codec: Codec, fingerprint: str,
-                 windows: Sequence[int | None] | None = None) -> None:
+                 windows: Sequence[int | None] | None = None, decoded_bytes: int = DEFAULT_DECODED_BYTES) -> None:
         self.store, self.codec, self.fingerprint = store, codec, fingerprint
+        self.decoded = DecodedTier(decoded_bytes)
         self.windows = list(windows) if windows is not None and any(w is not None for w in windows) else None
         self._sizes: dict[str, int] = {}
         self.found = self.missing = 0  # caches asked of `reader`: found in the store, or not (evicted, never stored)
 
     def stats(self) -> dict[str, int]:
-        """Caches found and missing (`reader`), and for a store bounded in bytes its bytes held and bound."""
-        out = {"found": self.found, "missing": self.missing}
+        """Caches found and missing (`reader`), the decoded tier's (`DecodedTier.stats`), and for a store bounded in
+        bytes its bytes held and bound.
+        """
+        out = {"found": self.found, "missing": self.missing, **self.decoded.stats()}
         bounded = self.store
         while not hasattr(bounded, "held") and hasattr(bounded, "inner"):  # a remote store behind its local cache
             bounded = bounded.inner
@@ -165,6 +171,38 @@ class KVStore:
         """Decode a whole chunk: ``(keys, values)``, each ``[L, H, S, D]``, at ``level`` (default: own)."""
         with self.reader(key, level) as reader:
             return reader.decode_all()
+
+    def touch(self, key: str, level: int | None = None) -> None:
+        """Mark ``key``'s blob at ``level`` as just used in a store that evicts by use (a read the decoded tier
+        served); nothing when the store is away.
+        """
+        try:
+            self.store.touch(self._key(key, level))
+        except StoreUnavailableError:
+            pass
+
+    def hold_decoded(self, key: str, dtype: torch.dtype) -> None:
+        """Decode ``key``'s whole cache at the codec's own level into the decoded tier, as a first read of it would
+        keep it (not counted as found); nothing when the tier is off or the cache is missing or damaged.
+        """
+        if self.decoded.max_bytes == 0:
+            return
+        try:
+            fh = self.store.open(key)
+            if fh is None:
+                return
+            try:
+                reader = ChunkReader(key, fh, self.codec, self.fingerprint)
+            except CorruptChunkError:
+                fh.close()
+                raise
+            with reader:
+                if reader.header.cut:  # windowed layers: kept as a prompt's read delivers them, on that read
+                    return
+                k, v = reader.decode_all()
+        except (CorruptChunkError, StoreUnavailableError):  # read (and recovered) when a prompt needs it
+            return
+        self.decoded.put(self.decoded.key(key, None, 0, int(k.shape[2]), dtype), (k.to(dtype), v.to(dtype)))
 
     def is_valid(self, key: str, level: int | None = None) -> bool:
         """Whether the chunk is present at ``level`` and every layer passes its checksum (no decoding)."""

@@ -223,7 +223,7 @@ def _check_caches(path: Path, report: VerifyReport, codec: Any, keys: list[str])
     store = open_index_store(path, manifest, StoreConfig(cache_mb=0, fsync=False))
     try:
         held = set(store.keys())
-        kvstore = KVStore(store, codec, manifest["model"]["fingerprint"])
+        kvstore = KVStore(store, codec, manifest["model"]["fingerprint"], decoded_bytes=0)
         for key in keys:
             plain = [(plain_cache_key(key), None)] if with_leads else []
             wanted = [(key, None), *plain, *((key, lv) for lv in levels)]

@@ -122,6 +122,11 @@ class ByteStore(ABC):
     def delete(self, key: str) -> None:
         """Remove ``key``'s blob if present."""
 
+    def touch(self, key: str) -> None:
+        """Mark ``key``'s blob as just used, where the store evicts by use (a read served from memory, never
+        opened here); nothing elsewhere or when it is absent.
+        """
+
     def nbytes(self, key: str) -> int:
         """Size of ``key``'s blob in bytes (0 when absent)."""
         fh = self.open(key)

@@ -245,6 +245,10 @@ class CachedStore(ByteStore):
         self._back()
         return iter(sorted(set(found) | set(self.pending)))
 
+    def touch(self, key: str) -> None:
+        """Mark the blob as used in the store (nothing while it is away)."""
+        self._ask(lambda: self.inner.touch(key), None)
+
     def delete(self, key: str) -> None:
         """Drop the blob here and in the store (there only if it answers: a damaged blob left there is found
         again when read, and replaced).

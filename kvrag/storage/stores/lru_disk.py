@@ -123,6 +123,13 @@ class LRUDiskStore(DiskStore):
                 pass
         return fh
 
+    def touch(self, key: str) -> None:
+        """Mark the blob as just used (its modification time), as `open` does."""
+        try:
+            os.utime(self._path(key))
+        except OSError:  # absent, or a read-only cache
+            pass
+
     def _state_path(self, name: str) -> Path:
         if not name or not all(c.isalnum() or c in "-_." for c in name):
             raise ValueError(f"a state name is letters, digits, '-', '_' and '.', got {name!r}")

@@ -112,6 +112,10 @@ class LRURedisStore(RedisStore):
         data = self._call("GET", get)
         return None if data is None else io.BytesIO(data)
 
+    def touch(self, key: str) -> None:
+        """Mark the blob as just used (``ZADD XX``: nothing when absent)."""
+        self._call("ZADD", lambda: self._client.zadd(self._lru, {key: time.time()}, xx=True))
+
     def delete(self, key: str) -> None:
         """Remove the blob and its bytes from the count."""
         name = self._key(key)

@@ -69,6 +69,9 @@ class ThrottledStore(ByteStore):
     def delete(self, key: str) -> None:
         self.inner.delete(key)
 
+    def touch(self, key: str) -> None:
+        self.inner.touch(key)
+
     def nbytes(self, key: str) -> int:
         return self.inner.nbytes(key)
 

@@ -128,6 +128,13 @@ class StoreConfig:
     max_bytes: int | None = None
     decoded_mb: float = 512.0
 
+    @staticmethod
+    def decoded_bytes_of(store: str | StoreConfig | None) -> int:
+        """The decoded tier's bound in bytes for ``store`` (a `KVRag` ``store=`` argument): its ``decoded_mb``, else
+        the default.
+        """
+        return int((store if isinstance(store, StoreConfig) else StoreConfig()).decoded_mb * (1 << 20))
+
     def __post_init__(self) -> None:
         if self.max_bytes is not None and not self.max_bytes > 0:
             raise ValueError(f"StoreConfig.max_bytes must be > 0 (or None), got {self.max_bytes!r}")

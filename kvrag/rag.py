@@ -66,9 +66,8 @@ class KVRag(PromptAnswers):
                  codec: Codec, layout: PromptLayout, batch_tokens: int = 4096, neighbour_context: int = 0,
                  neighbour_kv: str = "stored", store: str | StoreConfig | None = None) -> None:
         self.path, self.index, self.lm, self.embedder, self.layout = path, index, lm, embedder, layout
-        decoded_mb = store.decoded_mb if isinstance(store, StoreConfig) else StoreConfig.decoded_mb
         self.kvstore = KVStore(open_index_store(path, index.manifest, store), codec, lm.fingerprint,
-                               lm.family.windows, decoded_bytes=int(decoded_mb * (1 << 20)))
+                               lm.family.windows, StoreConfig.decoded_bytes_of(store))
         self.batch_tokens, self.neighbour_context, self.neighbour_kv = batch_tokens, neighbour_context, neighbour_kv
         self._prefix: PrefixCache | None = None
         self._context: QueryContext | None = None

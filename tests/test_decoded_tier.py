@@ -14,6 +14,7 @@ import torch
 from test_feed import LENS, _store
 from test_fuse import _setup
 
+from kvrag.config import StoreConfig
 from kvrag.loading.feed import StoreFeed, TieredFeed, open_tiered
 from kvrag.passages import PassageCache, find_passages
 from kvrag.passages.cache_url import decoded_bound, open_cache_store
@@ -66,6 +67,10 @@ def test_a_cache_url_bounds_the_tier_and_keeps_the_option_from_redis(tmp_path):
     with pytest.raises(ValueError, match="decoded_bytes must be a size"):
         decoded_bound(f"file://{tmp_path}/c?decoded_bytes=lots")
     assert open_cache_store(f"file://{tmp_path}/c?decoded_bytes=1MB").root == tmp_path / "c"
+    assert StoreConfig.decoded_bytes_of(None) == StoreConfig.decoded_bytes_of("disk") == DEFAULT_DECODED_BYTES
+    assert StoreConfig.decoded_bytes_of(StoreConfig(decoded_mb=0)) == 0  # an index's tier, off
+    with pytest.raises(ValueError, match="decoded_mb must be >= 0"):
+        StoreConfig(decoded_mb=-1)
 
 
 @pytest.mark.parametrize("codec", ["raw", "cachegen"])

@@ -25,6 +25,7 @@ from kvrag import KVRag, SplitConfig, StoreConfig
 from kvrag.cli import build_parser, main
 from kvrag.cli.common import store_arg
 from kvrag.storage.chunk_index import ChunkIndex
+from kvrag.storage.decoded_tier import DecodedTier
 from kvrag.storage.stores import CachedStore, DiskStore, RedisStore, StoreUnavailableError, open_index_store
 
 SPLIT = SplitConfig(mode="fixed", max_tokens=32, min_tokens=4)
@@ -71,6 +72,7 @@ def built(redis_server, tiny_lm, tmp_path_factory: pytest.TempPathFactory):
     expected = _answers(disk)
     disk.close()
     rag = _build(DOCS, tmp / "redis", tiny_lm, store=redis_server.url())
+    rag.kvstore.decoded = DecodedTier(0)  # every answer reads the store (no chunk fused from decoded memory)
     yield tmp / "redis", tmp / "disk", expected, rag
     rag.close()
 
@@ -222,7 +224,7 @@ def test_a_server_killed_or_hung_midway_then_back(redis_server, tiny_lm, tmp_pat
         rag = _build(DOCS[:4], tmp_path / "idx", tiny_lm, store=server.url())
         expected = {q: rag.answer(q, k=2, mode="reuse", max_new_tokens=4).token_ids for q in QUESTIONS}
         rag.close()
-        config = StoreConfig(cache_mb=0, retry_after_s=0.2, timeout_s=0.5, connect_timeout_s=0.5)
+        config = StoreConfig(cache_mb=0, retry_after_s=0.2, timeout_s=0.5, connect_timeout_s=0.5, decoded_mb=0)
         caplog.set_level(logging.INFO)
         with KVRag.open(tmp_path / "idx", model=tiny_lm, store=config) as rag:
             store = rag.kvstore.store
@@ -336,6 +338,8 @@ def test_the_commands_take_the_store_url(redis_server, tiny_model_dir, tmp_path,
     args = build_parser().parse_args(["ask", str(idx), "q", "--store", other, "--store-cache-mb", "8"])
     assert store_arg(args) == StoreConfig(backend=other, cache_mb=8.0)
     assert store_arg(build_parser().parse_args(["ask", str(idx), "q", "--store", other])) == other
+    assert store_arg(build_parser().parse_args(["ask", str(idx), "q", "--decoded-mb", "0"])) == StoreConfig(
+        decoded_mb=0.0)
 
 
 def test_without_redis_py_the_error_names_the_extra(monkeypatch, tmp_path):

@@ -85,7 +85,9 @@ def test_redis_killed_mid_answer_down_hung_and_back(redis, docs_dir: Path, tiny_
     index = tmp_path / "idx"
     assert _index(docs_dir, index, tiny_model_dir, redis.url()).returncode == 0
     # no wait bound: a hung store slows the first steps, and this test is about answers, not admission
-    with ServeProcess(index, "--store-cache-mb", "0", "--max-active", "4", "--max-wait", "0", "--no-warmup") as server:
+    # and no decoded tier: every answer reads the store, through its faults
+    with ServeProcess(index, "--store-cache-mb", "0", "--decoded-mb", "0", "--max-active", "4", "--max-wait", "0",
+                      "--no-warmup") as server:
         expected = {q: _text(_chat(server.url, q)) for q in QUESTIONS}
         answers: list[tuple[str, httpx.Response]] = []
         askers = [threading.Thread(target=lambda q=q: answers.append((q, _chat(server.url, q)))) for q in QUESTIONS * 2]
@@ -124,7 +126,9 @@ def test_redis_unreachable_for_30_seconds(redis, docs_dir: Path, tiny_model_dir:
         redis.start()
     index = tmp_path / "idx"
     assert _index(docs_dir, index, tiny_model_dir, redis.url(db=5)).returncode == 0
-    with ServeProcess(index, "--store-cache-mb", "0", "--max-active", "4", "--max-wait", "0", "--no-warmup") as server:
+    # and no decoded tier: every answer reads the store, through its faults
+    with ServeProcess(index, "--store-cache-mb", "0", "--decoded-mb", "0", "--max-active", "4", "--max-wait", "0",
+                      "--no-warmup") as server:
         expected = {q: _text(_chat(server.url, q)) for q in QUESTIONS}
         answers: list[tuple[str, httpx.Response, float]] = []
 

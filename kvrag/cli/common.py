@@ -4,10 +4,10 @@ Contract: `Parser` reports a usage error as one line ``kvrag: error: …`` on st
 (no usage dump). `add_global_flags` puts ``-v/--verbose`` (count), ``-q/--quiet``, ``--progress``
 and ``--debug`` on the top-level parser (with defaults) and on each subcommand (without, so that a
 flag given before the subcommand survives); they work in either place. `add_store_flags` adds
-``--store URL`` and ``--store-cache-mb N`` (where the chunk caches live; `store_arg` turns them into
-``KVRag``'s ``store=``); `add_embedder_flag` adds ``--embedder PATH`` (the index's embedder, named by the
-user when the manifest names a path outside the index). Argument types name the argument's problem and the
-value given. Nothing here imports torch.
+``--store URL``, ``--store-cache-mb N`` and ``--decoded-mb N`` (where the chunk caches live, and the in-memory
+tiers; `store_arg` turns them into ``KVRag``'s ``store=``); `add_embedder_flag` adds ``--embedder PATH`` (the
+index's embedder, named by the user when the manifest names a path outside the index). Argument types name the
+argument's problem and the value given. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ def add_global_flags(parser: argparse.ArgumentParser, top: bool) -> None:
 
 
 def add_store_flags(parser: argparse.ArgumentParser, building: bool) -> None:
-    """``--store`` and ``--store-cache-mb``; ``building``: for ``kvrag index`` (the URL is recorded in a new index)."""
+    """``--store``, ``--store-cache-mb`` and ``--decoded-mb``; ``building``: for ``kvrag index`` (the URL is recorded in
+    a new index).
+    """
     where = ("where the chunk caches go: file:///abs/path, or a shared Redis or Valkey "
              "redis://[:PASSWORD@]HOST:PORT/DB, recorded in a new index (without the password) so that 'kvrag ask' "
              "finds it (default: the chunks/ folder of the index); for an existing index, another URL for its caches"
@@ -53,6 +55,9 @@ def add_store_flags(parser: argparse.ArgumentParser, building: bool) -> None:
     parser.add_argument("--store-cache-mb", type=non_negative_float, default=None, metavar="MB",
                         help=f"size of the in-memory cache of hot chunk caches in front of a Redis store "
                              f"(default {StoreConfig.cache_mb:g}; 0: none)")
+    parser.add_argument("--decoded-mb", type=non_negative_float, default=None, metavar="MB",
+                        help=f"size of the in-memory tier of hot chunk caches kept decoded, on the CPU "
+                             f"(default {StoreConfig.decoded_mb:g}; 0: none)")
 
 
 def add_embedder_flag(parser: argparse.ArgumentParser) -> None:
@@ -63,13 +68,14 @@ def add_embedder_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def store_arg(args: argparse.Namespace) -> str | StoreConfig | None:
-    """``--store`` / ``--store-cache-mb`` / ``--max-cache-bytes`` as ``KVRag``'s ``store=`` (None: the index's own
-    store).
+    """``--store`` / ``--store-cache-mb`` / ``--decoded-mb`` / ``--max-cache-bytes`` as ``KVRag``'s ``store=`` (None:
+    the index's own store).
     """
-    bound = getattr(args, "max_cache_bytes", None)
-    if args.store_cache_mb is not None or bound is not None:
+    bound, decoded = getattr(args, "max_cache_bytes", None), getattr(args, "decoded_mb", None)
+    if args.store_cache_mb is not None or bound is not None or decoded is not None:
         cache_mb = StoreConfig.cache_mb if args.store_cache_mb is None else args.store_cache_mb
-        return StoreConfig(backend=args.store or "disk", cache_mb=cache_mb, max_bytes=bound)
+        return StoreConfig(backend=args.store or "disk", cache_mb=cache_mb, max_bytes=bound,
+                           decoded_mb=StoreConfig.decoded_mb if decoded is None else decoded)
     return args.store
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_feed import LENS, _store
 from test_fuse import _setup
+from test_passage_cache import PASSAGES
 
 from kvrag.config import StoreConfig
 from kvrag.loading.feed import StoreFeed, TieredFeed, open_tiered
@@ -21,15 +22,6 @@ from kvrag.passages.cache_url import decoded_bound, open_cache_store
 from kvrag.query.locate import chat_prompt
 from kvrag.storage.decoded_tier import DEFAULT_DECODED_BYTES, DecodedTier
 from kvrag.storage.stores import LRUDiskStore, LRURedisStore
-
-PASSAGES = [
-    "The alpha reactor was designed by the engineer Marie Dupont in 1961 at the Saclay laboratory near Paris, "
-    "and it ran for twenty years before it was closed.",
-    "The beta telescope was built on the summit of a volcano in Chile, where the dry air and the altitude give "
-    "the astronomers clear skies on most nights of the year.",
-    "The gamma bridge crosses the river in three arches of grey stone; it was finished in 1890 after the flood "
-    "had carried away the wooden bridge that stood there before.",
-]
 
 
 @pytest.fixture(scope="module")

@@ -35,8 +35,10 @@ class TieredFeed(ChunkFeed):
         available = [h is not None or (inner is not None and inner.available[j]) for j, h in enumerate(held)]
         super().__init__(lengths, available, n_layers, device, dtype)
         self.tier, self.tier_keys, self.held, self.inner = tier, list(tier_keys), list(held), inner
-        # chunks the store reads, kept whole as their layers arrive: chunk -> (keys, values) [L, H, n, D]
+        self._columns = [slice(off, off + n) for off, n in zip(self.offsets, self.lengths)]
+        # the chunks the store reads, kept whole as their layers arrive: chunk -> (keys, values) [L, H, n, D]
         self._kept: dict[int, KV] = {}
+        self._keeping = [j for j, (key, kv) in enumerate(zip(self.tier_keys, held)) if key is not None and kv is None]
         self._shape = next(((int(h[0].shape[1]), int(h[0].shape[3])) for h in held if h is not None), None)
 
     @property
@@ -58,24 +60,20 @@ class TieredFeed(ChunkFeed):
             h, d = self._shape
             k = torch.zeros((h, self.total, d), dtype=self.dtype, device=self.device)
             v = torch.zeros_like(k)
-        for kv, cols in zip(self.held, self._columns()):
+        for kv, cols in zip(self.held, self._columns):
             if kv is not None:
                 k[:, cols].copy_(kv[0][i])
                 v[:, cols].copy_(kv[1][i])
         self._keep(i, k, v)
         return k, v
 
-    def _columns(self) -> list[slice]:
-        return [slice(off, off + n) for off, n in zip(self.offsets, self.lengths)]
-
     def _keep(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Copy layer ``i`` of the chunks the store read into their tier entries; after the last, keep them."""
         inner = self.inner
         if inner is None:
             return
-        for j, cols in enumerate(self._columns()):
-            if self.held[j] is not None or self.tier_keys[j] is None or inner.recovered(j):
-                continue
+        for j in self._keeping:
+            cols = self._columns[j]
             if j not in self._kept:
                 shape = (self.n_layers, k.shape[0], self.lengths[j], k.shape[2])
                 self._kept[j] = (torch.empty(shape, dtype=k.dtype), torch.empty(shape, dtype=v.dtype))

@@ -147,8 +147,10 @@ class KVStore:
         """Whether ``key`` is stored at the codec's own level and at each of ``levels``."""
         return self.contains(key) and all(self.contains(key, level) for level in levels)
 
-    def reader(self, key: str, level: int | None = None) -> ChunkReader:
-        """An open, header-checked reader; `CorruptChunkError` when missing or damaged."""
+    def reader(self, key: str, level: int | None = None, counted: bool = True) -> ChunkReader:
+        """An open, header-checked reader; `CorruptChunkError` when missing or damaged. ``counted``: in `found` and
+        `missing` (a read for a prompt; not `hold_decoded`'s).
+        """
         stored = self._key(key, level)
         try:
             fh = self.store.open(stored)
@@ -156,11 +158,11 @@ class KVStore:
             self._sizes.pop(stored, None)
             raise ChunkUnavailableError(key, f"not read ({exc})") from None
         if fh is None:
-            self.missing += 1
+            self.missing += int(counted)
             self._sizes.pop(stored, None)
             suffix = "" if stored == key else f" at level {level}"
             raise CorruptChunkError(key, f"missing from the store{suffix}")
-        self.found += 1
+        self.found += int(counted)
         try:
             return ChunkReader(stored, fh, self.codec_at(level), self.fingerprint)
         except CorruptChunkError:
@@ -188,19 +190,11 @@ class KVStore:
         if self.decoded.max_bytes == 0:
             return
         try:
-            fh = self.store.open(key)
-            if fh is None:
-                return
-            try:
-                reader = ChunkReader(key, fh, self.codec, self.fingerprint)
-            except CorruptChunkError:
-                fh.close()
-                raise
-            with reader:
+            with self.reader(key, counted=False) as reader:
                 if reader.header.cut:  # windowed layers: kept as a prompt's read delivers them, on that read
                     return
                 k, v = reader.decode_all()
-        except (CorruptChunkError, StoreUnavailableError):  # read (and recovered) when a prompt needs it
+        except CorruptChunkError:  # missing, damaged or unreachable: read (and recovered) when a prompt needs it
             return
         self.decoded.put(self.decoded.key(key, None, 0, int(k.shape[2]), dtype), (k.to(dtype), v.to(dtype)))
 

@@ -136,7 +136,9 @@ def test_the_default_query_engine_gives_the_full_prefills_answer(rag):
         texts = [str(RetrieverQueryEngine.from_args(KVRetriever(rag, k=3), llm=llm).query(question))
                  for llm in (default, full)]
         assert texts[0] == texts[1]
-        assert default.last_answer.gate.decision == "short" and len(default.last_answer.chunks) == 3
+        # short: every stale token recomputed; kept: the same passages before a new question, read from the
+        # exact rows of the prompt before (LlamaIndex's template puts the context first)
+        assert default.last_answer.gate.decision in ("short", "kept") and len(default.last_answer.chunks) == 3
 
 
 @pytest.mark.slow

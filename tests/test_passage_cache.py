@@ -67,10 +67,14 @@ def test_a_passage_is_stored_after_its_first_answer_and_read_after(cache: Passag
     again = cache.answer_prompt(prompt, "probe", passages=passages, max_new_tokens=4)  # fused: the caches read
     assert [c.text for c in again.chunks] == PASSAGES
     assert cache.stats.found == 3 and cache.stats.hit_rate == 0.5
-    short = cache.answer_prompt(prompt, passages=passages, max_new_tokens=4)  # the gate: a short prompt in full
-    assert short.gate.decision == "short" and short.mode == "full" and short.token_ids == first.token_ids
+    kept = cache.answer_prompt(prompt, passages=passages, max_new_tokens=4)  # the gate: the first answer's rows
+    assert kept.gate.decision == "kept" and kept.token_ids == first.token_ids
     full = cache.answer_prompt(prompt, "full", passages=passages, max_new_tokens=4)
     assert full.token_ids == first.token_ids  # recomputing everything is the plain prefill, caches or none
+    other = chat_prompt(cache.lm.tokenizer, _prompt("Who built the beta telescope?"))
+    short = cache.answer_prompt(other, passages=passages, max_new_tokens=4)  # the gate: a short prompt in full
+    assert short.gate.decision == "short" and short.mode == "full"
+    assert short.token_ids == cache.answer_prompt(other, "full", passages=passages, max_new_tokens=4).token_ids
 
 
 def test_an_edited_passage_is_a_new_key_never_served_stale(cache: PassageCache):
@@ -159,8 +163,9 @@ def test_langchain_tutorial_chain_over_faiss_swaps_only_the_llm(tiny_model_dir: 
     first = chain.invoke("Who designed the alpha reactor?")
     assert llm.last_answer.chunks == []
     llm.rag.flush(60)
-    second = chain.invoke("Who designed the alpha reactor?")
+    second = chain.invoke("Who built the beta telescope?")  # a new question before the same passages: fused
     assert sorted(c.text for c in llm.last_answer.chunks) == sorted(PASSAGES)
+    assert llm.last_answer.gate.decision == "fused"
     assert isinstance(first, str) and isinstance(second, str)
     assert llm.warm([Document(page_content=PASSAGES[0])], show_progress=False) == 0  # stored already
     from langchain_core.vectorstores import InMemoryVectorStore

@@ -172,6 +172,7 @@ def test_a_long_prompt_goes_through_the_gate_and_its_ladder(tiny_rag):
     from kvrag.config import GateConfig
 
     prompt, _ = _flat_prompt(tiny_rag)
+    tiny_rag.context.heads.clear_prompts()  # an earlier test's exact answer to this prompt would be read instead
     never = GateConfig(full_below_tokens=0, min_margin=1e9, ladder=(0.5,))
     gated = tiny_rag.answer_prompt(prompt, gate=never, max_new_tokens=3)
     assert gated.gate.decision == "escalated" and [a["mode"] for a in gated.gate.attempts] == [

@@ -10,12 +10,22 @@ same model and prompt.
 The corpus is every passage of the selected questions. The first selected question warms up (loads, fits the codec
 state) and is not counted. Then, per question, over a passage cache of its own (a new folder; the model's codec
 state and the template heads kept in memory are shared, as in one long-lived process): the default LLM on passages
-it has never seen (``first``), the caches stored (``flush``), ``full`` and the default again (``repeat``, the same
-passages now cached: stored after the first answer, and kept decoded in the process's memory tier), then once more
-with that tier emptied (``cold``: the passages' blobs read from disk and decoded, as in a new process); ``full``
-comes before ``first`` on every other question. TTFT is wall-clock from ``chain.stream`` to the first non-blank
-piece.
+it has never seen (``first``), the caches stored (``flush``), ``full``, and the default again (``repeat``: the same
+prompt, read from the rows of the first answer's prompt, which the gate kept). Then the question reworded
+(``reworded``, ``"In a few words: "`` before it, through the same retriever) beside its own full prefill
+(``full_reworded``): the passages now cached, and read from the first prompt's kept rows only where that prompt
+holds them (a context-first template, the same passages retrieved). Then the first prompt fused from the passages'
+stored caches with the kept prompts forgotten (``fused``: decoded in the process's memory tier), and once more with
+that tier emptied too (``cold``: the blobs read from disk and decoded, as in a new process). ``full`` comes before
+``first`` on every other question. TTFT is wall-clock from ``chain.stream`` to the first non-blank piece.
 Right: gold F1 >= 0.5 or a normalised gold answer contained in the answer (`kvrag.bench.metrics.is_right`).
+
+``--framework llamaindex`` runs LlamaIndex's default instead: the user's ``VectorStoreIndex`` over
+``SentenceSplitter`` nodes (the same embedding model), ``index.as_query_engine(llm=..., similarity_top_k=K,
+streaming=True)`` with its default text-QA template (the context before the question). ``--bf16-reference`` adds
+``full_bf16``: the same prompt prefilled in full by the same model with bfloat16 weights, a second model in the same
+process. It tells a right answer that a full prefill gives robustly from one that a perturbation this small
+already changes; the summary counts both.
 
     python benchmarks/any-retriever/run.py --data benchmarks/data/musique_hipporag100.jsonl --start 51 --n 12 \
         --k 20 --threads 2 --out benchmarks/any-retriever/musique-report
@@ -29,7 +39,8 @@ import math
 import statistics
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +52,9 @@ RAG_PROMPT = ("You are an assistant for question-answering tasks. Use the follow
               "sentences maximum and keep the answer concise.\nQuestion: {question} \nContext: {context} \nAnswer:")
 
 
-RUNS = ("full", "first", "repeat", "cold")
+RUNS = ("full", "first", "repeat", "reworded", "full_reworded", "fused", "cold")
+REWORD = "In a few words: {question}"
+REFERENCE = {"reworded": "full_reworded"}  # the full prefill a run's answers and TTFT compare with (else ``full``)
 
 
 def format_docs(docs: Iterable[Any]) -> str:
@@ -58,6 +71,41 @@ def build_chain(retriever: Any, llm: Any) -> Any:
     return {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | llm | StrOutputParser()
 
 
+class LlamaIndexChain:
+    """LlamaIndex's default query engine over the user's index, streaming, with ``stream`` as a LangChain chain has."""
+
+    def __init__(self, index: Any, llm: Any, k: int) -> None:
+        self.engine = index.as_query_engine(llm=llm, similarity_top_k=k, streaming=True)
+
+    def stream(self, question: str) -> Iterable[str]:
+        yield from self.engine.query(question).response_gen
+
+
+def llamaindex_index(texts: Sequence[str]) -> Any:
+    """The user's ``VectorStoreIndex``: ``SentenceSplitter`` nodes embedded by all-MiniLM-L6-v2."""
+    from langchain_community.embeddings import HuggingFaceEmbeddings
+    from llama_index.core import Document, VectorStoreIndex
+    from llama_index.core.embeddings import BaseEmbedding
+    from llama_index.core.node_parser import SentenceSplitter
+
+    from kvrag.embedder import resolve_embedder
+
+    model = HuggingFaceEmbeddings(model_name=resolve_embedder(None))
+
+    class MiniLM(BaseEmbedding):  # type: ignore[misc]
+        def _get_query_embedding(self, query: str) -> list[float]:
+            return list(model.embed_query(query))
+
+        async def _aget_query_embedding(self, query: str) -> list[float]:
+            return self._get_query_embedding(query)
+
+        def _get_text_embedding(self, text: str) -> list[float]:
+            return list(model.embed_documents([text])[0])
+
+    return VectorStoreIndex.from_documents([Document(text=t) for t in texts], embed_model=MiniLM(),
+                                           transformations=[SentenceSplitter()])
+
+
 def timed(chain: Any, llm: Any, question: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     ttft, parts = math.nan, []
@@ -67,23 +115,61 @@ def timed(chain: Any, llm: Any, question: str) -> dict[str, Any]:
         parts.append(piece)
     answer = llm.last_answer
     return {"answer": "".join(parts).strip(), "ttft_s": ttft, "prompt_tokens": answer.n_prompt_tokens,
-            "passages_read": len(answer.chunks), "answered_mode": answer.mode}
+            "passages_read": len(answer.chunks), "answered_mode": answer.mode,
+            "gate": answer.gate.decision if answer.gate is not None else None}
 
 
 def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     def med(key: str, run: str) -> float:
         return statistics.median(r[run][key] for r in rows)
 
-    full_right = [r for r in rows if r["full"]["right"]]
     out: dict[str, Any] = {"questions": len(rows), "median_prompt_tokens": med("prompt_tokens", "full")}
-    for run in RUNS:
+    bf16 = bool(rows) and "full_bf16" in rows[0]
+    for run in (*RUNS, "full_bf16") if bf16 else RUNS:
+        ref = REFERENCE.get(run, "full")
+        full_right = [r for r in rows if r[ref]["right"]]
         out[run] = {"right": sum(r[run]["right"] for r in rows),
                     "wrong_where_full_right": sum(not r[run]["right"] for r in full_right),
-                    "median_ttft_s": med("ttft_s", run), "median_passages_read": med("passages_read", run)}
-    out["first_over_full"] = statistics.median(r["first"]["ttft_s"] / r["full"]["ttft_s"] for r in rows)
-    out["full_over_repeat"] = statistics.median(r["full"]["ttft_s"] / r["repeat"]["ttft_s"] for r in rows)
-    out["full_over_cold"] = statistics.median(r["full"]["ttft_s"] / r["cold"]["ttft_s"] for r in rows)
+                    "same_answer_as_full": sum(r[run]["answer"] == r[ref]["answer"] for r in rows),
+                    "median_ttft_s": med("ttft_s", run), "median_passages_read": med("passages_read", run),
+                    "gate": dict(Counter(str(r[run]["gate"]) for r in rows))}
+        if run != ref:
+            out[run]["full_over_run"] = statistics.median(r[ref]["ttft_s"] / r[run]["ttft_s"] for r in rows)
+        if bf16:
+            robust = [r for r in full_right if r["full_bf16"]["right"]]
+            out[run]["wrong_where_full_and_full_bf16_right"] = sum(not r[run]["right"] for r in robust)
+            out[run]["same_answer_as_full_bf16"] = sum(r[run]["answer"] == r["full_bf16"]["answer"] for r in rows)
     return out
+
+
+def user_pipeline(framework: str, texts: Sequence[str], k: int) -> Callable[[Any], Any]:
+    """The user's retrieval over ``texts`` (``k`` passages a question): a function from an LLM to its chain."""
+    if framework == "llamaindex":
+        user_index = llamaindex_index(texts)
+        return lambda llm: LlamaIndexChain(user_index, llm, k)
+    from langchain_community.embeddings import HuggingFaceEmbeddings
+    from langchain_community.vectorstores import FAISS
+    from langchain_core.documents import Document
+    from langchain_text_splitters import RecursiveCharacterTextSplitter
+
+    from kvrag.embedder import resolve_embedder
+
+    docs = [Document(page_content=text) for text in texts]
+    chunks = RecursiveCharacterTextSplitter(chunk_size=1000, chunk_overlap=0).split_documents(docs)
+    store = FAISS.from_documents(chunks, HuggingFaceEmbeddings(model_name=resolve_embedder(None)))
+    retriever = store.as_retriever(search_kwargs={"k": k})
+    return lambda llm: build_chain(retriever, llm)
+
+
+def llm_class(framework: str) -> Any:
+    """kvrag's LLM for ``framework``."""
+    if framework == "llamaindex":
+        from kvrag.integrations.llama_index import KVCachedLLM as LlamaIndexLLM
+
+        return LlamaIndexLLM
+    from kvrag.integrations.langchain import KVCachedLLM
+
+    return KVCachedLLM
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -96,31 +182,30 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--cache", default=None, help="cache URL (default: a temporary folder)")
+    parser.add_argument("--framework", choices=("langchain", "llamaindex"), default="langchain")
+    parser.add_argument("--bf16-reference", action="store_true", help="add full_bf16 (see the module docstring)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
     import torch
-    from kvrag.integrations.langchain import KVCachedLLM
-    from langchain_community.embeddings import HuggingFaceEmbeddings
-    from langchain_community.vectorstores import FAISS
-    from langchain_core.documents import Document
-    from langchain_text_splitters import RecursiveCharacterTextSplitter
 
-    from kvrag.embedder import resolve_embedder
     from kvrag.passages import PassageCache, open_cache_store
 
     if args.threads:
         torch.set_num_threads(args.threads)
     items = load_questions(args.data, args.start + args.n - 1)[max(args.start - 2, 0):]
-    docs = [Document(page_content=passage_text(c)) for item in items for c in item["ctxs"]]
-    chunks = RecursiveCharacterTextSplitter(chunk_size=1000, chunk_overlap=0).split_documents(docs)
-    store = FAISS.from_documents(chunks, HuggingFaceEmbeddings(model_name=resolve_embedder(None)))
-    retriever = store.as_retriever(search_kwargs={"k": args.k})
+    texts = [passage_text(c) for item in items for c in item["ctxs"]]
+    chain_of = user_pipeline(args.framework, texts, args.k)
+    KVCachedLLM = llm_class(args.framework)  # noqa: N806
     with tempfile.TemporaryDirectory() as folder:
+        bf16 = None
+        if args.bf16_reference:  # a second model, bfloat16 weights, prefilling every prompt in full
+            bf16 = KVCachedLLM(rag=PassageCache.open(args.model, f"file://{folder}/bf16", dtype="bfloat16"),
+                               mode="full", max_new_tokens=args.max_new_tokens)
         llm = KVCachedLLM(model=args.model, cache=args.cache or f"file://{folder}/warm-up?max_bytes=20GB",
                           max_new_tokens=args.max_new_tokens)
         full = KVCachedLLM(rag=llm.rag, mode="full", max_new_tokens=args.max_new_tokens)
-        chain, full_chain = build_chain(retriever, llm), build_chain(retriever, full)
+        chain, full_chain = chain_of(llm), chain_of(full)
         if args.start > 1:  # warm-up: loads everything and fits the codec state
             timed(chain, llm, items[0]["question"])
             timed(full_chain, full, items[0]["question"])
@@ -133,21 +218,30 @@ def main(argv: Sequence[str] | None = None) -> None:
             own.context.heads = warm.context.heads  # one long-lived process: the template's head kept, as in use
             llm, full = KVCachedLLM(rag=own, max_new_tokens=args.max_new_tokens), \
                 KVCachedLLM(rag=own, mode="full", max_new_tokens=args.max_new_tokens)
-            chain, full_chain = build_chain(retriever, llm), build_chain(retriever, full)
+            chain, full_chain = chain_of(llm), chain_of(full)
             row: dict[str, Any] = {"id": item["id"], "question": item["question"], "golds": item["answers"]}
+            question, reworded = item["question"], REWORD.format(question=item["question"])
             if turn % 2:
-                row["full"] = timed(full_chain, full, item["question"])
-            row["first"] = timed(chain, llm, item["question"])
+                row["full"] = timed(full_chain, full, question)
+            row["first"] = timed(chain, llm, question)
             llm.rag.flush()
             if not turn % 2:
-                row["full"] = timed(full_chain, full, item["question"])
-            row["repeat"] = timed(chain, llm, item["question"])
+                row["full"] = timed(full_chain, full, question)
+            row["repeat"] = timed(chain, llm, question)
+            row["full_reworded"] = timed(full_chain, full, reworded)
+            row["reworded"] = timed(chain, llm, reworded)
+            llm.rag.flush()
+            own.context.heads.clear_prompts()  # the first prompt fused from the passages' stored caches
+            row["fused"] = timed(chain, llm, question)
+            own.context.heads.clear_prompts()
             own.kvstore.decoded.clear()  # as in a new process: the passages' blobs read and decoded again
-            row["cold"] = timed(chain, llm, item["question"])
-            for run in RUNS:
+            row["cold"] = timed(chain, llm, question)
+            if bf16 is not None:
+                row["full_bf16"] = timed(chain_of(bf16), bf16, question)
+            for run in row.keys() & {*RUNS, "full_bf16"}:
                 row[run]["right"] = metrics.is_right(row[run]["answer"], item["answers"])
             rows.append(row)
-            print(json.dumps({k: row[k] for k in ("id", *RUNS)}, default=str)[:500], flush=True)
+            print(json.dumps({k: row[k] for k in row if k not in ("question", "golds")}, default=str)[:700], flush=True)
             for key, value in own.info().items():
                 if key in info:
                     info[key] += value

@@ -155,5 +155,7 @@ def _gate_text(report: Any) -> str:
         return f"short prompt ({report.stale_tokens} stale tokens), {how}"
     if report.decision == "fused":
         return "check passed"
+    if report.decision == "kept":
+        return "every passage read from a kept prompt's exact rows"
     last = report.attempts[-1]
     return f"check failed ({report.attempts[0]['reason']}), answered by {last['mode']}"

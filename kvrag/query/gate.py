@@ -34,6 +34,7 @@ import torch
 
 from kvrag.config import DEFAULT_MODE, FuseConfig, GateConfig
 from kvrag.fusion import FusionResult, Selector, exact_mode, selector_class
+from kvrag.model import hf_compat
 from kvrag.model.prefix import KV
 from kvrag.query import pipeline
 from kvrag.query.answer import RetrievedChunk
@@ -93,7 +94,8 @@ class GateReport:
     """What the gate did for one answer: each attempt with its signals, and the outcome."""
 
     # "fused": the first attempt passed; "escalated": a later one was used; "short": a short prompt, every stale
-    # token recomputed (the attempt's mode says how: "prefix" or "full")
+    # token recomputed (the attempt's mode says how: "prefix" or "full"); "text": mostly text without a cache,
+    # prefilled in full; "kept": every passage read from a kept prompt's exact rows
     decision: str
     stale_tokens: int
     attempts: list[dict[str, Any]] = field(default_factory=list)
@@ -120,8 +122,9 @@ def gate_settings(gate: GateConfig | bool) -> GateConfig | None:
 class AnswerPlan:
     """What one answer runs, made once before anything is fused: the fusions to try in order (each a
     `FuseConfig`; the first one whose check passes is used) and the gate they answer to (None: no gate,
-    one attempt). ``decision`` is the `GateReport`'s: ``"fused"``, ``"short"`` for a short prompt, or ``"text"``
-    for a prompt that is mostly text without a stored cache.
+    one attempt). ``decision`` is the `GateReport`'s: ``"fused"``, ``"short"`` for a short prompt, ``"text"``
+    for a prompt that is mostly text without a stored cache, or ``"kept"`` for a prompt whose passages all lie in a
+    kept prompt's exact rows (`kvrag.query.head_cache`).
     ``mode`` is the mode asked for: a selector given with it chooses only that mode's positions.
     """
 
@@ -145,7 +148,7 @@ def plan_answer(laid: LaidOut, config: FuseConfig, gate: GateConfig | None) -> A
     if selector_class(config.mode).recomputes_all:
         return AnswerPlan((config,), gate, "fused", stale, config.mode)
     if not any(c is not None for c in laid.chunks):
-        return AnswerPlan((replace(config, mode=exact),), gate, "short", stale, config.mode)
+        return AnswerPlan((replace(config, mode=exact),), gate, "kept" if laid.kept else "short", stale, config.mode)
     if gate is None:
         return AnswerPlan((config,), None, "fused", stale, config.mode)
     if stale < gate.full_below_tokens:
@@ -233,13 +236,19 @@ def prepare_prompt(ctx: QueryContext, prompt: str, candidates: Sequence[Retrieve
     found among ``candidates`` (`kvrag.query.locate`), then planned and executed as `prepare_answer` does for a
     question. A plan that reads no cache (``full``, a short prompt without an exact first passage, a prompt mostly
     of text) runs over the prompt as one text: exactly a plain prefill's tokens, not the pieces' (the pieces'
-    tokens can differ where a passage meets the template's text).
+    tokens can differ where a passage meets the template's text). Under the gate, such an exact answer's prompt is
+    kept (`kvrag.query.head_cache.HeadCache.keep_prompt`), and passages a kept prompt holds are read from its rows.
     """
-    laid = lay_out_prompt(ctx, prompt, candidates)
+    kept = gate is not None  # the gate's path reads and keeps whole prompts (`kvrag.query.head_cache`)
+    laid = lay_out_prompt(ctx, prompt, candidates, kept=kept)
     plan = plan_answer(laid, config, gate)
     if laid.used and all(selector_class(a.mode).recomputes_all for a in plan.attempts):
         # nothing will be read: the prompt as one text, tokenized as a plain prefill tokenizes it
-        found, laid = laid.used, lay_out_prompt(ctx, prompt, [])
+        found, laid = laid.kept + laid.used, lay_out_prompt(ctx, prompt, [], kept=kept)
         laid.found = found
         plan = plan_answer(laid, config, gate)
-    return execute(ctx, laid, plan, None, selector)
+    fused = execute(ctx, laid, plan, None, selector)
+    if kept and all(chunk is None for chunk in laid.chunks):  # exact: kept rows and one pass over the rest
+        ids = torch.cat([laid.prefix.ids.cpu(), *laid.piece_ids, laid.suffix_ids]).tolist()
+        ctx.heads.keep_prompt(ids, hf_compat.cache_layers(fused.fused.cache))
+    return fused

@@ -9,7 +9,15 @@ head that puts the question before the passages (LangChain's tutorial prompt) th
 question. `HeadCache.prefix_for` prefills a head's missing tokens on their own and keeps the whole head;
 `HeadCache.leading` gives a prompt with no passage the kept rows it starts with and leaves the rest to the caller's
 pass (one pass over the prompt, as fast as a full prefill).
-Entries are evicted least recently used first once their bytes pass ``max_bytes``.
+
+Whole prompts are kept apart from heads, under a bound of their own: `HeadCache.keep_prompt` keeps the rows of a
+prompt the gate answered from exact rows (a full prefill, or kept rows and one pass after them), and
+`HeadCache.covered` says how many leading tokens of a new prompt a kept prompt holds. The gate then reads the
+passages inside that run from those exact rows instead of fusing their stored caches (`kvrag.query.locate`): a
+prompt asked again, or the same passages before a new question (a context-first template), gets the full prefill's
+answer from one pass over the tokens after them. Only lookups that ask for them (``prompts=True``) see kept prompts,
+so an explicit mode, ``full`` included, computes what it names.
+Entries are evicted least recently used first once their bytes pass their bound.
 
 Thread-safe: lookups and insertions hold a lock; the prefill itself runs outside it.
 """
@@ -26,6 +34,7 @@ from kvrag.model import LoadedModel, hf_compat
 from kvrag.model.prefix import PrefixCache, prefix_cache
 
 DEFAULT_HEAD_BYTES = 256 << 20
+DEFAULT_PROMPT_BYTES = 512 << 20
 
 
 def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -46,36 +55,66 @@ class HeadCache:
 
     Args:
         max_bytes: the bound on the kept heads' KV; 0 keeps none (every head is prefilled).
+        prompt_bytes: the bound on the kept whole prompts' KV; 0 keeps none.
     """
 
-    def __init__(self, max_bytes: int = DEFAULT_HEAD_BYTES) -> None:
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
-        self.max_bytes = max_bytes
+    def __init__(self, max_bytes: int = DEFAULT_HEAD_BYTES, prompt_bytes: int = DEFAULT_PROMPT_BYTES) -> None:
+        for name, value in (("max_bytes", max_bytes), ("prompt_bytes", prompt_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        self.max_bytes, self.prompt_bytes = max_bytes, prompt_bytes
         self._entries: ByteLRU[tuple[int, ...], PrefixCache] = ByteLRU(max_bytes)
+        self._prompts: ByteLRU[tuple[int, ...], PrefixCache] = ByteLRU(prompt_bytes)
         self._lock = threading.Lock()
         self.reused_tokens = 0  # head tokens read from kept entries, over this cache's life
         self.prefilled_tokens = 0  # head tokens computed
 
     @property
     def nbytes(self) -> int:
-        """The bytes of KV held."""
-        return self._entries.nbytes
+        """The bytes of KV held (heads and whole prompts)."""
+        return self._entries.nbytes + self._prompts.nbytes
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) + len(self._prompts)
 
-    def _longest(self, ids: tuple[int, ...]) -> tuple[PrefixCache | None, int]:
-        """The kept head sharing the most leading tokens with ``ids``, and how many it shares."""
+    def _longest(self, ids: tuple[int, ...], prompts: bool = False) -> tuple[PrefixCache | None, int]:
+        """The kept head (or, with ``prompts``, head or whole prompt) sharing the most leading tokens with ``ids``,
+        and how many it shares.
+        """
         with self._lock:
-            best, shared = None, 0
-            for key in self._entries:
-                n = _common_length(key, ids)
-                if n > shared:
-                    best, shared = key, n
+            best, shared, kept = None, 0, self._entries
+            for entries in (self._entries, self._prompts) if prompts else (self._entries,):
+                for key in entries:
+                    n = _common_length(key, ids)
+                    if n > shared:
+                        best, shared, kept = key, n, entries
             if best is None:
                 return None, 0
-            return self._entries.get(best), shared
+            return kept.get(best), shared
+
+    def covered(self, ids: Sequence[int]) -> int:
+        """How many leading tokens of ``ids`` the kept head or prompt sharing the most of them holds (0: none)."""
+        return self._longest(tuple(int(t) for t in ids), prompts=True)[1] if len(ids) else 0
+
+    def keep_prompt(self, ids: Sequence[int], layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep a copy of the first ``len(ids)`` rows of ``layers`` (per layer ``[1, H, >= len(ids), D]``) as the
+        exact KV of the prompt ``ids``. The caller vouches for exactness: rows a full prefill computed, or kept rows
+        and one pass over the tokens after them. A prompt a kept one already holds, or larger than
+        ``prompt_bytes``, is not kept.
+        """
+        key = tuple(int(t) for t in ids)
+        size = sum(k[:, :, : len(key)].numel() * k.element_size() * 2 for k, _ in layers)
+        if not key or size > self.prompt_bytes or len(key) <= self.covered(key):
+            return
+        kv = [(k[:, :, : len(key)].clone(), v[:, :, : len(key)].clone()) for k, v in layers]
+        prefix = PrefixCache(torch.tensor(key, dtype=torch.long, device=kv[0][0].device), kv)
+        with self._lock:
+            self._prompts.put(key, prefix, size)
+
+    def clear_prompts(self) -> None:
+        """Forget every kept whole prompt (heads stay)."""
+        with self._lock:
+            self._prompts.clear()
 
     def _keep(self, ids: tuple[int, ...], prefix: PrefixCache) -> None:
         size = _nbytes(prefix)
@@ -85,29 +124,31 @@ class HeadCache:
             if self._entries.get(ids) is None:
                 self._entries.put(ids, prefix, size)
 
-    def split(self, lm: LoadedModel, head_ids: Sequence[int]) -> tuple[PrefixCache, list[int]]:
+    def split(self, lm: LoadedModel, head_ids: Sequence[int], prompts: bool = False) -> tuple[PrefixCache, list[int]]:
         """``head_ids`` as a kept prefix and the tokens after it, which the caller recomputes with the rest of its
         prompt (no model call of their own). A head that shares less than half its tokens with every kept one (a
-        new template) is prefilled and kept (`prefix_for`): each template pays for its head once.
+        new template) is prefilled and kept (`prefix_for`): each template pays for its head once. ``prompts``: kept
+        whole prompts count too.
         """
         ids = tuple(int(t) for t in head_ids)
         if not ids:
             raise ValueError("a prompt head needs at least one token")
-        found, shared = self._longest(ids)
+        found, shared = self._longest(ids, prompts)
         if found is None or 2 * shared < len(ids):
             return self.prefix_for(lm, ids), []
         self.reused_tokens += shared
         return (found if found.length == shared else _cropped(found, shared)), list(ids[shared:])
 
-    def leading(self, lm: LoadedModel, ids: Sequence[int]) -> tuple[PrefixCache, list[int]]:
+    def leading(self, lm: LoadedModel, ids: Sequence[int], prompts: bool = False) -> tuple[PrefixCache, list[int]]:
         """The kept rows sharing the most leading tokens with ``ids`` (its first token alone, prefilled, when no
         kept head shares one) and the tokens after them, which the caller recomputes with the rest of its prompt
-        in its own pass. Nothing is kept: for a prompt in which no head was told apart.
+        in its own pass. Nothing is kept: for a prompt in which no head was told apart. ``prompts``: kept whole
+        prompts count too.
         """
         ids = tuple(int(t) for t in ids)
         if not ids:
             raise ValueError("a prompt head needs at least one token")
-        found, shared = self._longest(ids)
+        found, shared = self._longest(ids, prompts)
         if found is None:
             return self.prefix_for(lm, ids[:1], keep=False), list(ids[1:])
         self.reused_tokens += shared

@@ -14,6 +14,11 @@ the streaming loader all run for it:
   not recomputed, and the head's other tokens (a new question) are a text piece recomputed with the rest. A
   head equal to kvrag's own prompt prefix uses the index's prefix, so the first passage's stored cache is
   exact there.
+- **Kept prompts** (``kept=True``, the gate's default path). The `HeadCache` also keeps whole prompts the gate
+  answered from exact rows (`kvrag.query.gate.prepare_prompt`). Passages that lie entirely inside the longest kept
+  run of the prompt's leading tokens join the head: their exact rows are read from the kept prompt, not fused from
+  their stored caches. A prompt asked again, or the same passages before a new question (a context-first
+  template), has no passage left to fuse: its kept rows and one pass over the rest give the full prefill's answer.
 - Each **passage** reads its stored cache for as many of its tokens in the prompt as equal, from the first, the
   ids that cache was computed for (`QueryContext.stored_ids`): all of them when the prompt holds it as it was
   stored, else its first rows (where the blank line after it tokenizes otherwise in the prompt); its other tokens
@@ -108,13 +113,15 @@ def _runs(ctx: QueryContext, tokens: PromptTokens, spans: Sequence[Span]) -> lis
     return runs
 
 
-def _no_passage(ctx: QueryContext, prompt: str, ids: list[int], t0: float) -> LaidOut:
-    """A prompt with no passage to read: the kept head rows it starts with, one text piece and its last token."""
+def _no_passage(ctx: QueryContext, prompt: str, ids: list[int], t0: float, kept: bool = False) -> LaidOut:
+    """A prompt with no passage to read: the kept head rows it starts with (or kept prompt rows, with ``kept``), one
+    text piece and its last token.
+    """
     check_length(ctx, len(ids))
     if len(ids) < 2:
         raise InputError(f"the prompt {prompt!r:.40} has fewer than two tokens")
     t1 = time.perf_counter()
-    prefix, rest = ctx.heads.leading(ctx.lm, ids[:-1])  # the rest is recomputed in the answer's one pass
+    prefix, rest = ctx.heads.leading(ctx.lm, ids[:-1], kept)  # the rest is recomputed in the answer's one pass
     return LaidOut(prefix, [None] if rest else [], [torch.tensor(rest)] if rest else [], torch.tensor(ids[-1:]),
                    False, True, t0, {"locate_s": t1 - t0, "head_s": time.perf_counter() - t1})
 
@@ -122,13 +129,14 @@ def _no_passage(ctx: QueryContext, prompt: str, ids: list[int], t0: float) -> La
 Piece = tuple[RetrievedChunk | None, list[int], int]  # (chunk or None for text, its ids, its first stored row)
 
 
-def _laid_out(ctx: QueryContext, head: list[int], pieces: list[Piece], tail: list[int], t0: float) -> LaidOut:
+def _laid_out(ctx: QueryContext, head: list[int], pieces: list[Piece], tail: list[int], t0: float,
+              kept: bool = False) -> LaidOut:
     """The head's kept rows as the prefix (its other tokens a first text piece), then ``pieces`` (the empty ones
     left out), then ``tail``; ``rows_prefix`` and ``row_starts`` say which chunks read only part of their cache.
     """
     own = tuple(head) == tuple(ctx.layout.prefix_ids) and ctx.prefix_exact  # kvrag's own prompt prefix
     t_head = time.perf_counter()
-    prefix, head_rest = (ctx.prefix, []) if own else ctx.heads.split(ctx.lm, head)
+    prefix, head_rest = (ctx.prefix, []) if own else ctx.heads.split(ctx.lm, head, kept)
     head_s = time.perf_counter() - t_head
     pieces = ([(None, head_rest, 0)] if head_rest else []) + [p for p in pieces if p[1]]
     check_length(ctx, prefix.length + sum(len(ids) for _, ids, _ in pieces) + len(tail))
@@ -140,7 +148,7 @@ def _laid_out(ctx: QueryContext, head: list[int], pieces: list[Piece], tail: lis
 
 
 def lay_out_prompt(ctx: QueryContext, prompt: str, candidates: Sequence[RetrievedChunk],
-                   t0: float | None = None) -> LaidOut:
+                   t0: float | None = None, kept: bool = False) -> LaidOut:
     """``prompt`` cut into head, passages, text between and tail (see the module docstring).
 
     Args:
@@ -148,6 +156,7 @@ def lay_out_prompt(ctx: QueryContext, prompt: str, candidates: Sequence[Retrieve
         prompt: the exact prompt string (no chat template is added; see `chat_prompt`).
         candidates: the chunks that may occur in it.
         t0: when the prompt arrived (default: now).
+        kept: read the passages that a kept whole prompt holds from its exact rows.
 
     Raises:
         InputError: an empty prompt, or one longer than the model's context window.
@@ -160,15 +169,22 @@ def lay_out_prompt(ctx: QueryContext, prompt: str, candidates: Sequence[Retrieve
     tokens = tokenize_prompt(tokenizer, prompt)
     if tokens is None:  # no character offsets: the pieces are tokenized one by one
         return _piecewise(ctx, prompt, spans, t0)
-    runs = _runs(ctx, tokens, spans)
+    found = _runs(ctx, tokens, spans)
+    covered = ctx.heads.covered(tokens.ids) if kept and found else 0  # passages in kept exact rows join the head
+    runs = [run for run in found if run[1] + run[2] > covered]
+    inside: list[RetrievedChunk] = [run[0].chunk for run in found[: len(found) - len(runs)]]  # type: ignore[misc]
     if not runs:
-        return _no_passage(ctx, prompt, tokens.ids, t0)
+        laid = _no_passage(ctx, prompt, tokens.ids, t0, kept)
+        laid.kept = inside
+        return laid
     ids, pieces = tokens.ids, list[Piece]()
     for k, (span, i, n, row) in enumerate(runs):
         pieces.append((span.chunk, ids[i : i + n], row))  # type: ignore[arg-type]
         pieces.append((None, ids[i + n : runs[k + 1][1] if k + 1 < len(runs) else i + n], 0))
     end = runs[-1][1] + runs[-1][2]
-    return _laid_out(ctx, ids[: runs[0][1]], pieces, ids[end:], t0)
+    laid = _laid_out(ctx, ids[: runs[0][1]], pieces, ids[end:], t0, kept)
+    laid.kept = inside
+    return laid
 
 
 def _piecewise(ctx: QueryContext, prompt: str, spans: Sequence[Span], t0: float) -> LaidOut:

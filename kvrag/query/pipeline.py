@@ -136,6 +136,8 @@ class LaidOut:
             that a framework's template cut from kvrag's separator), or read them from ``row_starts[j]`` on.
         t0: when the question or prompt arrived; ``timings``: the first stage's seconds.
         found: the passages found in a flat prompt laid out as one text (nothing read), for `used` to report.
+        kept: the passages of a flat prompt read from a kept prompt's exact rows, inside the prefix
+            (`kvrag.query.head_cache`); the answer reports them before `used`.
     """
 
     prefix: PrefixCache
@@ -149,6 +151,7 @@ class LaidOut:
     rows_prefix: bool = False
     found: list[RetrievedChunk] | None = None
     row_starts: list[int] | None = None  # per piece: the first stored row it reads (None: 0 for every piece)
+    kept: list[RetrievedChunk] = field(default_factory=list)
 
     @property
     def used(self) -> list[RetrievedChunk]:
@@ -316,7 +319,7 @@ def run(ctx: QueryContext, laid: LaidOut, config: FuseConfig, caches: Sequence[K
     # Layers load while fusion runs: load_s is opening the chunk files plus the time fusion waited
     # for a layer (loading that recompute did not hide); fuse_s is the rest.
     timings = {**laid.timings, "load_s": t2 - t1 + fused.load_wait_s, "fuse_s": fused.fuse_s - fused.load_wait_s}
-    return FusedPrompt(ctx.lm, laid.used, fused, config.mode, config.ratio if plan is None else plan.ratio,
+    return FusedPrompt(ctx.lm, laid.kept + laid.used, fused, config.mode, config.ratio if plan is None else plan.ratio,
                        timings, plan, laid.t0)
 
 

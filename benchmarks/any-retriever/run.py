@@ -182,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--cache", default=None, help="cache URL (default: a temporary folder)")
+    parser.add_argument("--dtype", default=None, help="the model's weights (default: kvrag's for the device)")
     parser.add_argument("--framework", choices=("langchain", "llamaindex"), default="langchain")
     parser.add_argument("--bf16-reference", action="store_true", help="add full_bf16 (see the module docstring)")
     parser.add_argument("--out", type=Path, required=True)
@@ -202,8 +203,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.bf16_reference:  # a second model, bfloat16 weights, prefilling every prompt in full
             bf16 = KVCachedLLM(rag=PassageCache.open(args.model, f"file://{folder}/bf16", dtype="bfloat16"),
                                mode="full", max_new_tokens=args.max_new_tokens)
-        llm = KVCachedLLM(model=args.model, cache=args.cache or f"file://{folder}/warm-up?max_bytes=20GB",
-                          max_new_tokens=args.max_new_tokens)
+        warm_up = PassageCache.open(args.model, args.cache or f"file://{folder}/warm-up?max_bytes=20GB",
+                                    dtype=args.dtype)
+        llm = KVCachedLLM(rag=warm_up, max_new_tokens=args.max_new_tokens)
         full = KVCachedLLM(rag=llm.rag, mode="full", max_new_tokens=args.max_new_tokens)
         chain, full_chain = chain_of(llm), chain_of(full)
         if args.start > 1:  # warm-up: loads everything and fits the codec state

@@ -76,7 +76,7 @@ def test_passages_after_the_kept_run_are_fused_from_their_stored_caches(cache: P
     assert unkept.kept == [] and [c.text for c in unkept.chunks if c is not None] == other
 
 
-def test_kept_prompts_hold_a_bound_of_their_own(tiny_lm):
+def test_kept_prompts_hold_a_bound_of_their_own():
     layers = [(torch.zeros(1, 2, 10, 4), torch.zeros(1, 2, 10, 4)) for _ in range(2)]  # 1,280 bytes for 10 rows
     none = HeadCache(prompt_bytes=0)
     none.keep_prompt(list(range(10)), layers)
@@ -92,3 +92,18 @@ def test_kept_prompts_hold_a_bound_of_their_own(tiny_lm):
     assert len(two) == 0
     with pytest.raises(ValueError, match="prompt_bytes"):
         HeadCache(prompt_bytes=-1)
+
+
+def test_a_chat_turn_with_its_context_in_a_system_message_asked_again_reads_the_kept_rows(cache: PassageCache):
+    messages = [{"role": "system", "content": "Answer from this context:\n\n" + "\n\n".join(PASSAGES)},
+                {"role": "user", "content": "Who designed the alpha reactor?"}]
+    first = cache.chat(messages, max_new_tokens=5, gate=FUSE)
+    cache.flush(60)
+    again = cache.chat(messages, max_new_tokens=5, gate=FUSE)
+    assert again.gate.decision == "kept" and again.token_ids == first.token_ids
+    assert again.token_ids == cache.chat(messages, mode="full", max_new_tokens=5).token_ids
+    new = [messages[0], {"role": "user", "content": "Where was the beta telescope built?"}]
+    answer = cache.chat(new, max_new_tokens=5, gate=FUSE)  # the context comes first: all of it in the kept rows
+    assert answer.gate.decision == "kept"
+    assert answer.token_ids == cache.chat(new, mode="full", max_new_tokens=5).token_ids
+

@@ -132,13 +132,17 @@ QUESTIONS = ["In what year was the album Milk and Honey released?", "Who recorde
 @pytest.mark.slow
 def test_the_default_query_engine_gives_the_full_prefills_answer(rag):
     default, full = KVCachedLLM(rag=rag, max_new_tokens=8), KVCachedLLM(rag=rag, mode="full", max_new_tokens=8)
+    rag.context.heads.clear_prompts()  # no exact answer of an earlier test read instead
+    decisions = []
     for question in QUESTIONS[:2]:
         texts = [str(RetrieverQueryEngine.from_args(KVRetriever(rag, k=3), llm=llm).query(question))
                  for llm in (default, full)]
         assert texts[0] == texts[1]
-        # short: every stale token recomputed; kept: the same passages before a new question, read from the
-        # exact rows of the prompt before (LlamaIndex's template puts the context first)
-        assert default.last_answer.gate.decision in ("short", "kept") and len(default.last_answer.chunks) == 3
+        assert len(default.last_answer.chunks) == 3
+        decisions.append(default.last_answer.gate.decision)
+    # short: every stale token recomputed; then kept: the same passages before a new question, read from the exact
+    # rows of the prompt before (LlamaIndex's template puts the context first)
+    assert decisions == ["short", "kept"], decisions
 
 
 @pytest.mark.slow

@@ -182,6 +182,19 @@ def test_a_long_prompt_goes_through_the_gate_and_its_ladder(tiny_rag):
     assert trusted.gate.decision == "fused" and trusted.mode == "probe" and trusted.recompute_fraction < 1
 
 
+def test_a_prompt_the_gate_answered_in_full_is_read_again_from_its_kept_rows(tiny_rag):
+    from kvrag.config import GateConfig
+
+    prompt, chunks = _flat_prompt(tiny_rag)
+    tiny_rag.context.heads.clear_prompts()
+    every = GateConfig(full_below_tokens=10**6, short_mode="full")  # every stale token recomputed: exact rows
+    first = tiny_rag.answer_prompt(prompt, gate=every, max_new_tokens=3)
+    again = tiny_rag.answer_prompt(prompt, gate=every, max_new_tokens=3)
+    assert first.gate.decision == "short" and again.gate.decision == "kept"
+    assert [c.key for c in again.chunks] == [c.key for c in first.chunks] == [c.key for c in chunks]
+    assert again.token_ids == first.token_ids == tiny_rag.answer_prompt(prompt, "full", max_new_tokens=3).token_ids
+
+
 def test_kvrags_own_prompt_reads_the_first_chunk_as_exact(tiny_rag):
     chunks = [RetrievedChunk.from_record(r) for r in tiny_rag.index.records()]
     prompt = tiny_rag.prompt_text("Who commands beta station?", chunks)

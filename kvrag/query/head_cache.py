@@ -103,13 +103,16 @@ class HeadCache:
         ``prompt_bytes``, is not kept.
         """
         key = tuple(int(t) for t in ids)
-        size = sum(k[:, :, : len(key)].numel() * k.element_size() * 2 for k, _ in layers)
-        if not key or size > self.prompt_bytes or len(key) <= self.covered(key):
+        if not key:
             return
-        kv = [(k[:, :, : len(key)].clone(), v[:, :, : len(key)].clone()) for k, v in layers]
-        prefix = PrefixCache(torch.tensor(key, dtype=torch.long, device=kv[0][0].device), kv)
+        rows = _cropped(PrefixCache(torch.tensor(key, dtype=torch.long, device=layers[0][0].device), list(layers)),
+                        len(key))
+        size = _nbytes(rows)
+        if size > self.prompt_bytes or len(key) <= self.covered(key):
+            return
+        kept = PrefixCache(rows.ids, [(k.clone(), v.clone()) for k, v in rows.kv])
         with self._lock:
-            self._prompts.put(key, prefix, size)
+            self._prompts.put(key, kept, size)
 
     def clear_prompts(self) -> None:
         """Forget every kept whole prompt (heads stay)."""

@@ -18,7 +18,8 @@ from test_passage_cache import PASSAGES
 from kvrag.config import StoreConfig
 from kvrag.loading.feed import StoreFeed, TieredFeed, open_tiered
 from kvrag.passages import PassageCache, find_passages
-from kvrag.passages.cache_url import decoded_bound, open_cache_store
+from kvrag.passages.cache_url import decoded_bound, memory_bound, open_cache_store
+from kvrag.query.head_cache import DEFAULT_PROMPT_BYTES
 from kvrag.query.locate import chat_prompt
 from kvrag.storage.decoded_tier import DEFAULT_DECODED_BYTES, DecodedTier
 from kvrag.storage.stores import LRUDiskStore, LRURedisStore
@@ -58,6 +59,10 @@ def test_a_cache_url_bounds_the_tier_and_keeps_the_option_from_redis(tmp_path):
     assert decoded_bound(f"file://{tmp_path}/c?decoded_bytes=0") == 0
     with pytest.raises(ValueError, match="decoded_bytes must be a size"):
         decoded_bound(f"file://{tmp_path}/c?decoded_bytes=lots")
+    assert memory_bound(f"file://{tmp_path}/c?decoded_bytes=1MB", "prompt_bytes") == DEFAULT_PROMPT_BYTES
+    assert memory_bound("redis://h:1/0?prompt_bytes=1kB&prompt_bytes=2kB", "prompt_bytes") == 2000
+    with pytest.raises(ValueError, match="prompt_bytes must be a size"):
+        memory_bound(f"file://{tmp_path}/c?prompt_bytes=-1", "prompt_bytes")
     assert open_cache_store(f"file://{tmp_path}/c?decoded_bytes=1MB").root == tmp_path / "c"
     assert StoreConfig.decoded_bytes_of(None) == StoreConfig.decoded_bytes_of("disk") == DEFAULT_DECODED_BYTES
     assert StoreConfig.decoded_bytes_of(StoreConfig(decoded_mb=0)) == 0  # an index's tier, off

@@ -22,7 +22,6 @@ CONTEXT_FIRST = "Context:\n{context}\n\nQuestion: {question}\nAnswer:"
 @pytest.fixture()
 def cache(tiny_lm, tmp_path: Path):
     with PassageCache(tiny_lm, open_cache_store(f"file://{tmp_path}/cache?max_bytes=50MB")) as opened:
-        opened.context.heads = HeadCache()  # a fresh one: nothing kept from other tests
         yield opened
 
 
@@ -43,6 +42,20 @@ def test_a_prompt_asked_again_reads_its_kept_rows_and_gives_the_full_prefills_an
     assert again.token_ids == first.token_ids == _ask(cache, raw, mode="full").token_ids
     fused = _ask(cache, raw, mode="probe")  # an explicit mode fuses as it names, kept rows or not
     assert [c.text for c in fused.chunks] == PASSAGES
+
+
+def test_a_cache_url_bounds_the_kept_prompts_and_info_reports_them(tiny_lm, tmp_path: Path):
+    raw = _prompt("Who designed the alpha reactor?")
+    url = f"file://{tmp_path}/cache?max_bytes=50MB&prompt_bytes=0"
+    with PassageCache.open(tiny_lm, url) as off:  # prompt_bytes=0: no prompt is kept
+        _ask(off, raw, gate=FUSE)
+        assert off.flush(60) and _ask(off, raw, gate=FUSE).gate.decision != "kept"
+        assert off.info()["kept_prompts"] == 0 and off.info()["kept_prompt_max_bytes"] == 0
+    with PassageCache.open(tiny_lm, f"file://{tmp_path}/other?prompt_bytes=64MiB") as on:
+        _ask(on, raw, gate=FUSE)
+        info = on.info()
+        assert info["kept_prompts"] == 1 and 0 < info["kept_prompt_bytes"] <= info["kept_prompt_max_bytes"] == 64 << 20
+        assert on.flush(60) and _ask(on, raw, gate=FUSE).gate.decision == "kept"
 
 
 def test_the_same_context_before_a_new_question_is_read_from_the_kept_rows(cache: PassageCache):

@@ -41,12 +41,13 @@ from kvrag.loading.tiered_feed import TIERED_DEVICES
 from kvrag.model import LoadedModel, load_model
 from kvrag.model.prefix import KV, PrefixCache, prefix_cache
 from kvrag.passages.background import BackgroundWork
-from kvrag.passages.cache_url import decoded_bound, open_cache_store
+from kvrag.passages.cache_url import memory_bound, open_cache_store
 from kvrag.passages.codec_share import load_shared_state, publish_state
 from kvrag.passages.finder import MIN_CHARS, find_passages, split_passages
 from kvrag.prompt import build_layout
 from kvrag.query import gate as answering
 from kvrag.query.answer import Answer, RetrievedChunk, finish
+from kvrag.query.head_cache import DEFAULT_PROMPT_BYTES, HeadCache
 from kvrag.query.locate import encode
 from kvrag.query.pipeline import QueryContext
 from kvrag.query.plan import LoadController
@@ -104,6 +105,8 @@ class PassageCache:
         min_chars: the shortest piece of a prompt taken as a passage.
         decoded_bytes: the bound of the tier of hot passage caches kept decoded in memory (`KVStore.decoded`; on
             the CPU, 0 turns it off): a passage stored after an answer, or read once, is fused from memory next.
+        prompt_bytes: the bound of the whole prompts kept exact in memory (`kvrag.query.head_cache.HeadCache`; 0 keeps
+            none): a prompt asked again is read from its kept rows.
 
     Example:
         >>> cache = PassageCache.open("smollm2", "file:///tmp/kv?max_bytes=2GB")  # doctest: +SKIP
@@ -111,11 +114,12 @@ class PassageCache:
     """
 
     def __init__(self, lm: LoadedModel, store: Any, codec: Codec | None = None, min_chars: int = MIN_CHARS,
-                 decoded_bytes: int = DEFAULT_DECODED_BYTES) -> None:
+                 decoded_bytes: int = DEFAULT_DECODED_BYTES, prompt_bytes: int = DEFAULT_PROMPT_BYTES) -> None:
         if not callable(getattr(store, "put_state", None)):
             raise TypeError("a passage cache needs a store bounded in bytes (open_cache_store), got "
                             f"{type(store).__name__}")
         self.lm, self.store, self.min_chars = lm, store, min_chars
+        self.heads = HeadCache(prompt_bytes=prompt_bytes)  # template heads and whole prompts kept exact
         self.layout = build_layout(lm.tokenizer)
         self.kvstore = KVStore(store, codec or make_codec(CodecConfig().name), lm.fingerprint, lm.family.windows,
                                decoded_bytes)
@@ -137,12 +141,13 @@ class PassageCache:
 
         ``cache``: ``file:///path?max_bytes=5GB``, ``redis://host:6379/0?max_bytes=1GB``, a folder, or None for
         the user's cache folder; ``max_bytes`` overrides the URL's bound; the URL's ``decoded_bytes`` bounds the
-        decoded tier. The store is checked before the model loads.
+        decoded tier and its ``prompt_bytes`` the prompts kept exact. The store is checked before the model loads.
         """
-        decoded_bytes = decoded_bound(cache)
+        decoded_bytes, prompt_bytes = memory_bound(cache, "decoded_bytes"), memory_bound(cache, "prompt_bytes")
         store = open_cache_store(cache, max_bytes)
         lm = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
-        return cls(lm, store, make_codec(codec or CodecConfig().name, codec_level), decoded_bytes=decoded_bytes)
+        return cls(lm, store, make_codec(codec or CodecConfig().name, codec_level), decoded_bytes=decoded_bytes,
+                   prompt_bytes=prompt_bytes)
 
     # -- the question-time state ------------------------------------------------------------------
 
@@ -158,7 +163,8 @@ class PassageCache:
         """What the question-time stages read (no chunk index and no embedder: passages come with the prompt)."""
         if self._context is None:
             self._context = QueryContext(self.lm, cast(Any, None), cast(Any, None), self.kvstore, self.layout,
-                                         self.prefix, 0, self.controller, self._recompute)
+                                         self.prefix, 0, self.controller, self._recompute,
+                                         heads=self.heads)
         return self._context
 
     def key(self, ids: Sequence[int]) -> str | None:
@@ -340,12 +346,12 @@ class PassageCache:
         return self._writer.flush(timeout)
 
     def info(self) -> dict[str, Any]:
-        """The store's bound and bytes held, the passages looked up, found and stored, the hit rate, and the
-        decoded tier's hits, misses and bytes (`KVStore.stats`).
+        """The store's bound and bytes held, the passages looked up, found and stored, the hit rate, the decoded
+        tier's hits, misses and bytes (`KVStore.stats`), and the prompts kept exact (`HeadCache.prompt_stats`).
         """
         return {"store": type(self.store).__name__, "max_bytes": self.store.max_bytes,
                 "held_bytes": self.store.held(), "evicted": self.store.evicted, **asdict(self.stats),
-                "hit_rate": self.stats.hit_rate, **self.kvstore.decoded.stats()}
+                "hit_rate": self.stats.hit_rate, **self.kvstore.decoded.stats(), **self.heads.prompt_stats()}
 
     def close(self) -> None:
         """Store what is pending, then release the store."""

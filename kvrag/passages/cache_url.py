@@ -13,9 +13,10 @@ Contract: `open_cache_store(url)` builds the store a ``cache=`` argument names:
 ``GiB``, ``TiB``: of 1024), `parse_bytes`; the ``max_bytes`` argument, when given, overrides the URL's. A bad
 URL or size raises ValueError in one line, before anything is created.
 
-``decoded_bytes`` (any scheme, e.g. ``file:///path?decoded_bytes=1GiB``; 0 turns it off) bounds the process's tier
-of hot passage caches kept decoded in memory (`decoded_bound`, default
-`kvrag.storage.decoded_tier.DEFAULT_DECODED_BYTES`); it is not the store's.
+Two more options (any scheme) bound what the process keeps in memory, not the store (`memory_bound`; 0 turns each
+off): ``decoded_bytes`` (e.g. ``file:///path?decoded_bytes=1GiB``) the tier of hot passage caches kept decoded
+(default `kvrag.storage.decoded_tier.DEFAULT_DECODED_BYTES`), and ``prompt_bytes`` the whole prompts kept exact
+(default `kvrag.query.head_cache.DEFAULT_PROMPT_BYTES`, `kvrag.query.head_cache.HeadCache.keep_prompt`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from urllib.request import url2pathname
 
+from kvrag.query.head_cache import DEFAULT_PROMPT_BYTES
 from kvrag.storage.decoded_tier import DEFAULT_DECODED_BYTES
 from kvrag.storage.stores import ByteStore, LRUDiskStore, LRURedisStore, public_url
 from kvrag.user_cache import default_cache_dir
@@ -34,7 +36,7 @@ DEFAULT_MAX_BYTES = 5 * 10**9
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-_OURS = ("max_bytes", "decoded_bytes")  # the query options kvrag reads; a redis:// URL's others go to redis-py
+_OURS = ("max_bytes", "decoded_bytes", "prompt_bytes")  # kvrag reads these; a redis:// URL's others go to redis-py
 
 
 def parse_bytes(text: str | int, name: str = "max_bytes", zero: bool = False) -> int:
@@ -54,12 +56,23 @@ def parse_bytes(text: str | int, name: str = "max_bytes", zero: bool = False) ->
     return size
 
 
-def decoded_bound(url: str | os.PathLike[str] | None) -> int:
-    """The ``decoded_bytes`` option of a cache URL (the last one given), else the default."""
+_MEMORY_DEFAULTS = {"decoded_bytes": DEFAULT_DECODED_BYTES, "prompt_bytes": DEFAULT_PROMPT_BYTES}
+
+
+def memory_bound(url: str | os.PathLike[str] | None, name: str) -> int:
+    """A cache URL's in-memory bound ``name`` (``decoded_bytes`` or ``prompt_bytes``; the last one given), else its
+    default.
+    """
+    default = _MEMORY_DEFAULTS[name]
     if url is None or "?" not in os.fspath(url):
-        return DEFAULT_DECODED_BYTES
-    given = [v for k, v in parse_qsl(urlsplit(os.fspath(url)).query, keep_blank_values=True) if k == "decoded_bytes"]
-    return parse_bytes(given[-1], "decoded_bytes", zero=True) if given else DEFAULT_DECODED_BYTES
+        return default
+    given = [v for k, v in parse_qsl(urlsplit(os.fspath(url)).query, keep_blank_values=True) if k == name]
+    return parse_bytes(given[-1], name, zero=True) if given else default
+
+
+def decoded_bound(url: str | os.PathLike[str] | None) -> int:
+    """The ``decoded_bytes`` option of a cache URL, else the default (`memory_bound`)."""
+    return memory_bound(url, "decoded_bytes")
 
 
 def open_cache_store(url: str | os.PathLike[str] | None = None, max_bytes: int | str | None = None) -> ByteStore:

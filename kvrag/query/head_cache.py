@@ -77,6 +77,11 @@ class HeadCache:
     def __len__(self) -> int:
         return len(self._entries) + len(self._prompts)
 
+    def prompt_stats(self) -> dict[str, int]:
+        """The whole prompts kept: how many, their bytes and the bound."""
+        return {"kept_prompts": len(self._prompts), "kept_prompt_bytes": self._prompts.nbytes,
+                "kept_prompt_max_bytes": self.prompt_bytes}
+
     def _longest(self, ids: tuple[int, ...], prompts: bool = False) -> tuple[PrefixCache | None, int]:
         """The kept head (or, with ``prompts``, head or whole prompt) sharing the most leading tokens with ``ids``,
         and how many it shares.

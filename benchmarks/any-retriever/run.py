@@ -16,7 +16,11 @@ prompt, read from the rows of the first answer's prompt, which the gate kept). T
 (``full_reworded``): the passages now cached, and read from the first prompt's kept rows only where that prompt
 holds them (a context-first template, the same passages retrieved). Then the first prompt fused from the passages'
 stored caches with the kept prompts forgotten (``fused``: decoded in the process's memory tier), and once more with
-that tier emptied too (``cold``: the blobs read from disk and decoded, as in a new process). ``full`` comes before
+that tier emptied too (``cold``: the blobs read from disk and decoded, as in a new process); each passage's cache holds
+its rows in the first prompt (`kvrag.passages.prompt_rows`), so these two read the same prompt back from the store.
+Last, ``new_prompt``: a new cache of the passages stored by another prompt (the reworded question, the retrieved
+passages in the reverse order: every passage after other neighbours, at another place), then the question's prompt
+fused from them. ``full`` comes before
 ``first`` on every other question. TTFT is wall-clock from ``chain.stream`` to the first non-blank piece.
 Right: gold F1 >= 0.5 or a normalised gold answer contained in the answer (`kvrag.bench.metrics.is_right`).
 
@@ -52,7 +56,7 @@ RAG_PROMPT = ("You are an assistant for question-answering tasks. Use the follow
               "sentences maximum and keep the answer concise.\nQuestion: {question} \nContext: {context} \nAnswer:")
 
 
-RUNS = ("full", "first", "repeat", "reworded", "full_reworded", "fused", "cold")
+RUNS = ("full", "first", "repeat", "reworded", "full_reworded", "fused", "cold", "new_prompt")
 REWORD = "In a few words: {question}"
 REFERENCE = {"reworded": "full_reworded"}  # the full prefill a run's answers and TTFT compare with (else ``full``)
 
@@ -62,20 +66,29 @@ def format_docs(docs: Iterable[Any]) -> str:
     return "\n\n".join(doc.page_content for doc in docs)
 
 
-def build_chain(retriever: Any, llm: Any) -> Any:
+def build_chain(retriever: Any, llm: Any, reverse: bool = False) -> Any:
+    """The tutorial's chain; ``reverse``: the retrieved documents in the reverse order (another prompt of them)."""
     from langchain_core.output_parsers import StrOutputParser
     from langchain_core.prompts import PromptTemplate
-    from langchain_core.runnables import RunnablePassthrough
+    from langchain_core.runnables import RunnableLambda, RunnablePassthrough
 
     prompt = PromptTemplate.from_template(RAG_PROMPT)
-    return {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | llm | StrOutputParser()
+    docs = retriever | RunnableLambda(lambda found: found[::-1]) if reverse else retriever
+    return {"context": docs | format_docs, "question": RunnablePassthrough()} | prompt | llm | StrOutputParser()
 
 
 class LlamaIndexChain:
     """LlamaIndex's default query engine over the user's index, streaming, with ``stream`` as a LangChain chain has."""
 
-    def __init__(self, index: Any, llm: Any, k: int) -> None:
-        self.engine = index.as_query_engine(llm=llm, similarity_top_k=k, streaming=True)
+    def __init__(self, index: Any, llm: Any, k: int, reverse: bool = False) -> None:
+        from llama_index.core.postprocessor.types import BaseNodePostprocessor
+
+        class Reversed(BaseNodePostprocessor):  # type: ignore[misc]
+            def _postprocess_nodes(self, nodes: list[Any], query_bundle: Any = None) -> list[Any]:
+                return nodes[::-1]
+
+        post = [Reversed()] if reverse else []
+        self.engine = index.as_query_engine(llm=llm, similarity_top_k=k, streaming=True, node_postprocessors=post)
 
     def stream(self, question: str) -> Iterable[str]:
         yield from self.engine.query(question).response_gen
@@ -142,11 +155,13 @@ def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def user_pipeline(framework: str, texts: Sequence[str], k: int) -> Callable[[Any], Any]:
-    """The user's retrieval over ``texts`` (``k`` passages a question): a function from an LLM to its chain."""
+def user_pipeline(framework: str, texts: Sequence[str], k: int) -> Callable[..., Any]:
+    """The user's retrieval over ``texts`` (``k`` passages a question): a function from an LLM (and ``reverse``, the
+    passages in the reverse order) to its chain.
+    """
     if framework == "llamaindex":
         user_index = llamaindex_index(texts)
-        return lambda llm: LlamaIndexChain(user_index, llm, k)
+        return lambda llm, reverse=False: LlamaIndexChain(user_index, llm, k, reverse)
     from langchain_community.embeddings import HuggingFaceEmbeddings
     from langchain_community.vectorstores import FAISS
     from langchain_core.documents import Document
@@ -158,7 +173,7 @@ def user_pipeline(framework: str, texts: Sequence[str], k: int) -> Callable[[Any
     chunks = RecursiveCharacterTextSplitter(chunk_size=1000, chunk_overlap=0).split_documents(docs)
     store = FAISS.from_documents(chunks, HuggingFaceEmbeddings(model_name=resolve_embedder(None)))
     retriever = store.as_retriever(search_kwargs={"k": k})
-    return lambda llm: build_chain(retriever, llm)
+    return lambda llm, reverse=False: build_chain(retriever, llm, reverse)
 
 
 def llm_class(framework: str) -> Any:
@@ -170,6 +185,22 @@ def llm_class(framework: str) -> Any:
     from kvrag.integrations.langchain import KVCachedLLM
 
     return KVCachedLLM
+
+
+def new_prompt(lm: Any, heads: Any, chain_of: Callable[..., Any], cache: str, question: str, reworded: str,
+               max_new_tokens: int, llm_class: Any) -> dict[str, Any]:
+    """The question's prompt fused from caches that another prompt stored: a new cache first answers the reworded
+    question over the same retriever with the passages in the reverse order (not counted), then the question.
+    """
+    from kvrag.passages import PassageCache, open_cache_store
+
+    with PassageCache(lm, open_cache_store(cache)) as other:
+        other.heads = other.context.heads = heads
+        llm = llm_class(rag=other, max_new_tokens=max_new_tokens)
+        timed(chain_of(llm, reverse=True), llm, reworded)
+        other.flush()
+        heads.clear_prompts()
+        return timed(chain_of(llm), llm, question)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -217,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         warm = llm.rag
         for turn, item in enumerate(items):
             own = PassageCache(warm.lm, open_cache_store(f"file://{folder}/q{turn}?max_bytes=20GB"))
-            own.context.heads = warm.context.heads  # one long-lived process: the template's head kept, as in use
+            own.heads = own.context.heads = warm.heads  # one long-lived process: the template's head kept, as in use
             llm, full = KVCachedLLM(rag=own, max_new_tokens=args.max_new_tokens), \
                 KVCachedLLM(rag=own, mode="full", max_new_tokens=args.max_new_tokens)
             chain, full_chain = chain_of(llm), chain_of(full)
@@ -238,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             own.context.heads.clear_prompts()
             own.kvstore.decoded.clear()  # as in a new process: the passages' blobs read and decoded again
             row["cold"] = timed(chain, llm, question)
+            row["new_prompt"] = new_prompt(own.lm, warm.heads, chain_of, f"file://{folder}/q{turn}-new?max_bytes=20GB",
+                                           question, reworded, args.max_new_tokens, KVCachedLLM)
             if bf16 is not None:
                 row["full_bf16"] = timed(chain_of(bf16), bf16, question)
             for run in row.keys() & {*RUNS, "full_bf16"}:

@@ -23,7 +23,7 @@ _STOP = object()
 class BackgroundWork(Generic[T]):
     """Run ``work`` on batches of items on a background thread (see the module contract)."""
 
-    def __init__(self, work: Callable[[list[T]], None], name: str) -> None:
+    def __init__(self, work: Callable[[list[T]], object], name: str) -> None:
         self._work = work
         self._queue: queue.Queue[object] = queue.Queue()
         self._closed = False

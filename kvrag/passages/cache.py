@@ -3,15 +3,17 @@
 Contract:
 
 - No index: the passages are found in the prompt (`kvrag.passages.finder`) or given (``passages=``). A passage's
-  key hashes the model's fingerprint, the codec and its fitted state's digest, the prompt prefix its cache is
-  computed after (kvrag's own prompt prefix for the model, as in an index) and its token ids
-  (`kvrag.storage.keys.chunk_key`): an edited passage, another model or another codec state is another key.
+  key hashes the model's fingerprint, the codec and its fitted state's digest, kvrag's prompt prefix, the passage
+  before it where its cache was taken (`PassageCache.key`) and its token ids (`kvrag.storage.keys.chunk_key`): an
+  edited passage, another model or another codec state is another key.
 - A call answers at once: the passages whose caches are stored are fused as an index's chunks are
   (`kvrag.query.gate.prepare_prompt`, under the correctness gate by default), everything else is recomputed with
-  the prompt. Only after the answer are the missing passages' caches computed and stored, on a background thread
-  (`BackgroundWork`), which takes the model between the calls' fusions (one batch at a time), never during one.
-  A mode that recomputes everything (``full``) is a plain prefill of the prompt as one text: it looks nothing up
-  and stores nothing.
+  the prompt. After the answer, on a background thread (`BackgroundWork`), each missing passage's rows in the pass
+  that answered are stored as its cache (`kvrag.passages.prompt_rows`: they carry the passages before it as
+  context, at no cost), read later only after the same passage; a passage the pass did not compute as one run is
+  prefilled alone (between the calls' fusions, one batch at a time), read anywhere. So no stored cache is taken as
+  exact right after kvrag's prompt prefix (``prefix_exact=False``). A mode that recomputes everything (``full``)
+  is a plain prefill of the prompt as one text: it looks nothing up and stores nothing.
 - The store is bounded in bytes (`kvrag.passages.cache_url`: ``file://`` under the user's cache folder by default,
   or ``redis://``), least recently used evicted; the codec's fitted state is stored once per model beside the blobs
   (`kvrag.passages.codec_share`), fitted on the first passages stored.
@@ -28,7 +30,7 @@ import math
 import threading
 import weakref
 from collections.abc import Generator, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, cast
 
 from tqdm.auto import tqdm
@@ -38,18 +40,19 @@ from kvrag.config import CodecConfig, FuseConfig, GateConfig, GenerateConfig
 from kvrag.fusion import selector_class
 from kvrag.indexing.kvgen import chunk_caches
 from kvrag.loading.tiered_feed import TIERED_DEVICES
-from kvrag.model import LoadedModel, load_model
+from kvrag.model import LoadedModel, hf_compat, load_model
 from kvrag.model.prefix import KV, PrefixCache, prefix_cache
 from kvrag.passages.background import BackgroundWork
 from kvrag.passages.cache_url import memory_bound, open_cache_store
 from kvrag.passages.codec_share import load_shared_state, publish_state
 from kvrag.passages.finder import MIN_CHARS, find_passages, split_passages
+from kvrag.passages.prompt_rows import rows_in_prompt
 from kvrag.prompt import build_layout
 from kvrag.query import gate as answering
 from kvrag.query.answer import Answer, RetrievedChunk, finish
 from kvrag.query.head_cache import DEFAULT_PROMPT_BYTES, HeadCache
 from kvrag.query.locate import encode
-from kvrag.query.pipeline import QueryContext
+from kvrag.query.pipeline import FusedPrompt, QueryContext
 from kvrag.query.plan import LoadController
 from kvrag.query.prompt_tokens import align, tokenize_prompt
 from kvrag.query.spans import find_chunk_spans
@@ -84,6 +87,8 @@ class CacheStats:
 class _Missing:
     text: str
     ids: tuple[int, ...]
+    after: tuple[int, ...] = ()  # the passage before it in that prompt (`PassageCache.key`)
+    rows: KV | None = field(default=None, compare=False)  # its rows in the prompt that missed it, pre-RoPE
 
 
 _OPEN: weakref.WeakSet[PassageCache] = weakref.WeakSet()  # caches not closed: their pending stores run at exit
@@ -162,18 +167,25 @@ class PassageCache:
     def context(self) -> QueryContext:
         """What the question-time stages read (no chunk index and no embedder: passages come with the prompt)."""
         if self._context is None:
+            # prefix_exact=False: a passage's cache holds its rows as first seen in a prompt, after the text before it
+            # there (`kvrag.passages.prompt_rows`), so no stored cache is exact right after kvrag's prompt prefix
             self._context = QueryContext(self.lm, cast(Any, None), cast(Any, None), self.kvstore, self.layout,
-                                         self.prefix, 0, self.controller, self._recompute,
+                                         self.prefix, 0, self.controller, self._recompute, prefix_exact=False,
                                          heads=self.heads)
         return self._context
 
-    def key(self, ids: Sequence[int]) -> str | None:
-        """The key of a passage's cache from its token ids; None while the codec has no stored state."""
+    def key(self, ids: Sequence[int], after: Sequence[int] = ()) -> str | None:
+        """The key of a passage's cache from its token ids and ``after``, the token ids of the passage before it in
+        the prompt its rows were taken from (none: first there, or prefilled alone after kvrag's prompt prefix);
+        None while the codec has no stored state.
+        """
         if self._digest is None:
             return None
         codec = self.kvstore.codec
-        return chunk_key(f"{self.lm.fingerprint}|{codec.name}:{codec.level}:{self._digest}", self.layout.prefix_ids,
-                         ids)
+        space = f"{self.lm.fingerprint}|{codec.name}:{codec.level}:{self._digest}"
+        if after:
+            space += "|after:" + ",".join(map(str, after))
+        return chunk_key(space, self.layout.prefix_ids, ids)
 
     def passages_in(self, prompt: str) -> list[str]:
         """The passages found in a flat prompt (`kvrag.passages.finder.find_passages`)."""
@@ -185,9 +197,9 @@ class PassageCache:
         """
         return encode(self.lm.tokenizer, text.strip())
 
-    def _stored_key(self, ids: Sequence[int]) -> str | None:
-        """The key of the cache computed for ``ids`` when it is stored, else None."""
-        key = self.key(ids)
+    def _stored_key(self, ids: Sequence[int], after: Sequence[int] = ()) -> str | None:
+        """The key of the cache stored for ``ids`` after ``after`` (`key`), else None."""
+        key = self.key(ids, after)
         return key if key is not None and self.kvstore.contains(key) else None
 
     def _lookup(self, prompt: str, texts: Iterable[str]) -> tuple[list[RetrievedChunk], list[_Missing]]:
@@ -196,24 +208,31 @@ class PassageCache:
         space), else by its own tokens when enough of them meet those (`kvrag.query.prompt_tokens.align`; the prompt
         then reads the rows that match, `kvrag.query.locate`). A passage found in neither is stored as the prompt
         has it.
+
+        Caches taken from a prompt's rows are read only after the same passage they followed there (`key`'s
+        ``after``: the passage before, in prompt order), else a cache computed alone (or first in its prompt); a
+        passage with neither is recomputed with the prompt, and its rows here are stored after the answer.
         """
         texts = list(dict.fromkeys(t.strip() for t in texts if t.strip() and t.strip() in prompt))
         tokens = tokenize_prompt(self.lm.tokenizer, prompt)
         places: dict[str, tuple[int, int]] = {}
+        starts = {text: prompt.find(text) for text in texts}
         for span in find_chunk_spans(prompt, [RetrievedChunk("", t, math.nan, "", "prompt", 0) for t in texts]):
+            starts[span.chunk.text] = min(starts[span.chunk.text], span.start)
             if tokens is not None and (cover := tokens.cover(span.start, span.end)) is not None:
                 places.setdefault(span.chunk.text, cover)
-        found, missing = [], []
-        for seq, text in enumerate(texts):
+        found, missing, before = [], [], cast(tuple[int, ...], ())
+        for seq, text in enumerate(sorted(texts, key=starts.__getitem__)):  # in prompt order
             own = self.passage_ids(text)
             ids = tokens.ids[places[text][0]:places[text][1]] if tokens is not None and text in places else own
-            key = self._stored_key(ids)
+            key = self._stored_key(ids, before) or self._stored_key(ids)
             if key is None and ids != own and align(ids, own)[0] and (plain := self._stored_key(own)):
                 ids, key = own, plain
             if key is not None:
                 found.append(RetrievedChunk(key, text, math.nan, "", "prompt", seq, tuple(ids)))
             else:
-                missing.append(_Missing(text, tuple(ids)))
+                missing.append(_Missing(text, tuple(ids), before))
+            before = tuple(ids)
         self.stats.looked_up += len(found) + len(missing)
         self.stats.found += len(found)
         return found, missing
@@ -243,7 +262,7 @@ class PassageCache:
         try:
             yield from fused.stream(generate)
         finally:  # after the answer (or a stream closed early): never on its critical path
-            self._writer.submit(missing)
+            self._writer.submit(self._with_rows(missing, fused))
         assert fused.answer is not None
         self.last_answer = fused.answer
         return fused.answer
@@ -277,6 +296,14 @@ class PassageCache:
 
     # -- storing ---------------------------------------------------------------------------------
 
+    def _with_rows(self, missing: list[_Missing], fused: FusedPrompt) -> list[_Missing]:
+        """``missing`` with each passage's rows in the prompt just answered, where its pass computed them."""
+        if not missing or fused.prompt_ids is None:
+            return missing
+        rows = rows_in_prompt(self.lm, fused.prompt_ids, hf_compat.cache_layers(fused.fused.cache),
+                              [m.ids for m in missing])
+        return [replace(m, rows=rows[i]) if i in rows else m for i, m in enumerate(missing)]
+
     def warm(self, texts: Iterable[str], show_progress: bool = True) -> int:
         """Compute and store now the caches of the passages of ``texts`` (documents, each split at blank lines as a
         prompt shows it: `kvrag.passages.finder.split_passages`) not stored yet: an ingestion step. Returns how many
@@ -287,9 +314,7 @@ class PassageCache:
             ids = self.passage_ids(text)
             if self._stored_key(ids) is None:
                 missing.append(_Missing(text, tuple(ids)))
-        before = self.stats.stored
-        self._store_missing(missing, show_progress, hold=False)  # a bulk ingestion: the tier keeps what is read
-        return self.stats.stored - before
+        return self._store_missing(missing, show_progress, hold=False)  # a bulk ingestion: the tier keeps what is read
 
     def _caches(self, work: list[_Missing]) -> Generator[tuple[int, KV], None, None]:
         """The caches of ``work``'s passages, one prefill batch at a time under the model's lock."""
@@ -306,39 +331,47 @@ class PassageCache:
         sample's caches, to be stored rather than computed again.
         """
         sample = list(dict.fromkeys(work))[:FIT_PASSAGES]
-        caches = {sample[i]: (k.cpu(), v.cpu()) for i, (k, v) in self._caches(sample)}
+        caches = {m: m.rows for m in sample if m.rows is not None}
+        todo = [m for m in sample if m.rows is None]
+        caches.update({todo[i]: (k.cpu(), v.cpu()) for i, (k, v) in self._caches(todo)})
         codec = self.kvstore.codec
         codec.fit(list(caches.values()), self.lm.spec.n_layers)
         self._digest = publish_state(self.store, codec, self.lm.fingerprint)
         log.info("fitted the %s codec's state for %s on %d passages", codec.name, self.lm.source, len(caches))
         return caches
 
-    def _store_missing(self, missing: list[_Missing], show_progress: bool = False, hold: bool = True) -> None:
-        """Compute and store the caches of ``missing`` passages that are still not stored; with ``hold``, keep each
-        decoded in the store's tier too (on the CPU), so that the next prompt placing it reads it from memory.
+    def _store_missing(self, missing: list[_Missing], show_progress: bool = False, hold: bool = True) -> int:
+        """Compute and store the caches of ``missing`` passages that are still not stored (returns how many); with
+        ``hold``, keep each decoded in the store's tier too (on the CPU): the next prompt placing it reads memory.
         """
-        hold = hold and self.lm.device.type in TIERED_DEVICES
+        hold, stored = hold and self.lm.device.type in TIERED_DEVICES, 0
         if not missing:
-            return
+            return 0
         fitted = self._fit(missing) if self._digest is None else {}
-        todo = [(m, key) for m in dict.fromkeys(missing)
-                if (key := self.key(m.ids)) is not None and not self.kvstore.contains(key)]
-        rest = [(m, key) for m, key in todo if m not in fitted]
+        todo = [(m, key) for m in dict.fromkeys(missing)  # rows: after the passage before; else computed alone
+                if (key := self.key(m.ids, m.after if m.rows is not None else ())) is not None
+                and not self.kvstore.contains(key)]
+        rest = [(m, key) for m, key in todo if m not in fitted and m.rows is None]
         with tqdm(total=sum(len(m.ids) for m, _ in todo), unit="tok", desc="caching passages",
                   disable=not show_progress or not todo) as bar:
-            done = [(m, key, fitted[m]) for m, key in todo if m in fitted]
+            done = [(m, key, kv) for m, key in todo if (kv := fitted.get(m, m.rows)) is not None]
             done_later = ((rest[i][0], rest[i][1], kv) for i, kv in self._caches([m for m, _ in rest]))
             for m, key, kv in itertools.chain(done, done_later):
                 self.stats.stored_bytes += self.kvstore.put(key, kv[0].cpu(), kv[1].cpu())
-                self.stats.stored += 1
+                self.stats.stored, stored = self.stats.stored + 1, stored + 1
                 if hold:
                     self.kvstore.hold_decoded(key, self.prefix.kv[0][0].dtype)
                 bar.update(len(m.ids))
+        return stored
 
     def _recompute(self, chunk: RetrievedChunk, lead: bool = False) -> KV:
-        """A passage's cache computed again (its blob was evicted or damaged since the lookup) and stored."""
-        _, kv = next(chunk_caches(self.lm, self.prefix, [self.context.stored_ids(chunk)], BATCH_TOKENS))
-        self.kvstore.put(chunk.key, kv[0].cpu(), kv[1].cpu())
+        """A passage's cache computed again (its blob was evicted or damaged since the lookup), alone after the
+        prompt prefix, and stored as such (`key` with no passage before).
+        """
+        ids = self.context.stored_ids(chunk)
+        _, kv = next(chunk_caches(self.lm, self.prefix, [ids], BATCH_TOKENS))
+        if (plain := self.key(ids)) is not None:
+            self.kvstore.put(plain, kv[0].cpu(), kv[1].cpu())
         return kv
 
     def flush(self, timeout: float | None = None) -> bool:

@@ -248,7 +248,7 @@ def prepare_prompt(ctx: QueryContext, prompt: str, candidates: Sequence[Retrieve
         laid.found = found
         plan = plan_answer(laid, config, gate)
     fused = execute(ctx, laid, plan, None, selector)
+    fused.prompt_ids = torch.cat([laid.prefix.ids.cpu(), *laid.piece_ids, laid.suffix_ids]).tolist()
     if kept and all(chunk is None for chunk in laid.chunks):  # exact: kept rows and one pass over the rest
-        ids = torch.cat([laid.prefix.ids.cpu(), *laid.piece_ids, laid.suffix_ids]).tolist()
-        ctx.heads.keep_prompt(ids, hf_compat.cache_layers(fused.fused.cache))
+        ctx.heads.keep_prompt(fused.prompt_ids, hf_compat.cache_layers(fused.fused.cache))
     return fused

@@ -240,6 +240,7 @@ class FusedPrompt:
     t0: float
     answer: Answer | None = field(default=None, init=False)
     gate: Any = field(default=None, init=False)  # the `kvrag.query.gate.GateReport`, when the gate ran
+    prompt_ids: list[int] | None = field(default=None, init=False)  # a flat prompt's tokens, one per cache row
 
     def stream(self, config: GenerateConfig | None = None) -> Iterator[str]:
         """Yield the answer's text as it is generated; `answer` holds the whole `Answer` after."""

@@ -1,0 +1,60 @@
+"""A passage's cache taken from the rows of the prompt it was first seen in, instead of prefilled alone.
+
+Contract: `rows_in_prompt(lm, prompt_ids, layers, passages)` finds each passage's token ids as a run of
+``prompt_ids`` (the tokens a prompt's pass computed, in order) and returns, for each found, its rows of ``layers``
+(``[1, H, >= len(prompt_ids), D]`` per layer, that pass's cache): keys un-rotated at the positions they stood at,
+so that they are stored pre-RoPE as every chunk cache is (`kvrag.model.rope`), and values, both ``[L, H, n, D]``
+on the CPU. A passage is missing from the result when its run is not in the prompt or a layer holds fewer rows than
+the prompt (a sliding window): the caller prefills it alone.
+
+Why: a passage's rows in a prompt were computed after the passages a retriever put before it, its neighbours. A
+cache with neighbour context deviates less from what a new prompt needs than one computed alone (kvrag's indexes
+compute theirs after their nearest chunks for that reason), and these cost nothing: the prompt's pass computed
+them while answering. `kvrag.passages.cache.PassageCache` keys them by the passage before them too, and reads them
+only after it (benchmarks/any-retriever README, "Passage caches from the prompt's rows").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvrag.model import LoadedModel
+from kvrag.model.prefix import KV
+from kvrag.model.rope import layer_ropes, rotate_layers
+
+
+def find_run(sequence: Sequence[int], run: Sequence[int], start: int = 0) -> int | None:
+    """Where ``run`` first occurs in ``sequence`` at or after ``start``, else None."""
+    n = len(run)
+    if n == 0:
+        return None
+    first = run[0]
+    for i in range(start, len(sequence) - n + 1):
+        if sequence[i] == first and list(sequence[i:i + n]) == list(run):
+            return i
+    return None
+
+
+def rows_at(lm: LoadedModel, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], start: int, n: int) -> KV:
+    """Rows ``start`` to ``start + n`` of every layer: pre-RoPE keys and values ``[L, H, n, D]`` on the CPU."""
+    keys = torch.stack([k[0, :, start:start + n] for k, _ in layers])
+    values = torch.stack([v[0, :, start:start + n] for _, v in layers])
+    positions = torch.arange(start, start + n, device=keys.device)
+    keys = rotate_layers(keys, layer_ropes(lm.model, lm.family, positions, keys), inverse=True)
+    return keys.cpu(), values.cpu().clone()
+
+
+def rows_in_prompt(lm: LoadedModel, prompt_ids: Sequence[int], layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                   passages: Sequence[Sequence[int]]) -> dict[int, KV]:
+    """``{index in passages: (keys, values)}`` for the passages whose runs ``prompt_ids`` holds (the contract)."""
+    ids = [int(t) for t in prompt_ids]
+    if not layers or any(k.shape[2] < len(ids) or v.shape[2] < len(ids) for k, v in layers):
+        return {}
+    found: dict[int, KV] = {}
+    for i, run in enumerate(passages):
+        start = find_run(ids, run)
+        if start is not None:
+            found[i] = rows_at(lm, layers, start, len(run))
+    return found

@@ -18,7 +18,7 @@ from test_passage_cache import PASSAGES
 from kvrag.config import StoreConfig
 from kvrag.loading.feed import StoreFeed, TieredFeed, open_tiered
 from kvrag.passages import PassageCache, find_passages
-from kvrag.passages.cache_url import decoded_bound, memory_bound, open_cache_store
+from kvrag.passages.cache_url import memory_bound, open_cache_store
 from kvrag.query.head_cache import DEFAULT_PROMPT_BYTES
 from kvrag.query.locate import chat_prompt
 from kvrag.storage.decoded_tier import DEFAULT_DECODED_BYTES, DecodedTier
@@ -54,11 +54,12 @@ def test_the_tier_keeps_the_most_recent_entries_within_its_bound():
 
 
 def test_a_cache_url_bounds_the_tier_and_keeps_the_option_from_redis(tmp_path):
-    assert decoded_bound(None) == decoded_bound(f"file://{tmp_path}/c") == DEFAULT_DECODED_BYTES
-    assert decoded_bound(f"file://{tmp_path}/c?max_bytes=1GB&decoded_bytes=2MiB") == 2 << 20
-    assert decoded_bound(f"file://{tmp_path}/c?decoded_bytes=0") == 0
+    assert memory_bound(None, "decoded_bytes") == DEFAULT_DECODED_BYTES
+    assert memory_bound(f"file://{tmp_path}/c", "decoded_bytes") == DEFAULT_DECODED_BYTES
+    assert memory_bound(f"file://{tmp_path}/c?max_bytes=1GB&decoded_bytes=2MiB", "decoded_bytes") == 2 << 20
+    assert memory_bound(f"file://{tmp_path}/c?decoded_bytes=0", "decoded_bytes") == 0
     with pytest.raises(ValueError, match="decoded_bytes must be a size"):
-        decoded_bound(f"file://{tmp_path}/c?decoded_bytes=lots")
+        memory_bound(f"file://{tmp_path}/c?decoded_bytes=lots", "decoded_bytes")
     assert memory_bound(f"file://{tmp_path}/c?decoded_bytes=1MB", "prompt_bytes") == DEFAULT_PROMPT_BYTES
     assert memory_bound("redis://h:1/0?prompt_bytes=1kB&prompt_bytes=2kB", "prompt_bytes") == 2000
     with pytest.raises(ValueError, match="prompt_bytes must be a size"):

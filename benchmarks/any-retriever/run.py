@@ -195,7 +195,7 @@ def new_prompt(lm: Any, heads: Any, chain_of: Callable[..., Any], cache: str, qu
     from kvrag.passages import PassageCache, open_cache_store
 
     with PassageCache(lm, open_cache_store(cache)) as other:
-        other.heads = other.context.heads = heads
+        other.heads = heads  # before its first answer
         llm = llm_class(rag=other, max_new_tokens=max_new_tokens)
         timed(chain_of(llm, reverse=True), llm, reworded)
         other.flush()
@@ -248,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         warm = llm.rag
         for turn, item in enumerate(items):
             own = PassageCache(warm.lm, open_cache_store(f"file://{folder}/q{turn}?max_bytes=20GB"))
-            own.heads = own.context.heads = warm.heads  # one long-lived process: the template's head kept, as in use
+            own.heads = warm.heads  # (before its first answer) one long-lived process: the template's head kept
             llm, full = KVCachedLLM(rag=own, max_new_tokens=args.max_new_tokens), \
                 KVCachedLLM(rag=own, mode="full", max_new_tokens=args.max_new_tokens)
             chain, full_chain = chain_of(llm), chain_of(full)
@@ -264,9 +264,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             row["full_reworded"] = timed(full_chain, full, reworded)
             row["reworded"] = timed(chain, llm, reworded)
             llm.rag.flush()
-            own.context.heads.clear_prompts()  # the first prompt fused from the passages' stored caches
+            own.heads.clear_prompts()  # the first prompt fused from the passages' stored caches
             row["fused"] = timed(chain, llm, question)
-            own.context.heads.clear_prompts()
+            own.heads.clear_prompts()
             own.kvstore.decoded.clear()  # as in a new process: the passages' blobs read and decoded again
             row["cold"] = timed(chain, llm, question)
             row["new_prompt"] = new_prompt(own.lm, warm.heads, chain_of, f"file://{folder}/q{turn}-new?max_bytes=20GB",

@@ -46,13 +46,13 @@ from kvrag.passages.background import BackgroundWork
 from kvrag.passages.cache_url import memory_bound, open_cache_store
 from kvrag.passages.codec_share import load_shared_state, publish_state
 from kvrag.passages.finder import MIN_CHARS, find_passages, split_passages
-from kvrag.passages.prompt_rows import rows_in_prompt
+from kvrag.passages.prompt_rows import PromptPass, rows_of_passes
 from kvrag.prompt import build_layout
 from kvrag.query import gate as answering
 from kvrag.query.answer import Answer, RetrievedChunk, finish
 from kvrag.query.head_cache import DEFAULT_PROMPT_BYTES, HeadCache
 from kvrag.query.locate import encode
-from kvrag.query.pipeline import FusedPrompt, QueryContext
+from kvrag.query.pipeline import QueryContext
 from kvrag.query.plan import LoadController
 from kvrag.query.prompt_tokens import align, tokenize_prompt
 from kvrag.query.spans import find_chunk_spans
@@ -88,7 +88,7 @@ class _Missing:
     text: str
     ids: tuple[int, ...]
     after: tuple[int, ...] = ()  # the passage before it in that prompt (`PassageCache.key`)
-    rows: KV | None = field(default=None, compare=False)  # its rows in the prompt that missed it, pre-RoPE
+    source: PromptPass | None = field(default=None, compare=False)  # the pass of the prompt that missed it
 
 
 _OPEN: weakref.WeakSet[PassageCache] = weakref.WeakSet()  # caches not closed: their pending stores run at exit
@@ -110,8 +110,9 @@ class PassageCache:
         min_chars: the shortest piece of a prompt taken as a passage.
         decoded_bytes: the bound of the tier of hot passage caches kept decoded in memory (`KVStore.decoded`; on
             the CPU, 0 turns it off): a passage stored after an answer, or read once, is fused from memory next.
-        prompt_bytes: the bound of the whole prompts kept exact in memory (`kvrag.query.head_cache.HeadCache`; 0 keeps
-            none): a prompt asked again is read from its kept rows.
+        prompt_bytes: the bound of the whole prompts kept exact in memory (`heads`, a `HeadCache`; 0 keeps none): a
+            prompt asked again is read from its kept rows. Another `HeadCache` may replace `heads` before the first
+            answer (the question-time context takes it then).
 
     Example:
         >>> cache = PassageCache.open("smollm2", "file:///tmp/kv?max_bytes=2GB")  # doctest: +SKIP
@@ -216,13 +217,11 @@ class PassageCache:
         texts = list(dict.fromkeys(t.strip() for t in texts if t.strip() and t.strip() in prompt))
         tokens = tokenize_prompt(self.lm.tokenizer, prompt)
         places: dict[str, tuple[int, int]] = {}
-        starts = {text: prompt.find(text) for text in texts}
         for span in find_chunk_spans(prompt, [RetrievedChunk("", t, math.nan, "", "prompt", 0) for t in texts]):
-            starts[span.chunk.text] = min(starts[span.chunk.text], span.start)
             if tokens is not None and (cover := tokens.cover(span.start, span.end)) is not None:
                 places.setdefault(span.chunk.text, cover)
         found, missing, before = [], [], cast(tuple[int, ...], ())
-        for seq, text in enumerate(sorted(texts, key=starts.__getitem__)):  # in prompt order
+        for seq, text in enumerate(sorted(texts, key=prompt.find)):  # in prompt order
             own = self.passage_ids(text)
             ids = tokens.ids[places[text][0]:places[text][1]] if tokens is not None and text in places else own
             key = self._stored_key(ids, before) or self._stored_key(ids)
@@ -262,7 +261,8 @@ class PassageCache:
         try:
             yield from fused.stream(generate)
         finally:  # after the answer (or a stream closed early): never on its critical path
-            self._writer.submit(self._with_rows(missing, fused))
+            source = None if fused.prompt_ids is None else (fused.prompt_ids, hf_compat.cache_layers(fused.fused.cache))
+            self._writer.submit([replace(m, source=source) for m in missing])
         assert fused.answer is not None
         self.last_answer = fused.answer
         return fused.answer
@@ -296,14 +296,6 @@ class PassageCache:
 
     # -- storing ---------------------------------------------------------------------------------
 
-    def _with_rows(self, missing: list[_Missing], fused: FusedPrompt) -> list[_Missing]:
-        """``missing`` with each passage's rows in the prompt just answered, where its pass computed them."""
-        if not missing or fused.prompt_ids is None:
-            return missing
-        rows = rows_in_prompt(self.lm, fused.prompt_ids, hf_compat.cache_layers(fused.fused.cache),
-                              [m.ids for m in missing])
-        return [replace(m, rows=rows[i]) if i in rows else m for i, m in enumerate(missing)]
-
     def warm(self, texts: Iterable[str], show_progress: bool = True) -> int:
         """Compute and store now the caches of the passages of ``texts`` (documents, each split at blank lines as a
         prompt shows it: `kvrag.passages.finder.split_passages`) not stored yet: an ingestion step. Returns how many
@@ -326,13 +318,13 @@ class PassageCache:
                 return
             yield got
 
-    def _fit(self, work: list[_Missing]) -> dict[_Missing, KV]:
+    def _fit(self, work: list[_Missing], rows: dict[_Missing, KV]) -> dict[_Missing, KV]:
         """Fit the codec on the first passages and publish its state (another process's, if it was first); the
         sample's caches, to be stored rather than computed again.
         """
         sample = list(dict.fromkeys(work))[:FIT_PASSAGES]
-        caches = {m: m.rows for m in sample if m.rows is not None}
-        todo = [m for m in sample if m.rows is None]
+        caches = {m: rows[m] for m in sample if m in rows}
+        todo = [m for m in sample if m not in rows]
         caches.update({todo[i]: (k.cpu(), v.cpu()) for i, (k, v) in self._caches(todo)})
         codec = self.kvstore.codec
         codec.fit(list(caches.values()), self.lm.spec.n_layers)
@@ -347,14 +339,16 @@ class PassageCache:
         hold, stored = hold and self.lm.device.type in TIERED_DEVICES, 0
         if not missing:
             return 0
-        fitted = self._fit(missing) if self._digest is None else {}
+        found = rows_of_passes(self.lm, [(m.source, m.ids) for m in missing])  # their rows in the prompt's pass
+        rows = {m: kv for m, kv in zip(missing, found) if kv is not None}
+        fitted = self._fit(missing, rows) if self._digest is None else {}
         todo = [(m, key) for m in dict.fromkeys(missing)  # rows: after the passage before; else computed alone
-                if (key := self.key(m.ids, m.after if m.rows is not None else ())) is not None
+                if (key := self.key(m.ids, m.after if m in rows else ())) is not None
                 and not self.kvstore.contains(key)]
-        rest = [(m, key) for m, key in todo if m not in fitted and m.rows is None]
+        rest = [(m, key) for m, key in todo if m not in fitted and m not in rows]
         with tqdm(total=sum(len(m.ids) for m, _ in todo), unit="tok", desc="caching passages",
                   disable=not show_progress or not todo) as bar:
-            done = [(m, key, kv) for m, key in todo if (kv := fitted.get(m, m.rows)) is not None]
+            done = [(m, key, kv) for m, key in todo if (kv := fitted.get(m, rows.get(m))) is not None]
             done_later = ((rest[i][0], rest[i][1], kv) for i, kv in self._caches([m for m, _ in rest]))
             for m, key, kv in itertools.chain(done, done_later):
                 self.stats.stored_bytes += self.kvstore.put(key, kv[0].cpu(), kv[1].cpu())

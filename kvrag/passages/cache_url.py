@@ -70,11 +70,6 @@ def memory_bound(url: str | os.PathLike[str] | None, name: str) -> int:
     return parse_bytes(given[-1], name, zero=True) if given else default
 
 
-def decoded_bound(url: str | os.PathLike[str] | None) -> int:
-    """The ``decoded_bytes`` option of a cache URL, else the default (`memory_bound`)."""
-    return memory_bound(url, "decoded_bytes")
-
-
 def open_cache_store(url: str | os.PathLike[str] | None = None, max_bytes: int | str | None = None) -> ByteStore:
     """The bounded store ``url`` names (see the module contract)."""
     if url is None:

@@ -1,11 +1,14 @@
 """A passage's cache taken from the rows of the prompt it was first seen in, instead of prefilled alone.
 
 Contract: `rows_in_prompt(lm, prompt_ids, layers, passages)` finds each passage's token ids as a run of
-``prompt_ids`` (the tokens a prompt's pass computed, in order) and returns, for each found, its rows of ``layers``
+``prompt_ids`` (the tokens a prompt's pass computed, in order; the passages in prompt order, each searched for after
+the last one found) and returns, for each found, its rows of ``layers``
 (``[1, H, >= len(prompt_ids), D]`` per layer, that pass's cache): keys un-rotated at the positions they stood at,
 so that they are stored pre-RoPE as every chunk cache is (`kvrag.model.rope`), and values, both ``[L, H, n, D]``
 on the CPU. A passage is missing from the result when its run is not in the prompt or a layer holds fewer rows than
-the prompt (a sliding window): the caller prefills it alone.
+the prompt (a sliding window): the caller prefills it alone. `rows_of_passes` does it for passages of several
+passes (a `PromptPass` each, or None), one search per pass; a passage cache runs it on its background thread, after
+the answer.
 
 Why: a passage's rows in a prompt were computed after the passages a retriever put before it, its neighbours. A
 cache with neighbour context deviates less from what a new prompt needs than one computed alone (kvrag's indexes
@@ -24,6 +27,9 @@ from kvrag.model import LoadedModel
 from kvrag.model.prefix import KV
 from kvrag.model.rope import layer_ropes, rotate_layers
 
+Layers = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer ``(keys, values)`` ``[1, H, S, D]``
+PromptPass = tuple[Sequence[int], Layers]  # a prompt's tokens and the cache its pass computed
+
 
 def find_run(sequence: Sequence[int], run: Sequence[int], start: int = 0) -> int | None:
     """Where ``run`` first occurs in ``sequence`` at or after ``start``, else None."""
@@ -37,7 +43,7 @@ def find_run(sequence: Sequence[int], run: Sequence[int], start: int = 0) -> int
     return None
 
 
-def rows_at(lm: LoadedModel, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], start: int, n: int) -> KV:
+def rows_at(lm: LoadedModel, layers: Layers, start: int, n: int) -> KV:
     """Rows ``start`` to ``start + n`` of every layer: pre-RoPE keys and values ``[L, H, n, D]`` on the CPU."""
     keys = torch.stack([k[0, :, start:start + n] for k, _ in layers])
     values = torch.stack([v[0, :, start:start + n] for _, v in layers])
@@ -46,15 +52,34 @@ def rows_at(lm: LoadedModel, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]
     return keys.cpu(), values.cpu().clone()
 
 
-def rows_in_prompt(lm: LoadedModel, prompt_ids: Sequence[int], layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+def rows_in_prompt(lm: LoadedModel, prompt_ids: Sequence[int], layers: Layers,
                    passages: Sequence[Sequence[int]]) -> dict[int, KV]:
     """``{index in passages: (keys, values)}`` for the passages whose runs ``prompt_ids`` holds (the contract)."""
     ids = [int(t) for t in prompt_ids]
     if not layers or any(k.shape[2] < len(ids) or v.shape[2] < len(ids) for k, v in layers):
         return {}
     found: dict[int, KV] = {}
+    start = 0
     for i, run in enumerate(passages):
-        start = find_run(ids, run)
-        if start is not None:
-            found[i] = rows_at(lm, layers, start, len(run))
+        at = find_run(ids, run, start)
+        if at is not None:
+            found[i], start = rows_at(lm, layers, at, len(run)), at + len(run)
     return found
+
+
+def rows_of_passes(lm: LoadedModel, wanted: Sequence[tuple[PromptPass | None, Sequence[int]]]) -> list[KV | None]:
+    """For each ``(pass, passage ids)``: the passage's rows in that pass (`rows_in_prompt`, one search per pass), or
+    None without a pass or a run.
+    """
+    groups: dict[int, list[int]] = {}
+    for i, (source, _) in enumerate(wanted):
+        if source is not None:
+            groups.setdefault(id(source), []).append(i)
+    out: list[KV | None] = [None] * len(wanted)
+    for members in groups.values():
+        source = wanted[members[0]][0]
+        assert source is not None
+        found = rows_in_prompt(lm, source[0], source[1], [wanted[i][1] for i in members])
+        for j, i in enumerate(members):
+            out[i] = found.get(j)
+    return out

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvrag import GateConfig
+from kvrag.codec import make_codec
 from kvrag.passages import PassageCache, find_passages
 from kvrag.passages.finder import split_passages
 from kvrag.query.locate import chat_prompt
@@ -87,7 +88,7 @@ def test_an_edited_passage_is_a_new_key_never_served_stale(cache: PassageCache):
                                  max_new_tokens=1)
     # the edited passage is new; the next one's stored rows followed the old text, so it is recomputed too
     assert [c.text for c in answer.chunks] == PASSAGES[2:]
-    keys = {cache.key(cache.context.chunk_ids(text)) for text in [PASSAGES[0], edited[0]]}
+    keys = {cache.keys.key(cache.context.chunk_ids(text)) for text in [PASSAGES[0], edited[0]]}
     assert len(keys) == 2
 
 
@@ -112,18 +113,19 @@ def test_the_byte_bound_holds_over_a_thousand_passages(tiny_lm, tmp_path: Path):
         assert 0 < cache.info()["hit_rate"] < 1
 
 
-def _second_process(folder: str, model_dir: str, out: multiprocessing.Queue) -> None:
+def _second_process(folder: str, model_dir: str, codec: str, out: multiprocessing.Queue) -> None:
     from kvrag.passages import PassageCache
 
-    cache = PassageCache.open(model_dir, f"file://{folder}/cache?max_bytes=50MB", device="cpu")
+    cache = PassageCache.open(model_dir, f"file://{folder}/cache?max_bytes=50MB", device="cpu", codec=codec)
     raw = _prompt("Who designed the alpha reactor?")
     answer = cache.answer_prompt(chat_prompt(cache.lm.tokenizer, raw), "probe", passages=find_passages(raw),
                                  max_new_tokens=3)
     out.put(([c.text for c in answer.chunks], answer.token_ids))
 
 
-def test_a_second_process_reads_what_the_first_stored(tiny_lm, tiny_model_dir: Path, tmp_path: Path):
-    with PassageCache(tiny_lm, _store(tmp_path)) as cache:
+@pytest.mark.parametrize("codec", ["int8", "cachegen"])  # the default, and one whose fitted state is shared
+def test_a_second_process_reads_what_the_first_stored(tiny_lm, tiny_model_dir: Path, tmp_path: Path, codec: str):
+    with PassageCache(tiny_lm, _store(tmp_path), codec=make_codec(codec)) as cache:
         assert cache.warm(PASSAGES, show_progress=False) == 3
         raw = _prompt("Who designed the alpha reactor?")
         for _ in range(2):  # the first call stores the first passage as the prompt has it (after "Context: ")
@@ -133,11 +135,11 @@ def test_a_second_process_reads_what_the_first_stored(tiny_lm, tiny_model_dir: P
         assert len(here.chunks) == 3
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_second_process, args=(str(tmp_path), str(tiny_model_dir), out))
+    proc = ctx.Process(target=_second_process, args=(str(tmp_path), str(tiny_model_dir), codec, out))
     proc.start()
     texts, token_ids = out.get(timeout=180)
     proc.join(30)
-    assert texts == PASSAGES and token_ids == here.token_ids  # the same shared codec state, the same answer
+    assert texts == PASSAGES and token_ids == here.token_ids  # the same keys (and codec state), the same answer
 
 
 def test_langchain_tutorial_chain_over_faiss_swaps_only_the_llm(tiny_model_dir: Path, tmp_path: Path):

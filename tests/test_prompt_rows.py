@@ -15,7 +15,7 @@ from kvrag.codec import make_codec
 from kvrag.model import hf_compat
 from kvrag.model.rope import layer_ropes, rotate_layers
 from kvrag.passages import PassageCache, open_cache_store
-from kvrag.passages.prompt_rows import find_run, rows_in_prompt
+from kvrag.passages.prompt_rows import context_digest, find_run, rows_in_prompt
 from kvrag.query.locate import chat_prompt, encode
 from tests.test_passage_cache import PASSAGES, _prompt
 
@@ -75,7 +75,8 @@ def test_rows_are_not_taken_from_a_cache_shorter_than_the_prompt_or_for_a_run_it
     ids = tiny_lm.tokenizer("one two three four five six", add_special_tokens=False)["input_ids"]
     rows = _full_rows(tiny_lm, ids)
     got = rows_in_prompt(tiny_lm, ids, rows, [ids[2:4], [max(ids) + 1]])
-    assert set(got) == {0} and got[0][0].shape[2] == 2  # the second run is not in the prompt: prefilled alone
+    assert set(got) == {0} and got[0].kv[0].shape[2] == 2  # the second run is not in the prompt: prefilled alone
+    assert got[0].start == 2 and got[0].context == context_digest(ids[:2]) != context_digest(ids[:1])
     windowed = [(k[:, :, -2:], v[:, :, -2:]) for k, v in rows]  # a sliding window keeps fewer rows
     assert rows_in_prompt(tiny_lm, ids, windowed, [ids[2:4]]) == {}
 

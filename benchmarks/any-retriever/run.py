@@ -17,13 +17,15 @@ prompt, read from the rows of the first answer's prompt, which the gate kept). T
 holds them (a context-first template, the same passages retrieved). Then the first prompt fused from the passages'
 stored caches with the kept prompts forgotten (``fused``: decoded in the process's memory tier), and once more with
 that tier emptied too (``cold``: the blobs read from disk and decoded, as in a new process); each passage's cache holds
-its rows in the first prompt (`kvrag.passages.prompt_rows`), so these two read the same prompt back from the store.
+its rows in the first prompt (`kvrag.passages.prompt_rows`), so these two read the same prompt back from the store,
+in place (the gate's ``stored`` plan).
 Last, ``new_prompt``: a new cache of the passages stored by another prompt (the reworded question, the retrieved
 passages in the reverse order: every passage after other neighbours, at another place), then the question's prompt
 fused from them. ``full`` comes before
 ``first`` on every other question. TTFT is wall-clock from ``chain.stream`` to the first non-blank piece.
 Right: gold F1 >= 0.5 or a normalised gold answer contained in the answer (`kvrag.bench.metrics.is_right`).
 
+``--codec`` stores the passage caches with another codec (default: a passage cache's, ``int8``).
 ``--framework llamaindex`` runs LlamaIndex's default instead: the user's ``VectorStoreIndex`` over
 ``SentenceSplitter`` nodes (the same embedding model), ``index.as_query_engine(llm=..., similarity_top_k=K,
 streaming=True)`` with its default text-QA template (the context before the question). ``--bf16-reference`` adds
@@ -192,9 +194,9 @@ def new_prompt(lm: Any, heads: Any, chain_of: Callable[..., Any], cache: str, qu
     """The question's prompt fused from caches that another prompt stored: a new cache first answers the reworded
     question over the same retriever with the passages in the reverse order (not counted), then the question.
     """
-    from kvrag.passages import PassageCache, open_cache_store
+    from kvrag.passages import PassageCache
 
-    with PassageCache(lm, open_cache_store(cache)) as other:
+    with PassageCache.open(lm, cache) as other:
         other.heads = heads  # before its first answer
         llm = llm_class(rag=other, max_new_tokens=max_new_tokens)
         timed(chain_of(llm, reverse=True), llm, reworded)
@@ -214,6 +216,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--cache", default=None, help="cache URL (default: a temporary folder)")
     parser.add_argument("--dtype", default=None, help="the model's weights (default: kvrag's for the device)")
+    parser.add_argument("--codec", default=None, help="the passage caches' codec (default: a passage cache's)")
     parser.add_argument("--framework", choices=("langchain", "llamaindex"), default="langchain")
     parser.add_argument("--bf16-reference", action="store_true", help="add full_bf16 (see the module docstring)")
     parser.add_argument("--out", type=Path, required=True)
@@ -221,7 +224,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     import torch
 
+    from kvrag.codec import make_codec
     from kvrag.passages import PassageCache, open_cache_store
+    from kvrag.passages.cache import PASSAGE_CODEC
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -235,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             bf16 = KVCachedLLM(rag=PassageCache.open(args.model, f"file://{folder}/bf16", dtype="bfloat16"),
                                mode="full", max_new_tokens=args.max_new_tokens)
         warm_up = PassageCache.open(args.model, args.cache or f"file://{folder}/warm-up?max_bytes=20GB",
-                                    dtype=args.dtype)
+                                    dtype=args.dtype, codec=args.codec)
         llm = KVCachedLLM(rag=warm_up, max_new_tokens=args.max_new_tokens)
         full = KVCachedLLM(rag=llm.rag, mode="full", max_new_tokens=args.max_new_tokens)
         chain, full_chain = chain_of(llm), chain_of(full)
@@ -247,7 +252,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         rows, info = [], {"looked_up": 0, "found": 0, "stored": 0, "stored_bytes": 0}
         warm = llm.rag
         for turn, item in enumerate(items):
-            own = PassageCache(warm.lm, open_cache_store(f"file://{folder}/q{turn}?max_bytes=20GB"))
+            own = PassageCache(warm.lm, open_cache_store(f"file://{folder}/q{turn}?max_bytes=20GB"),
+                               make_codec(args.codec or PASSAGE_CODEC))
             own.heads = warm.heads  # (before its first answer) one long-lived process: the template's head kept
             llm, full = KVCachedLLM(rag=own, max_new_tokens=args.max_new_tokens), \
                 KVCachedLLM(rag=own, mode="full", max_new_tokens=args.max_new_tokens)
@@ -269,7 +275,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             own.heads.clear_prompts()
             own.kvstore.decoded.clear()  # as in a new process: the passages' blobs read and decoded again
             row["cold"] = timed(chain, llm, question)
-            row["new_prompt"] = new_prompt(own.lm, warm.heads, chain_of, f"file://{folder}/q{turn}-new?max_bytes=20GB",
+            row["new_prompt"] = new_prompt(own.lm, warm.heads, chain_of,
+                                           f"file://{folder}/q{turn}-new?max_bytes=20GB&codec={own.kvstore.codec.name}",
                                            question, reworded, args.max_new_tokens, KVCachedLLM)
             if bf16 is not None:
                 row["full_bf16"] = timed(chain_of(bf16), bf16, question)

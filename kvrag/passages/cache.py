@@ -3,17 +3,20 @@
 Contract:
 
 - No index: the passages are found in the prompt (`kvrag.passages.finder`) or given (``passages=``). A passage's
-  key hashes the model's fingerprint, the codec and its fitted state's digest, kvrag's prompt prefix, the passage
-  before it where its cache was taken (`PassageCache.key`) and its token ids (`kvrag.storage.keys.chunk_key`): an
-  edited passage, another model or another codec state is another key.
+  key hashes the model's fingerprint, the codec and its fitted state's digest, kvrag's prompt prefix, its token ids
+  and where its rows were computed (`kvrag.passages.keys`): an edited passage, another model or another codec state
+  is another key.
 - A call answers at once: the passages whose caches are stored are fused as an index's chunks are
   (`kvrag.query.gate.prepare_prompt`, under the correctness gate by default), everything else is recomputed with
   the prompt. After the answer, on a background thread (`BackgroundWork`), each missing passage's rows in the pass
   that answered are stored as its cache (`kvrag.passages.prompt_rows`: they carry the passages before it as
-  context, at no cost), read later only after the same passage; a passage the pass did not compute as one run is
+  context, at no cost), keyed by the tokens before it there and linked after the passage before it. A prompt with
+  those same tokens before it reads them in place, with nothing recomputed but its text (the gate's ``stored``
+  plan); another prompt reads them only after the same passage. A passage the pass did not compute as one run is
   prefilled alone (between the calls' fusions, one batch at a time), read anywhere. So no stored cache is taken as
   exact right after kvrag's prompt prefix (``prefix_exact=False``). A mode that recomputes everything (``full``)
   is a plain prefill of the prompt as one text: it looks nothing up and stores nothing.
+- Caches are stored with the ``int8`` codec by default (`PASSAGE_CODEC`).
 - The store is bounded in bytes (`kvrag.passages.cache_url`: ``file://`` under the user's cache folder by default,
   or ``redis://``), least recently used evicted; the codec's fitted state is stored once per model beside the blobs
   (`kvrag.passages.codec_share`), fitted on the first passages stored.
@@ -36,17 +39,18 @@ from typing import Any, cast
 from tqdm.auto import tqdm
 
 from kvrag.codec import Codec, make_codec
-from kvrag.config import CodecConfig, FuseConfig, GateConfig, GenerateConfig
+from kvrag.config import FuseConfig, GateConfig, GenerateConfig
 from kvrag.fusion import selector_class
 from kvrag.indexing.kvgen import chunk_caches
 from kvrag.loading.tiered_feed import TIERED_DEVICES
 from kvrag.model import LoadedModel, hf_compat, load_model
 from kvrag.model.prefix import KV, PrefixCache, prefix_cache
 from kvrag.passages.background import BackgroundWork
-from kvrag.passages.cache_url import memory_bound, open_cache_store
+from kvrag.passages.cache_url import memory_bound, open_cache_store, url_codec
 from kvrag.passages.codec_share import load_shared_state, publish_state
 from kvrag.passages.finder import MIN_CHARS, find_passages, split_passages
-from kvrag.passages.prompt_rows import PromptPass, rows_of_passes
+from kvrag.passages.keys import PassageKeys
+from kvrag.passages.prompt_rows import PromptPass, context_digest, rows_of_passes
 from kvrag.prompt import build_layout
 from kvrag.query import gate as answering
 from kvrag.query.answer import Answer, RetrievedChunk, finish
@@ -57,7 +61,6 @@ from kvrag.query.plan import LoadController
 from kvrag.query.prompt_tokens import align, tokenize_prompt
 from kvrag.query.spans import find_chunk_spans
 from kvrag.storage.decoded_tier import DEFAULT_DECODED_BYTES
-from kvrag.storage.keys import chunk_key
 from kvrag.storage.kvstore import KVStore
 
 log = logging.getLogger(__name__)
@@ -65,6 +68,9 @@ log = logging.getLogger(__name__)
 FIT_PASSAGES = 16  # passages a codec that needs fitting is fitted on, when no state is stored yet
 BATCH_TOKENS = 2048  # tokens per background prefill batch: the longest a call may wait for the model
 EXIT_FLUSH_S = 60.0
+# int8 keeps stored rows close enough that reading them in place gives a full prefill's answers, and decodes fast
+# on a CPU (benchmarks/any-retriever README, "Rows read in place"); cachegen is 2.5x smaller: ``codec="cachegen"``
+PASSAGE_CODEC = "int8"
 CHAT_PASSED = ("temperature", "top_p", "stop", "seed", "fuse_config", "gate")  # chat options a passage cache uses
 
 
@@ -87,8 +93,9 @@ class CacheStats:
 class _Missing:
     text: str
     ids: tuple[int, ...]
-    after: tuple[int, ...] = ()  # the passage before it in that prompt (`PassageCache.key`)
+    after: tuple[int, ...] = ()  # the passage before it in that prompt (`PassageKeys.key`)
     source: PromptPass | None = field(default=None, compare=False)  # the pass of the prompt that missed it
+    exact: bool = field(default=False, compare=False)  # that pass read no stored cache: its rows are a full prefill's
 
 
 _OPEN: weakref.WeakSet[PassageCache] = weakref.WeakSet()  # caches not closed: their pending stores run at exit
@@ -127,9 +134,11 @@ class PassageCache:
         self.lm, self.store, self.min_chars = lm, store, min_chars
         self.heads = HeadCache(prompt_bytes=prompt_bytes)  # template heads and whole prompts kept exact
         self.layout = build_layout(lm.tokenizer)
-        self.kvstore = KVStore(store, codec or make_codec(CodecConfig().name), lm.fingerprint, lm.family.windows,
+        self.kvstore = KVStore(store, codec or make_codec(PASSAGE_CODEC), lm.fingerprint, lm.family.windows,
                                decoded_bytes)
-        self._digest = load_shared_state(store, self.kvstore.codec, lm.fingerprint)
+        self.keys = PassageKeys(store, self.kvstore, lm.fingerprint, self.layout.prefix_ids,
+                                load_shared_state(store, self.kvstore.codec, lm.fingerprint))
+        self.recovered = 0  # passages recomputed alone because their blob went missing after the lookup
         self._lock = threading.RLock()  # the model: one fusion or background prefill at a time
         self._prefix: PrefixCache | None = None
         self._context: QueryContext | None = None
@@ -147,12 +156,14 @@ class PassageCache:
 
         ``cache``: ``file:///path?max_bytes=5GB``, ``redis://host:6379/0?max_bytes=1GB``, a folder, or None for
         the user's cache folder; ``max_bytes`` overrides the URL's bound; the URL's ``decoded_bytes`` bounds the
-        decoded tier and its ``prompt_bytes`` the prompts kept exact. The store is checked before the model loads.
+        decoded tier, ``prompt_bytes`` the prompts kept exact, ``codec`` is the default ``codec``. The store is
+        checked before the model loads.
         """
         decoded_bytes, prompt_bytes = memory_bound(cache, "decoded_bytes"), memory_bound(cache, "prompt_bytes")
+        codec = codec or url_codec(cache) or PASSAGE_CODEC
         store = open_cache_store(cache, max_bytes)
         lm = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
-        return cls(lm, store, make_codec(codec or CodecConfig().name, codec_level), decoded_bytes=decoded_bytes,
+        return cls(lm, store, make_codec(codec, codec_level), decoded_bytes=decoded_bytes,
                    prompt_bytes=prompt_bytes)
 
     # -- the question-time state ------------------------------------------------------------------
@@ -175,19 +186,6 @@ class PassageCache:
                                          heads=self.heads)
         return self._context
 
-    def key(self, ids: Sequence[int], after: Sequence[int] = ()) -> str | None:
-        """The key of a passage's cache from its token ids and ``after``, the token ids of the passage before it in
-        the prompt its rows were taken from (none: first there, or prefilled alone after kvrag's prompt prefix);
-        None while the codec has no stored state.
-        """
-        if self._digest is None:
-            return None
-        codec = self.kvstore.codec
-        space = f"{self.lm.fingerprint}|{codec.name}:{codec.level}:{self._digest}"
-        if after:
-            space += "|after:" + ",".join(map(str, after))
-        return chunk_key(space, self.layout.prefix_ids, ids)
-
     def passages_in(self, prompt: str) -> list[str]:
         """The passages found in a flat prompt (`kvrag.passages.finder.find_passages`)."""
         return find_passages(prompt, self.min_chars)
@@ -198,11 +196,6 @@ class PassageCache:
         """
         return encode(self.lm.tokenizer, text.strip())
 
-    def _stored_key(self, ids: Sequence[int], after: Sequence[int] = ()) -> str | None:
-        """The key of the cache stored for ``ids`` after ``after`` (`key`), else None."""
-        key = self.key(ids, after)
-        return key if key is not None and self.kvstore.contains(key) else None
-
     def _lookup(self, prompt: str, texts: Iterable[str]) -> tuple[list[RetrievedChunk], list[_Missing]]:
         """The passages of ``texts`` in ``prompt`` whose caches are stored, and the others. A passage is looked up
         by its tokens in the prompt (`kvrag.query.prompt_tokens`: after ``"Context: "`` its first word carries the
@@ -210,9 +203,10 @@ class PassageCache:
         then reads the rows that match, `kvrag.query.locate`). A passage found in neither is stored as the prompt
         has it.
 
-        Caches taken from a prompt's rows are read only after the same passage they followed there (`key`'s
-        ``after``: the passage before, in prompt order), else a cache computed alone (or first in its prompt); a
-        passage with neither is recomputed with the prompt, and its rows here are stored after the answer.
+        A passage is read, first found first: from rows computed after exactly the tokens before it here (in place:
+        no recompute needed, `kvrag.query.pipeline.LaidOut.in_place`), from rows computed after the same passage
+        before it (`PassageKeys.key`'s ``after``), or from a cache computed alone (or first in its prompt). A passage
+        with none is recomputed with the prompt, and its rows here are stored after the answer.
         """
         texts = list(dict.fromkeys(t.strip() for t in texts if t.strip() and t.strip() in prompt))
         tokens = tokenize_prompt(self.lm.tokenizer, prompt)
@@ -224,11 +218,14 @@ class PassageCache:
         for seq, text in enumerate(sorted(texts, key=prompt.find)):  # in prompt order
             own = self.passage_ids(text)
             ids = tokens.ids[places[text][0]:places[text][1]] if tokens is not None and text in places else own
-            key = self._stored_key(ids, before) or self._stored_key(ids)
-            if key is None and ids != own and align(ids, own)[0] and (plain := self._stored_key(own)):
+            context = context_digest(tokens.ids[:places[text][0]]) if tokens is not None and text in places else None
+            key = self.keys.stored(ids, context=context) if context is not None else None
+            in_place = key is not None
+            key = key or self.keys.stored(ids, before) or self.keys.stored(ids)
+            if key is None and ids != own and align(ids, own)[0] and (plain := self.keys.stored(own)):
                 ids, key = own, plain
             if key is not None:
-                found.append(RetrievedChunk(key, text, math.nan, "", "prompt", seq, tuple(ids)))
+                found.append(RetrievedChunk(key, text, math.nan, "", "prompt", seq, tuple(ids), in_place))
             else:
                 missing.append(_Missing(text, tuple(ids), before))
             before = tuple(ids)
@@ -257,12 +254,16 @@ class PassageCache:
         with self._lock:
             texts = [] if plain else self.passages_in(prompt) if passages is None else passages
             found, missing = self._lookup(prompt, texts)
+            recovered = self.recovered
             fused = answering.prepare_prompt(self.context, prompt, found, config, gate_config)
+            if fused.gate is not None and fused.gate.decision == "stored" and self.recovered != recovered:
+                # a blob read in place went missing since the lookup and was computed alone: no longer in place
+                fused = answering.prepare_prompt(self.context, prompt, [], config, gate_config)
         try:
             yield from fused.stream(generate)
         finally:  # after the answer (or a stream closed early): never on its critical path
             source = None if fused.prompt_ids is None else (fused.prompt_ids, hf_compat.cache_layers(fused.fused.cache))
-            self._writer.submit([replace(m, source=source) for m in missing])
+            self._writer.submit([replace(m, source=source, exact=fused.exact_rows) for m in missing])
         assert fused.answer is not None
         self.last_answer = fused.answer
         return fused.answer
@@ -304,7 +305,7 @@ class PassageCache:
         missing = []
         for text in dict.fromkeys(p for t in texts for p in split_passages(t or "", self.min_chars)):
             ids = self.passage_ids(text)
-            if self._stored_key(ids) is None:
+            if self.keys.stored(ids) is None:
                 missing.append(_Missing(text, tuple(ids)))
         return self._store_missing(missing, show_progress, hold=False)  # a bulk ingestion: the tier keeps what is read
 
@@ -328,7 +329,7 @@ class PassageCache:
         caches.update({todo[i]: (k.cpu(), v.cpu()) for i, (k, v) in self._caches(todo)})
         codec = self.kvstore.codec
         codec.fit(list(caches.values()), self.lm.spec.n_layers)
-        self._digest = publish_state(self.store, codec, self.lm.fingerprint)
+        self.keys.digest = publish_state(self.store, codec, self.lm.fingerprint)
         log.info("fitted the %s codec's state for %s on %d passages", codec.name, self.lm.source, len(caches))
         return caches
 
@@ -340,10 +341,12 @@ class PassageCache:
         if not missing:
             return 0
         found = rows_of_passes(self.lm, [(m.source, m.ids) for m in missing])  # their rows in the prompt's pass
-        rows = {m: kv for m, kv in zip(missing, found) if kv is not None}
-        fitted = self._fit(missing, rows) if self._digest is None else {}
-        todo = [(m, key) for m in dict.fromkeys(missing)  # rows: after the passage before; else computed alone
-                if (key := self.key(m.ids, m.after if m in rows else ())) is not None
+        rows = {m: got.kv for m, got in zip(missing, found) if got is not None}
+        contexts = {m: got.context for m, got in zip(missing, found) if got is not None and m.exact}
+        fitted = self._fit(missing, rows) if self.keys.digest is None else {}
+        # a full prefill's rows: in place, linked after the passage before; a fused pass's: after it; else alone
+        todo = [(m, key) for m in dict.fromkeys(missing)
+                if (key := self.keys.key(m.ids, m.after if m in rows else (), contexts.get(m))) is not None
                 and not self.kvstore.contains(key)]
         rest = [(m, key) for m, key in todo if m not in fitted and m not in rows]
         with tqdm(total=sum(len(m.ids) for m, _ in todo), unit="tok", desc="caching passages",
@@ -352,6 +355,8 @@ class PassageCache:
             done_later = ((rest[i][0], rest[i][1], kv) for i, kv in self._caches([m for m, _ in rest]))
             for m, key, kv in itertools.chain(done, done_later):
                 self.stats.stored_bytes += self.kvstore.put(key, kv[0].cpu(), kv[1].cpu())
+                if m in contexts:
+                    self.keys.link(m.ids, m.after, key)
                 self.stats.stored, stored = self.stats.stored + 1, stored + 1
                 if hold:
                     self.kvstore.hold_decoded(key, self.prefix.kv[0][0].dtype)
@@ -360,11 +365,12 @@ class PassageCache:
 
     def _recompute(self, chunk: RetrievedChunk, lead: bool = False) -> KV:
         """A passage's cache computed again (its blob was evicted or damaged since the lookup), alone after the
-        prompt prefix, and stored as such (`key` with no passage before).
+        prompt prefix, and stored as such (its plain key).
         """
         ids = self.context.stored_ids(chunk)
+        self.recovered += 1
         _, kv = next(chunk_caches(self.lm, self.prefix, [ids], BATCH_TOKENS))
-        if (plain := self.key(ids)) is not None:
+        if (plain := self.keys.key(ids)) is not None:
             self.kvstore.put(plain, kv[0].cpu(), kv[1].cpu())
         return kv
 

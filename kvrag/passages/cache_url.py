@@ -17,6 +17,7 @@ Two more options (any scheme) bound what the process keeps in memory, not the st
 off): ``decoded_bytes`` (e.g. ``file:///path?decoded_bytes=1GiB``) the tier of hot passage caches kept decoded
 (default `kvrag.storage.decoded_tier.DEFAULT_DECODED_BYTES`), and ``prompt_bytes`` the whole prompts kept exact
 (default `kvrag.query.head_cache.DEFAULT_PROMPT_BYTES`, `kvrag.query.head_cache.HeadCache.keep_prompt`).
+``codec`` names the codec the caches are stored with (`url_codec`; e.g. ``?codec=cachegen``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ DEFAULT_MAX_BYTES = 5 * 10**9
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-_OURS = ("max_bytes", "decoded_bytes", "prompt_bytes")  # kvrag reads these; a redis:// URL's others go to redis-py
+_OURS = ("max_bytes", "decoded_bytes", "prompt_bytes", "codec")  # kvrag's; a redis:// URL's others go to redis-py
 
 
 def parse_bytes(text: str | int, name: str = "max_bytes", zero: bool = False) -> int:
@@ -68,6 +69,20 @@ def memory_bound(url: str | os.PathLike[str] | None, name: str) -> int:
         return default
     given = [v for k, v in parse_qsl(urlsplit(os.fspath(url)).query, keep_blank_values=True) if k == name]
     return parse_bytes(given[-1], name, zero=True) if given else default
+
+
+def url_codec(url: str | os.PathLike[str] | None) -> str | None:
+    """The codec a cache URL names (``?codec=``, the last one given), else None; ValueError for an unknown one."""
+    if url is None or "?" not in os.fspath(url):
+        return None
+    given = [v for k, v in parse_qsl(urlsplit(os.fspath(url)).query, keep_blank_values=True) if k == "codec"]
+    if not given:
+        return None
+    from kvrag.codec import available_codecs
+
+    if given[-1] not in available_codecs():
+        raise ValueError(f"codec must be one of {', '.join(available_codecs())}, got {given[-1]!r}")
+    return given[-1]
 
 
 def open_cache_store(url: str | os.PathLike[str] | None = None, max_bytes: int | str | None = None) -> ByteStore:

@@ -26,7 +26,9 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class RetrievedChunk:
     """A chunk used for an answer: its key, text, retrieval score and origin, and the token ids its cache was
-    computed for when they are not its text's own (`kvrag.query.pipeline.QueryContext.stored_ids`).
+    computed for when they are not its text's own (`kvrag.query.pipeline.QueryContext.stored_ids`). ``in_place``:
+    its cache holds its rows as a pass over this very prompt's tokens before it computed them (a passage cache's,
+    `kvrag.passages.cache`), so they need no recompute where they stand.
     """
 
     key: str
@@ -36,6 +38,7 @@ class RetrievedChunk:
     source: str
     seq: int
     ids: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
+    in_place: bool = field(default=False, repr=False, compare=False)
 
     @classmethod
     def from_record(cls, record: ChunkRecord, score: float = math.nan) -> RetrievedChunk:

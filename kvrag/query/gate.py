@@ -7,7 +7,10 @@ Three steps, each cheap next to a fusion:
    there. By default it reads the first chunk's stored cache and recomputes the rest (the ``prefix`` mode,
    `GateConfig.short_mode`), which gives the full prefill's answer sooner. A prompt that is mostly text without
    a stored cache (more than `GateConfig.fuse_max_text_share` of it: passages seen for the first time) is
-   prefilled in full, which is then sooner than a fused pass.
+   prefilled in full, which is then sooner than a fused pass. A prompt whose every stored cache holds rows
+   computed after exactly the tokens before it there (a passage cache's rows of this same prompt,
+   `LaidOut.in_place`) recomputes only its text pieces and suffix: that is a full prefill's computation, up
+   to the codec's rounding, and the check does not apply.
 2. **Check.** After the fused pass, before decoding: the first token's log-probability lead over the
    runner-up (its *margin*), and, for a mode that runs a probe pass (``probe``), whether the question
    alone over the stored caches predicted the same first token. Where recomputing 15 % of the tokens
@@ -95,7 +98,8 @@ class GateReport:
 
     # "fused": the first attempt passed; "escalated": a later one was used; "short": a short prompt, every stale
     # token recomputed (the attempt's mode says how: "prefix" or "full"); "text": mostly text without a cache,
-    # prefilled in full; "kept": every passage read from a kept prompt's exact rows
+    # prefilled in full; "kept": every passage read from a kept prompt's exact rows; "stored": every passage read
+    # from stored rows computed after this very text (`LaidOut.in_place`), only the rest recomputed
     decision: str
     stale_tokens: int
     attempts: list[dict[str, Any]] = field(default_factory=list)
@@ -123,8 +127,9 @@ class AnswerPlan:
     """What one answer runs, made once before anything is fused: the fusions to try in order (each a
     `FuseConfig`; the first one whose check passes is used) and the gate they answer to (None: no gate,
     one attempt). ``decision`` is the `GateReport`'s: ``"fused"``, ``"short"`` for a short prompt, ``"text"``
-    for a prompt that is mostly text without a stored cache, or ``"kept"`` for a prompt whose passages all lie in a
-    kept prompt's exact rows (`kvrag.query.head_cache`).
+    for a prompt that is mostly text without a stored cache, ``"kept"`` for a prompt whose passages all lie in a
+    kept prompt's exact rows (`kvrag.query.head_cache`), or ``"stored"`` for one whose passages' stored rows were
+    all computed after the very tokens before them here (`LaidOut.in_place`).
     ``mode`` is the mode asked for: a selector given with it chooses only that mode's positions.
     """
 
@@ -139,8 +144,10 @@ def plan_answer(laid: LaidOut, config: FuseConfig, gate: GateConfig | None) -> A
     """The attempts for ``laid`` under ``config`` and ``gate`` (see the module docstring).
 
     A mode that recomputes every position, or a prompt without a stored cache to read, is one attempt that
-    recomputes everything. A short prompt is one attempt of ``gate.short_mode`` where the first chunk's cache
-    is exact (else of the exact mode), and a prompt mostly of text without a cache one attempt of the exact mode.
+    recomputes everything. A prompt whose stored caches are all in place is one attempt of ``reuse``: its text
+    pieces and suffix recomputed, nothing else. A short prompt is one attempt of ``gate.short_mode`` where the first
+    chunk's cache is exact (else of the exact mode), and a prompt mostly of text without a cache one attempt of the
+    exact mode.
     Otherwise: ``config``, the ladder's larger ratios, then the exact mode.
     """
     exact = exact_mode()
@@ -151,6 +158,8 @@ def plan_answer(laid: LaidOut, config: FuseConfig, gate: GateConfig | None) -> A
         return AnswerPlan((replace(config, mode=exact),), gate, "kept" if laid.kept else "short", stale, config.mode)
     if gate is None:
         return AnswerPlan((config,), None, "fused", stale, config.mode)
+    if laid.in_place:  # the stored rows are what a full prefill computes there: only the rest runs
+        return AnswerPlan((replace(config, mode="reuse"),), gate, "stored", stale, config.mode)
     if stale < gate.full_below_tokens:
         short = gate.short_mode if laid.first_exact and not gate.strict else exact
         return AnswerPlan((replace(config, mode=short),), gate, "short", stale, config.mode)
@@ -249,6 +258,7 @@ def prepare_prompt(ctx: QueryContext, prompt: str, candidates: Sequence[Retrieve
         plan = plan_answer(laid, config, gate)
     fused = execute(ctx, laid, plan, None, selector)
     fused.prompt_ids = torch.cat([laid.prefix.ids.cpu(), *laid.piece_ids, laid.suffix_ids]).tolist()
-    if kept and all(chunk is None for chunk in laid.chunks):  # exact: kept rows and one pass over the rest
+    fused.exact_rows = all(chunk is None for chunk in laid.chunks)  # exact head rows and one pass over the rest
+    if kept and fused.exact_rows:
         ctx.heads.keep_prompt(fused.prompt_ids, hf_compat.cache_layers(fused.fused.cache))
     return fused

@@ -166,6 +166,14 @@ class LaidOut:
         return sum(int(ids.numel()) for j, (c, ids) in enumerate(zip(self.chunks, self.piece_ids))
                    if c is not None and not (j == 0 and self.first_exact))
 
+    @property
+    def in_place(self) -> bool:
+        """Every chunk piece reads its whole stored cache, computed after exactly the tokens before it here
+        (`RetrievedChunk.in_place`): recomputing the text pieces and the suffix alone gives a full prefill's rows,
+        up to the codec's rounding.
+        """
+        chunks = [c for c in self.chunks if c is not None]
+        return bool(chunks) and all(c.in_place for c in chunks) and not self.rows_prefix
 
     @property
     def text_share(self) -> float:
@@ -241,6 +249,7 @@ class FusedPrompt:
     answer: Answer | None = field(default=None, init=False)
     gate: Any = field(default=None, init=False)  # the `kvrag.query.gate.GateReport`, when the gate ran
     prompt_ids: list[int] | None = field(default=None, init=False)  # a flat prompt's tokens, one per cache row
+    exact_rows: bool = field(default=False, init=False)  # no stored chunk cache read: every row a full prefill's
 
     def stream(self, config: GenerateConfig | None = None) -> Iterator[str]:
         """Yield the answer's text as it is generated; `answer` holds the whole `Answer` after."""

@@ -1,0 +1,96 @@
+"""`PassageKeys`: the store keys of a passage cache's entries, and the links between them.
+
+Contract:
+
+- A key hashes the model's fingerprint, the codec with its fitted state's digest, kvrag's prompt prefix, the
+  passage's token ids and where its rows were computed (`kvrag.storage.keys.chunk_key`). There are three kinds:
+  - **in place** (``context``, a `kvrag.passages.prompt_rows.context_digest`): rows a prompt's pass computed after
+    exactly those tokens. Any prompt with the same tokens before the passage needs these very rows there.
+  - **after** (``after``, the token ids of the passage before it in that prompt): where rows may be read with some
+    of their context, after the same passage.
+  - **plain** (neither): a cache computed alone after kvrag's prompt prefix, or rows taken from a prompt's first
+    passage; read anywhere.
+- Rows taken from a prompt are stored once, under their in-place key. Their after (or plain) key is a **link**: a
+  small entry in the same store naming the in-place key (`link`). A link never names an entry its key does not
+  describe, so an evicted or rewritten blob is a miss, never another context's rows. `stored` follows a link to a
+  blob that is present; a dangling link is overwritten by the next `link`.
+- Keys are None while the codec has no fitted state (`digest` None): nothing is read or stored yet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+from kvrag.storage.keys import chunk_key
+from kvrag.storage.kvstore import KVStore
+
+_KEY_CHARS = frozenset("0123456789abcdef")
+
+
+def _link_key(key: str) -> str:
+    """The store key of the link stored under ``key`` (a name of its own: a blob's key is never a link's)."""
+    return hashlib.sha256(b"link|" + key.encode()).hexdigest()[:40]
+
+
+class PassageKeys:
+    """Keys of one passage cache (see the module contract).
+
+    Args:
+        store: the byte store holding the blobs and the links.
+        kvstore: the codec's view of ``store`` (what holds a blob).
+        fingerprint: the model's fingerprint.
+        prefix_ids: kvrag's prompt prefix, which every plain cache is computed after.
+        digest: the codec state's digest (`kvrag.passages.codec_share`), None until it is fitted.
+    """
+
+    def __init__(self, store: Any, kvstore: KVStore, fingerprint: str, prefix_ids: Sequence[int],
+                 digest: str | None) -> None:
+        self.store, self.kvstore, self.fingerprint = store, kvstore, fingerprint
+        self.prefix_ids, self.digest = list(prefix_ids), digest
+
+    def key(self, ids: Sequence[int], after: Sequence[int] = (), context: str | None = None) -> str | None:
+        """The key of a passage's entry: in place after the tokens ``context`` digests, else after the passage
+        ``after``, else plain; None while the codec has no state.
+        """
+        if self.digest is None:
+            return None
+        codec = self.kvstore.codec
+        space = f"{self.fingerprint}|{codec.name}:{codec.level}:{self.digest}"
+        if context is not None:
+            space += "|in:" + context
+        elif after:
+            space += "|after:" + ",".join(map(str, after))
+        return chunk_key(space, self.prefix_ids, ids)
+
+    def stored(self, ids: Sequence[int], after: Sequence[int] = (), context: str | None = None) -> str | None:
+        """The key of the blob stored for this entry: its own, or the in-place key its link names when that blob is
+        present; None when neither.
+        """
+        key = self.key(ids, after, context)
+        if key is None:
+            return None
+        if self.kvstore.contains(key):
+            return key
+        if context is not None:  # in-place blobs have no link
+            return None
+        target = self._linked(key)
+        return target if target is not None and self.kvstore.contains(target) else None
+
+    def _linked(self, key: str) -> str | None:
+        """The in-place key the link under ``key`` names (None: no link, or not a key)."""
+        handle = self.store.open(_link_key(key))
+        if handle is None:
+            return None
+        with handle:
+            target = handle.read(64).decode("ascii", "replace")
+        return target if len(target) == 40 and set(target) <= _KEY_CHARS else None
+
+    def link(self, ids: Sequence[int], after: Sequence[int], target: str) -> None:
+        """Make the after (or, with no ``after``, plain) key of ``ids`` name the in-place blob ``target``, unless it
+        already reaches a stored blob.
+        """
+        key = self.key(ids, after)
+        if key is not None and self.stored(ids, after) is None:
+            self.store.put(_link_key(key), target.encode("ascii"))

@@ -120,6 +120,19 @@ def tiny_lm(tiny_model_dir: Path):
     return load_model(str(tiny_model_dir), device="cpu")
 
 
+@pytest.fixture()
+def raw_cache(tiny_lm, tmp_path: Path):
+    """A passage cache over the tiny model storing its caches losslessly (``raw``), so rows and answers compare
+    exactly.
+    """
+    from kvrag.codec import make_codec
+    from kvrag.passages import PassageCache, open_cache_store
+
+    with PassageCache(tiny_lm, open_cache_store(f"file://{tmp_path}/cache?max_bytes=50MB"),
+                      codec=make_codec("raw")) as opened:
+        yield opened
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (float32, CPU), loaded once per session."""

@@ -6,26 +6,14 @@ alone. The tiny random Llama stands in for a user's model.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
 import torch
 
-from kvrag.codec import make_codec
 from kvrag.model import hf_compat
 from kvrag.model.rope import layer_ropes, rotate_layers
-from kvrag.passages import PassageCache, open_cache_store
+from kvrag.passages import PassageCache
 from kvrag.passages.prompt_rows import context_digest, find_run, rows_in_prompt
 from kvrag.query.locate import chat_prompt, encode
 from tests.test_passage_cache import PASSAGES, _prompt
-
-
-@pytest.fixture()
-def raw_cache(tiny_lm, tmp_path: Path):
-    """A passage cache storing its caches losslessly, so rows compare exactly."""
-    with PassageCache(tiny_lm, open_cache_store(f"file://{tmp_path}/cache?max_bytes=50MB"),
-                      codec=make_codec("raw")) as opened:
-        yield opened
 
 
 def _full_rows(lm, ids: list[int]):

@@ -11,19 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kvrag.codec import make_codec
-from kvrag.passages import PassageCache, open_cache_store
+from kvrag.passages import PassageCache
 from kvrag.passages.keys import PassageKeys
 from kvrag.query.locate import chat_prompt
 from tests.test_passage_cache import PASSAGES, _prompt
-
-
-@pytest.fixture()
-def raw_cache(tiny_lm, tmp_path: Path):
-    """A passage cache storing its caches losslessly, so answers compare token for token."""
-    with PassageCache(tiny_lm, open_cache_store(f"file://{tmp_path}/cache?max_bytes=50MB"),
-                      codec=make_codec("raw")) as opened:
-        yield opened
 
 
 def _ask(cache: PassageCache, question: str, order: list[str] = PASSAGES, **options):

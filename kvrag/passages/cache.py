@@ -216,10 +216,10 @@ class PassageCache:
                 places.setdefault(span.chunk.text, cover)
         found, missing, before = [], [], cast(tuple[int, ...], ())
         for seq, text in enumerate(sorted(texts, key=prompt.find)):  # in prompt order
-            own = self.passage_ids(text)
-            ids = tokens.ids[places[text][0]:places[text][1]] if tokens is not None and text in places else own
-            context = context_digest(tokens.ids[:places[text][0]]) if tokens is not None and text in places else None
-            key = self.keys.stored(ids, context=context) if context is not None else None
+            own, place = self.passage_ids(text), places.get(text)
+            ids = own if tokens is None or place is None else tokens.ids[place[0]:place[1]]
+            context = None if tokens is None or place is None else context_digest(tokens.ids[:place[0]])
+            key = None if context is None else self.keys.stored(ids, context=context)
             in_place = key is not None
             key = key or self.keys.stored(ids, before) or self.keys.stored(ids)
             if key is None and ids != own and align(ids, own)[0] and (plain := self.keys.stored(own)):

@@ -60,29 +60,30 @@ def parse_bytes(text: str | int, name: str = "max_bytes", zero: bool = False) ->
 _MEMORY_DEFAULTS = {"decoded_bytes": DEFAULT_DECODED_BYTES, "prompt_bytes": DEFAULT_PROMPT_BYTES}
 
 
+def _option(url: str | os.PathLike[str] | None, name: str) -> str | None:
+    """The last value a cache URL's query gives ``name``, else None."""
+    if url is None or "?" not in os.fspath(url):
+        return None
+    given = [v for k, v in parse_qsl(urlsplit(os.fspath(url)).query, keep_blank_values=True) if k == name]
+    return given[-1] if given else None
+
+
 def memory_bound(url: str | os.PathLike[str] | None, name: str) -> int:
     """A cache URL's in-memory bound ``name`` (``decoded_bytes`` or ``prompt_bytes``; the last one given), else its
     default.
     """
-    default = _MEMORY_DEFAULTS[name]
-    if url is None or "?" not in os.fspath(url):
-        return default
-    given = [v for k, v in parse_qsl(urlsplit(os.fspath(url)).query, keep_blank_values=True) if k == name]
-    return parse_bytes(given[-1], name, zero=True) if given else default
+    given = _option(url, name)
+    return _MEMORY_DEFAULTS[name] if given is None else parse_bytes(given, name, zero=True)
 
 
 def url_codec(url: str | os.PathLike[str] | None) -> str | None:
     """The codec a cache URL names (``?codec=``, the last one given), else None; ValueError for an unknown one."""
-    if url is None or "?" not in os.fspath(url):
-        return None
-    given = [v for k, v in parse_qsl(urlsplit(os.fspath(url)).query, keep_blank_values=True) if k == "codec"]
-    if not given:
-        return None
     from kvrag.codec import available_codecs
 
-    if given[-1] not in available_codecs():
-        raise ValueError(f"codec must be one of {', '.join(available_codecs())}, got {given[-1]!r}")
-    return given[-1]
+    given = _option(url, "codec")
+    if given is not None and given not in available_codecs():
+        raise ValueError(f"codec must be one of {', '.join(available_codecs())}, got {given!r}")
+    return given
 
 
 def open_cache_store(url: str | os.PathLike[str] | None = None, max_bytes: int | str | None = None) -> ByteStore:
@@ -93,8 +94,8 @@ def open_cache_store(url: str | os.PathLike[str] | None = None, max_bytes: int |
     parts = urlsplit(text)
     scheme = parts.scheme.lower() if "://" in text else ""
     query = parse_qsl(parts.query, keep_blank_values=True)
-    given = [v for k, v in query if k == "max_bytes"]
-    bound = parse_bytes(max_bytes if max_bytes is not None else given[-1] if given else DEFAULT_MAX_BYTES)
+    given = _option(text, "max_bytes")
+    bound = parse_bytes(max_bytes if max_bytes is not None else given if given is not None else DEFAULT_MAX_BYTES)
     if scheme in ("redis", "rediss"):
         rest = urlencode([(k, v) for k, v in query if k not in _OURS])
         return LRURedisStore(urlunsplit(parts._replace(query=rest)), bound)

@@ -69,13 +69,13 @@ class PassageKeys:
         present; None when neither.
         """
         key = self.key(ids, after, context)
-        if key is None:
-            return None
+        return None if key is None else self._reached(key, linked=context is None)  # in-place blobs have no link
+
+    def _reached(self, key: str, linked: bool = True) -> str | None:
+        """``key`` when its blob is stored, else (``linked``) the in-place key its link names when that one is."""
         if self.kvstore.contains(key):
             return key
-        if context is not None:  # in-place blobs have no link
-            return None
-        target = self._linked(key)
+        target = self._linked(key) if linked else None
         return target if target is not None and self.kvstore.contains(target) else None
 
     def _linked(self, key: str) -> str | None:
@@ -92,5 +92,5 @@ class PassageKeys:
         already reaches a stored blob.
         """
         key = self.key(ids, after)
-        if key is not None and self.stored(ids, after) is None:
+        if key is not None and self._reached(key) is None:
             self.store.put(_link_key(key), target.encode("ascii"))

@@ -164,9 +164,9 @@ class FuseConfig:
             its last check layer, ``probe``'s selection through every layer.
         options: the mode's own settings, which its selector reads and checks (`Selector.Options`):
             ``cacheblend``: ``check_layers`` (default ``(1, 2, 3)``), ``first_ratio_scale`` (2.0) and ``score``
-            (``"kv_attention"``); ``attnlink``: ``link_tokens`` (16); ``probe``: ``probe_from`` (0.33). A new
-            mode's knobs are its own options, not fields here. E.g. ``FuseConfig("attnlink",
-            options={"link_tokens": 32})``.
+            (``"kv_attention"``); ``attnlink``: ``link_tokens`` (16); ``probe``: ``probe_from`` (0.33) and
+            ``probe_to`` (1.0). A new mode's knobs are its own options, not fields here. E.g.
+            ``FuseConfig("attnlink", options={"link_tokens": 32})``.
         attention: how tokens selected at scattered positions attend to the cache: ``"blocks"``
             (the decoder layer runs once per position-ordered block, each under a dense mask),
             ``"flex"`` (one decoder call per layer, its attention FlexAttention under a block mask;

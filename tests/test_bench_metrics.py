@@ -134,6 +134,12 @@ def test_mode_specs_with_a_cacheblend_score():
     assert parse_mode("probe@0.1/0.75").config.options["probe_from"] == 0.75
     with pytest.raises(ValueError, match="probe_from"):
         parse_mode("probe@0.1/1.5")
+    named = parse_mode("probe@0.1/0.25/probe_to=0.5").config.options
+    assert (named["probe_from"], named["probe_to"]) == (0.25, 0.5)
+    with pytest.raises(ValueError, match="has no option 'probe_until'"):
+        parse_mode("probe@0.1/probe_until=0.5")
+    with pytest.raises(ValueError, match="probe_to must be"):
+        parse_mode("probe@0.1/probe_to=0.2")
 
 
 

@@ -209,11 +209,13 @@ def test_store_feed_recovers_a_chunk_whose_later_layer_is_corrupt(tmp_path, setu
         assert torch.equal(k, ek) and torch.equal(v, ev)
 
 
-@pytest.mark.parametrize("mode", ["cacheblend", "probe", "attnlink", "reuse"])
-def test_fusion_through_a_store_feed_equals_fusion_over_tensors(tmp_path, setup, mode):
+@pytest.mark.parametrize(("mode", "options"), [("cacheblend", {}), ("probe", {}), ("probe", {"probe_to": 0.5}),
+                                               ("attnlink", {"link_tokens": 3}), ("reuse", {})])
+def test_fusion_through_a_store_feed_equals_fusion_over_tensors(tmp_path, setup, mode, options):
+    """Every stored layer is placed before its layer runs, also those a probe pass stopped short of."""
     lm, prefix, chunks, kv, suffix = setup
     kvstore, keys = _store(tmp_path, lm, kv)
-    config = FuseConfig(mode=mode, ratio=0.3, options={"link_tokens": 3} if mode == "attnlink" else {})
+    config = FuseConfig(mode=mode, ratio=0.3, options=options)
     direct = fuse(lm, FusionInput(prefix, chunks, kv, suffix), config)
     feed = StoreFeed(kvstore, keys, LENS, lm.spec.n_layers, "cpu", torch.float32)
     piped = fuse(lm, FusionInput(prefix, chunks, feed, suffix), config)

@@ -356,14 +356,15 @@ def test_blocks_with_every_token_selected_equal_full_prefill_under_a_sliding_win
     assert (result.logits - _reference_logits(lm, ids)).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("ratio", [0.1, 0.4])
-def test_probe_recomputes_the_chunk_tokens_the_question_attends_to_most(ratio):
+@pytest.mark.parametrize(("ratio", "probe_to"), [(0.1, 1.0), (0.4, 1.0), (0.4, 0.75)])
+def test_probe_recomputes_the_chunk_tokens_the_question_attends_to_most(ratio, probe_to):
     """The probe's choice equals a ranking by the model's own attention weights: the question run
-    with eager attention over the ``reuse`` cache, summed over the upper half of the layers. The
-    selector keeps that reading (``attention``) and its choice (``picked``)."""
+    with eager attention over the ``reuse`` cache, summed over the upper half of the layers (below
+    ``probe_to``'s layer, where the probe pass stops). The selector keeps that reading (``attention``)
+    and its choice (``picked``)."""
     lm, prefix, chunks, kv, suffix = _setup("llama", seed=2)
     inp = FusionInput(prefix, chunks, kv, suffix)
-    config = FuseConfig(mode="probe", ratio=ratio, options={"probe_from": 0.5})
+    config = FuseConfig(mode="probe", ratio=ratio, options={"probe_from": 0.5, "probe_to": probe_to})
     selector = ProbeSelector(config)
     result = fuse(lm, inp, config, selector)
     total = prefix.length + sum(c.numel() for c in chunks)
@@ -376,7 +377,8 @@ def test_probe_recomputes_the_chunk_tokens_the_question_attends_to_most(ratio):
                            past_key_values=reused, use_cache=True, output_attentions=True)
     finally:
         lm.model.config._attn_implementation = "sdpa"
-    upper = range(lm.spec.n_layers // 2, lm.spec.n_layers)
+    stop = math.ceil(probe_to * lm.spec.n_layers)
+    upper = range(lm.spec.n_layers // 2, stop)
     attention = sum(out.attentions[i][0].sum(dim=(0, 1)) for i in upper)  # [N]
     first = prefix.length + chunks[0].numel()
     n_chunk = sum(c.numel() for c in chunks)
@@ -387,8 +389,12 @@ def test_probe_recomputes_the_chunk_tokens_the_question_attends_to_most(ratio):
     assert torch.equal(selector.picked.sort().values, expected)
     assert selector.attention is not None
     torch.testing.assert_close(selector.attention[first:total], attention[first:total].float(), rtol=1e-4, atol=1e-6)
-    # the question runs twice (probe, then with the chosen tokens) through every layer
-    assert result.n_selected == [keep + 2 * suffix.numel()] * lm.spec.n_layers
+    # the question runs twice (probe, then with the chosen tokens) through the probe's layers, once above
+    n_layers = lm.spec.n_layers
+    assert result.n_selected == [keep + 2 * suffix.numel()] * stop + [keep + suffix.numel()] * (n_layers - stop)
+    assert (result.probe_logits is None) == (stop < n_layers)
+    fixed = fuse(lm, inp, FuseConfig(mode="reuse"), FixedSelector(selector.picked))
+    assert torch.equal(fixed.logits, result.logits)  # the main pass over the chosen tokens, whatever the probe ran
 
 
 def test_probe_recomputes_a_chunk_without_cache_whole():
@@ -415,6 +421,17 @@ def test_probe_with_one_chunk_runs_like_reuse_and_is_exact(setup):
 def test_probe_from_outside_its_range_is_a_clear_error(probe_from):
     with pytest.raises(ValueError, match=r"probe_from must be in \[0, 1\)"):
         make_selector(FuseConfig(mode="probe", options={"probe_from": probe_from}))
+
+
+@pytest.mark.parametrize("probe_to", [0.33, 0.2, 1.5])
+def test_probe_to_at_or_below_probe_from_or_above_one_is_a_clear_error(probe_to):
+    with pytest.raises(ValueError, match=r"probe_to must be in \(probe_from, 1\]"):
+        make_selector(FuseConfig(mode="probe", options={"probe_to": probe_to}))
+
+
+def test_a_probe_reads_at_least_one_layer():
+    selector = make_selector(FuseConfig(mode="probe", options={"probe_from": 0.5, "probe_to": 0.51}))
+    assert selector.probe_until(4) == 3 and selector.probe_until(30) == 16
 
 
 def test_probe_without_any_stored_cache_recomputes_once(setup):

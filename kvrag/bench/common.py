@@ -64,8 +64,9 @@ def register_question_mode(name: str, make: Callable[[str, str], ModeSpec]) -> N
 def parse_mode(text: str) -> ModeSpec:
     """``cacheblend@0.15`` -> ratio 0.15 (``cacheblend@0.15/kv`` also picks the token score: ``kv``,
     ``attention`` or ``kv_attention``); ``probe@0.2`` -> ratio 0.2 (``probe@0.2/0.75`` also sets
-    ``probe_from``); ``attnlink@16`` -> 16 link tokens; ``full@bfloat16`` -> full prefill with the
-    model in bfloat16 (how far precision alone moves the answer); bare names use defaults.
+    ``probe_from``; ``probe@0.2/probe_to=0.5`` sets any option by name, ``/`` between options);
+    ``attnlink@16`` -> 16 link tokens; ``full@bfloat16`` -> full prefill with the model in bfloat16 (how far
+    precision alone moves the answer); bare names use defaults.
     ``+adaptive`` lets the loading controller plan; ``+gate`` answers under the correctness gate;
     ``+blocks`` (any of `ATTENTION_KERNELS`) sets `FuseConfig.attention`, so two kernels run side by side.
     """
@@ -105,10 +106,15 @@ def parse_mode(text: str) -> ModeSpec:
         if selector.value_field is None:
             raise ValueError(f"mode {name!r} takes no @value, got {text!r}")
         settings[selector.value_field] = _field_value(selector, selector.value_field, arg)
-    if option:
-        if selector.option_field is None:
-            raise ValueError(f"mode {name!r} takes no /option, got {text!r}")
-        settings[selector.option_field] = _field_value(selector, selector.option_field, option)
+    for part in option.split("/") if option else []:
+        key, eq, value = part.partition("=")
+        if not eq:
+            if selector.option_field is None:
+                raise ValueError(f"mode {name!r} takes no /option, got {text!r}")
+            key, value = selector.option_field, part
+        if key not in {f.name for f in dataclasses.fields(selector.Options)}:
+            raise ValueError(f"mode {name!r} has no option {key!r}, got {text!r}")
+        settings[key] = _field_value(selector, key, value)
     ratio = settings.pop("ratio", FuseConfig.ratio)
     config = FuseConfig(mode=name, ratio=ratio, options=settings)
     selector.options(config)  # a bad option value is refused here, before anything runs

@@ -33,8 +33,9 @@ def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig, selector: Select
 
     Stored chunk layers are placed into the cache just before their layer runs, so a `ChunkFeed`
     input loads later layers while earlier ones are recomputed. A probing selector (``probe``) runs
-    the loop twice: the question alone while the stored layers arrive, then its chosen tokens over
-    the placed cache.
+    the loop twice: the question alone through the layers it reads (`Selector.probe_until`) while
+    those stored layers arrive, then its chosen tokens over the cache, placing the layers the probe
+    did not reach as they come.
 
     Args:
         lm: the model the caches were computed with.
@@ -66,14 +67,17 @@ def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig, selector: Select
                 placing = (feed, layer_ropes(lm.model, lm.family, positions, layers[0][0]))
             probe_counts: list[int] = []
             probe_logits = None
-            probe_from = selector.probe_from(seg, lm.spec.n_layers)
+            probe_from, placed = selector.probe_from(seg, lm.spec.n_layers), 0
             if probe_from is not None:
+                placed = selector.probe_until(lm.spec.n_layers)
                 attention = torch.zeros(seg.total, dtype=torch.float32, device=device)  # [N]
-                probe_hidden, _, probe_counts = loop.run(sel, placing, attention, probe_from)
-                probe_logits = lm.family.logits(lm.model, probe_hidden[:, -1:])[0, -1]
-                sel, placing = selector.choose(attention.cpu(), seg).nonzero().squeeze(1).to(device), None
-            hidden, sel, n_selected = loop.run(sel, placing)
+                probe_hidden, _, probe_counts = loop.run(sel, placing, attention, probe_from, placed)
+                if placed == lm.spec.n_layers:
+                    probe_logits = lm.family.logits(lm.model, probe_hidden[:, -1:])[0, -1]
+                sel = selector.choose(attention.cpu(), seg).nonzero().squeeze(1).to(device)
+            hidden, sel, n_selected = loop.run(sel, placing, placed=placed)
             if probe_counts:
+                probe_counts += [0] * (len(n_selected) - len(probe_counts))
                 n_selected = [a + b for a, b in zip(probe_counts, n_selected)]
             logits = lm.family.logits(lm.model, hidden[:, -1:])[0, -1]
     finally:
@@ -117,12 +121,13 @@ class _LayerLoop:
 
     def run(
         self, sel: torch.Tensor, placing: tuple[ChunkFeed, list[Rope]] | None,
-        attention: torch.Tensor | None = None, attention_from: int = 0,
+        attention: torch.Tensor | None = None, attention_from: int = 0, stop: int | None = None, placed: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Run ``sel`` (sorted positions) through all layers; the last hidden states, the final
-        selection and the per-layer counts.
+        """Run ``sel`` (sorted positions) through the layers below ``stop`` (all by default); the last hidden
+        states, the final selection and the per-layer counts.
 
-        ``placing`` (feed, each layer's (cos, sin)) writes each stored layer into the cache before it runs.
+        ``placing`` (feed, each layer's (cos, sin)) writes each stored layer from ``placed`` up into the cache
+        before it runs (the layers below are there already).
         ``attention`` ``[N]`` accumulates the suffix's attention over all positions at the layers
         from ``attention_from`` up.
         """
@@ -135,9 +140,9 @@ class _LayerLoop:
                        for kind in self.kinds}
         reading = self.reading(blocks, sel, n_suffix, attention)
         n_selected = []
-        for layer_idx in range(lm.spec.n_layers):
+        for layer_idx in range(lm.spec.n_layers if stop is None else stop):
             scatter, kind = self.cache.layer(layer_idx), self.kinds[layer_idx]
-            if placing is not None:
+            if placing is not None and layer_idx >= placed:
                 feed, ropes = placing
                 placement.place_layer(scatter, feed.layer(layer_idx), seg, *ropes[layer_idx])
             if selector.checks(layer_idx):

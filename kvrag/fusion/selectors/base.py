@@ -113,6 +113,10 @@ class Selector(ABC):
         """
         return None
 
+    def probe_until(self, n_layers: int) -> int:
+        """After `probe_from` gave a layer: the layer the probe pass stops before (every layer by default)."""
+        return n_layers
+
     def choose(self, attention: torch.Tensor, seg: Segments) -> torch.Tensor:
         """After a probe: bool mask ``[N]`` of the positions recomputed, from the suffix attention ``[N]``."""
         raise NotImplementedError(f"{type(self).__name__} runs no probe pass")

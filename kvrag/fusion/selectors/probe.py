@@ -1,7 +1,7 @@
 """``probe``: a question-only pass over the stored caches, then recompute the chunk tokens it read most.
 
-Reads ``ratio`` from `FuseConfig`, and its option ``probe_from``. The layer loop (`kvrag.fusion.loop`) runs the
-probe pass and hands `ProbeSelector.choose` the suffix's summed attention.
+Reads ``ratio`` from `FuseConfig`, and its options ``probe_from`` and ``probe_to``. The layer loop
+(`kvrag.fusion.loop`) runs the probe pass and hands `ProbeSelector.choose` the suffix's summed attention.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ class ProbeSelector(Selector):
 
     A first pass runs only the forced tokens (the question suffix, chunks without cache) over the
     stored caches, as ``reuse`` does, and sums the attention the suffix puts on every position over
-    the layers from ``int(probe_from * n_layers)`` up. The ``ratio`` of chunk tokens it attends to
+    the layers from ``int(probe_from * n_layers)`` up to ``ceil(probe_to * n_layers)`` (all of them by default;
+    the probe pass stops there). The ``ratio`` of chunk tokens it attends to
     most, taken from the stale chunks (`Segments.stale`: those after the first), are then
     recomputed through every layer together with the forced tokens. The stored caches deviate
     little in the lowest layers, where HKVD checks, and most in the upper ones, spread over many
@@ -33,20 +34,25 @@ class ProbeSelector(Selector):
     depends on.
 
     Args:
-        config: the fusion settings (``ratio``, the option ``probe_from``).
+        config: the fusion settings (``ratio``, the options ``probe_from`` and ``probe_to``).
     """
 
     @dataclass(frozen=True)
     class Options:
         """``probe_from``: the suffix's attention is summed over the layers from ``int(probe_from * n_layers)`` up
-        (0 sums every layer), in [0, 1).
+        (0 sums every layer), in [0, 1); ``probe_to``: the probe pass stops before layer ``ceil(probe_to *
+        n_layers)`` (at least one layer after ``probe_from``'s), in (``probe_from``, 1]. Below 1 the probe pass
+        costs that share of a pass and gives no first token (`FusionResult.probe_logits` is None).
         """
 
         probe_from: float = 0.33
+        probe_to: float = 1.0
 
         def __post_init__(self) -> None:
             if not (isinstance(self.probe_from, (int, float)) and 0.0 <= self.probe_from < 1.0):
                 raise ValueError(f"probe_from must be in [0, 1), got {self.probe_from!r}")
+            if not (isinstance(self.probe_to, (int, float)) and self.probe_from < self.probe_to <= 1.0):
+                raise ValueError(f"probe_to must be in (probe_from, 1], got {self.probe_to!r}")
 
     value_field, option_field = "ratio", "probe_from"
     scales_with_ratio = True
@@ -54,7 +60,8 @@ class ProbeSelector(Selector):
 
     def __init__(self, config: FuseConfig) -> None:
         self.ratio = float(config.ratio)
-        self.from_fraction = float(self.options(config).probe_from)
+        options = self.options(config)
+        self.from_fraction, self.to_fraction = float(options.probe_from), float(options.probe_to)
         self.attention: torch.Tensor | None = None  # the last probe's reading (`choose`)
         self.picked: torch.Tensor | None = None
 
@@ -67,6 +74,9 @@ class ProbeSelector(Selector):
 
     def probe_from(self, seg: Segments, n_layers: int) -> int | None:
         return int(self.from_fraction * n_layers) if self.candidates(seg).numel() else None
+
+    def probe_until(self, n_layers: int) -> int:
+        return min(n_layers, max(int(self.from_fraction * n_layers) + 1, math.ceil(self.to_fraction * n_layers - 1e-9)))
 
     @staticmethod
     def candidates(seg: Segments) -> torch.Tensor:

@@ -251,7 +251,8 @@ class GateConfig:
             cache is not trusted (0 turns the margin check off).
         probe_must_agree: distrust a fused pass whose first token differs from the one its probe pass
             (the question alone over the stored caches) predicted, unless the fused margin is at least
-            ``sure_margin``. Modes without a probe pass skip this check.
+            ``sure_margin``. Modes without a probe pass through every layer (``probe`` with ``probe_to`` below 1)
+            skip this check.
         sure_margin: a margin at which the fused first token is trusted even against the probe.
         ladder: recompute ratios tried in order after a failed check, before a full prefill.
         strict: answer from a fused cache only when a stricter check passes at the first ratio (a margin of

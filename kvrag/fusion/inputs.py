@@ -88,7 +88,7 @@ class FusionResult:
     selected: torch.Tensor = field(repr=False)  # positions recomputed in the last layer
     load_wait_s: float = 0.0  # time the layer loop waited for stored layers (loading not hidden)
     probe_logits: torch.Tensor | None = field(default=None, repr=False)  # [vocab] float32: the last token's
-    # logits from a probe pass (the question alone over the stored caches), for modes that run one
+    # logits from a probe pass (the question alone over the stored caches), for modes that run one through every layer
 
     @property
     def recompute_fraction(self) -> float:

@@ -13,6 +13,7 @@ Layout: per layer ``[1, kv_heads, N, head_dim]``; hidden states of the selection
 from __future__ import annotations
 
 import time
+from itertools import zip_longest
 
 import torch
 
@@ -67,18 +68,17 @@ def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig, selector: Select
                 placing = (feed, layer_ropes(lm.model, lm.family, positions, layers[0][0]))
             probe_counts: list[int] = []
             probe_logits = None
-            probe_from, placed = selector.probe_from(seg, lm.spec.n_layers), 0
+            n_layers = lm.spec.n_layers
+            probe_from, probed = selector.probe_from(seg, n_layers), 0  # probed: the layers the probe ran and placed
             if probe_from is not None:
-                placed = selector.probe_until(lm.spec.n_layers)
+                probed = selector.probe_until(n_layers)
                 attention = torch.zeros(seg.total, dtype=torch.float32, device=device)  # [N]
-                probe_hidden, _, probe_counts = loop.run(sel, placing, attention, probe_from, placed)
-                if placed == lm.spec.n_layers:
+                probe_hidden, _, probe_counts = loop.run(sel, placing, attention, probe_from, stop=probed)
+                if probed == n_layers:
                     probe_logits = lm.family.logits(lm.model, probe_hidden[:, -1:])[0, -1]
                 sel = selector.choose(attention.cpu(), seg).nonzero().squeeze(1).to(device)
-            hidden, sel, n_selected = loop.run(sel, placing, placed=placed)
-            if probe_counts:
-                probe_counts += [0] * (len(n_selected) - len(probe_counts))
-                n_selected = [a + b for a, b in zip(probe_counts, n_selected)]
+            hidden, sel, n_selected = loop.run(sel, placing, placed=probed)
+            n_selected = [a + b for a, b in zip_longest(probe_counts, n_selected, fillvalue=0)]
             logits = lm.family.logits(lm.model, hidden[:, -1:])[0, -1]
     finally:
         llama_layer.forget_rotations()

@@ -73,10 +73,14 @@ class ProbeSelector(Selector):
         return seg.forced.clone()  # bool [N]
 
     def probe_from(self, seg: Segments, n_layers: int) -> int | None:
-        return int(self.from_fraction * n_layers) if self.candidates(seg).numel() else None
+        return self._first_read(n_layers) if self.candidates(seg).numel() else None
 
     def probe_until(self, n_layers: int) -> int:
-        return min(n_layers, max(int(self.from_fraction * n_layers) + 1, math.ceil(self.to_fraction * n_layers - 1e-9)))
+        return min(n_layers, max(self._first_read(n_layers) + 1, math.ceil(self.to_fraction * n_layers - 1e-9)))
+
+    def _first_read(self, n_layers: int) -> int:
+        """The first layer whose suffix attention the probe sums."""
+        return int(self.from_fraction * n_layers)
 
     @staticmethod
     def candidates(seg: Segments) -> torch.Tensor:

@@ -17,7 +17,9 @@ passages inside that run from those exact rows instead of fusing their stored ca
 prompt asked again, or the same passages before a new question (a context-first template), gets the full prefill's
 answer from one pass over the tokens after them. Only lookups that ask for them (``prompts=True``) see kept prompts,
 so an explicit mode, ``full`` included, computes what it names.
-Entries are evicted least recently used first once their bytes pass their bound.
+Entries are evicted least recently used first once their bytes pass their bound. Both kinds are found through a
+token trie (`kvrag.query.prefix_trie.PrefixLRU`): a lookup's cost follows the new prompt's length, not the number
+of heads and prompts kept; on a tie, a head wins over a prompt, then the least recently used.
 
 Thread-safe: lookups and insertions hold a lock; the prefill itself runs outside it.
 """
@@ -29,21 +31,12 @@ from collections.abc import Sequence
 
 import torch
 
-from kvrag.byte_lru import ByteLRU
 from kvrag.model import LoadedModel, hf_compat
 from kvrag.model.prefix import PrefixCache, prefix_cache
+from kvrag.query.prefix_trie import PrefixLRU
 
 DEFAULT_HEAD_BYTES = 256 << 20
 DEFAULT_PROMPT_BYTES = 512 << 20
-
-
-def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading token ids ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def _nbytes(prefix: PrefixCache) -> int:
@@ -63,8 +56,8 @@ class HeadCache:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         self.max_bytes, self.prompt_bytes = max_bytes, prompt_bytes
-        self._entries: ByteLRU[tuple[int, ...], PrefixCache] = ByteLRU(max_bytes)
-        self._prompts: ByteLRU[tuple[int, ...], PrefixCache] = ByteLRU(prompt_bytes)
+        self._entries: PrefixLRU[PrefixCache] = PrefixLRU(max_bytes)
+        self._prompts: PrefixLRU[PrefixCache] = PrefixLRU(prompt_bytes)
         self._lock = threading.Lock()
         self.reused_tokens = 0  # head tokens read from kept entries, over this cache's life
         self.prefilled_tokens = 0  # head tokens computed
@@ -84,15 +77,15 @@ class HeadCache:
 
     def _longest(self, ids: tuple[int, ...], prompts: bool = False) -> tuple[PrefixCache | None, int]:
         """The kept head (or, with ``prompts``, head or whole prompt) sharing the most leading tokens with ``ids``,
-        and how many it shares.
+        and how many it shares; on a tie the head, then the least recently used. The one found is marked used.
         """
         with self._lock:
-            best, shared, kept = None, 0, self._entries
-            for entries in (self._entries, self._prompts) if prompts else (self._entries,):
-                for key in entries:
-                    n = _common_length(key, ids)
-                    if n > shared:
-                        best, shared, kept = key, n, entries
+            best, shared = self._entries.longest(ids)
+            kept = self._entries
+            if prompts:
+                key, n = self._prompts.longest(ids)
+                if n > shared:
+                    best, shared, kept = key, n, self._prompts
             if best is None:
                 return None, 0
             return kept.get(best), shared

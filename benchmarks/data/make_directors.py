@@ -15,10 +15,11 @@ import sys
 PATTERN = re.compile(r"^(?P<name>.+?) is an? (\d{4}) [A-Z][\w\- ]* film directed by "
                      r"(?P<director>[A-Z][\w\.\-']+(?: [A-Z][\w\.\-']+){0,3})[ ,\.]")
 DISTRACTORS = 5
+SEED = 20261128
 
 
-def main(corpus_path: str, out_path: str, n: int = 100) -> None:
-    corpus = json.load(open(corpus_path))
+def films_in(corpus: list[dict[str, str]]) -> list[tuple[str, str, dict[str, str]]]:
+    """``(title, director, passage)`` of every film passage of ``corpus`` that names its director, in corpus order."""
     films = []
     for passage in corpus:
         found = PATTERN.match(passage["text"])
@@ -28,7 +29,12 @@ def main(corpus_path: str, out_path: str, n: int = 100) -> None:
             end = re.search(r"\w{3,}\.( |$)", director)  # "Nabil Ayouch. The": the name ends at the full stop
             films.append((title, director[: end.end() - len(end.group(1)) - 1] if end else director.rstrip("."),
                           passage))
-    rng = random.Random(20261128)
+    return films
+
+
+def main(corpus_path: str, out_path: str, n: int = 100) -> None:
+    films = films_in(json.load(open(corpus_path)))
+    rng = random.Random(SEED)
     rng.shuffle(films)
     with open(out_path, "w") as fh:
         for i, (title, director, passage) in enumerate(films[:n]):

@@ -10,8 +10,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvrag.bench import common
-from kvrag.query.plan import LoadController
-from kvrag.query.shape import prompt_shape
 
 PREFIX_TOKENS = 32  # stands in for the chat-template head + instruction
 
@@ -28,6 +26,7 @@ class Workload:
         import torch
 
         from kvrag.indexing.kvgen import chunk_caches, chunk_key, prefix_cache
+        from kvrag.query.plan import LoadController
 
         gen = torch.Generator().manual_seed(seed + length)
         rand = lambda n: torch.randint(3, lm.spec.vocab_size, (n,), generator=gen)  # noqa: E731
@@ -76,6 +75,7 @@ class Workload:
         import torch
 
         from kvrag.fusion import FusionInput, fuse
+        from kvrag.query.shape import prompt_shape
 
         device = lm.device
         common.cuda_sync(device)

@@ -10,6 +10,8 @@ and progress bars are silenced (``-v``/``-vv`` bring them back: `kvrag.cli.verbo
 One module per command (`kvrag.cli.index`, `kvrag.cli.ask`, `kvrag.cli.info`, `kvrag.cli.verify`,
 `kvrag.cli.repair`, `kvrag.cli.serve`, `kvrag.cli.bench`),
 each with ``add_parser(sub, parents)`` and ``run(args)``; `kvrag.cli.common` holds what they share.
+Building the parser imports no torch, transformers, faiss, sentence-transformers or numpy: a command's
+``run`` imports them, so ``--help`` and usage errors answer at once (tests/test_cli_startup.py).
 """
 
 from __future__ import annotations

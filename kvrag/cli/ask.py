@@ -1,6 +1,6 @@
 """``kvrag ask INDEX QUESTION``: answer a question from an index.
 
-Contract: an empty question or a missing index folder fails in one line before any model loads.
+Contract: an empty question or a missing index folder fails in one line before torch is imported.
 The model is the one the index was built with; ``--model`` loads another name for it and is refused
 (`IndexMismatchError`) unless it is the same model. ``--warmup N`` first answers N throwaway
 questions, unprinted. Prints the answer on stdout (``--stream``: as it is generated), then on stderr
@@ -107,9 +107,9 @@ def _summary(answer: Any, load_s: float, warmup: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvrag.rag import KVRag
-
     _check(args)
+    from kvrag.rag import KVRag  # torch and the rest load only once the cheap checks passed
+
     t0 = time.perf_counter()
     rag = KVRag.open(args.index, model=args.model, device=args.device, store=store_arg(args),
                      embedder=args.embedder)

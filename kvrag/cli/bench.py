@@ -2,7 +2,8 @@
 
 Contract: every module named in `kvrag.bench.BENCHES` that imports (optional dependencies may be
 missing) becomes ``kvrag bench <name>``, its help the first line of its docstring, its options its
-``add_arguments(parser)``, run by its ``run(args)``.
+``add_arguments(parser)``, run by its ``run(args)``. The modules are imported to build the parser, so
+they import torch and the model code only inside their functions.
 """
 
 from __future__ import annotations

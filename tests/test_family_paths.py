@@ -22,6 +22,7 @@ DOCS = [
 ]
 Q = "Who commands beta station?"
 TARGET = [5, 6, 7, 8]
+LONG_DOCS = [(name, text * 6) for name, text in DOCS]  # over the gate's short-prompt threshold: fused by default
 TEMPLATE = "Context:\n{context}Answer the question with a short answer of a few words.\nQuestion: {question}"
 
 
@@ -64,6 +65,50 @@ def test_build_answer_score_and_chat_on_every_family(arch: str, tmp_path: Path):
         _llama_index_engine_reads_the_stored_caches(rag)
     finally:
         rag.close()
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_the_default_fuses_a_long_prompt_on_every_family(arch: str, tmp_path: Path):
+    """At a length where the default gate fuses: the fused path reads the stored caches, recomputing every stale
+    token over them gives the full prefill's logits, and the default's selection moves the logits toward full's."""
+    model_dir = save_tiny_model(arch, tmp_path / "model")
+    rag = KVRag.build(LONG_DOCS, tmp_path / "idx", model=str(model_dir),
+                      split=SplitConfig(mode="document", max_tokens=1024), codec="raw", show_progress=False)
+    try:
+        default = rag.answer(Q, k=3, max_new_tokens=3)
+        assert default.gate is not None and default.gate.stale_tokens >= GateConfig().full_below_tokens
+        assert default.gate.decision in ("fused", "escalated") and default.gate.attempts[0]["mode"] == "probe"
+        full = rag.prepare(Q, k=3, mode="full").fused
+        every_stale = rag.prepare(Q, k=3, mode="probe", ratio=1.0).fused
+        assert every_stale.recompute_fraction < 1  # the first chunk's stored (lossless) cache is read, not recomputed
+        torch.testing.assert_close(every_stale.logits, full.logits, atol=1e-4, rtol=1e-4)
+        fused = rag.prepare(Q, k=3, mode="probe", ratio=0.15).fused
+        as_stored = rag.prepare(Q, k=3, mode="reuse").fused
+        assert fused.recompute_fraction < 0.5
+        assert (fused.logits - full.logits).norm() < (as_stored.logits - full.logits).norm()
+        _langchain_chain_fuses_at_length(rag)
+    finally:
+        rag.close()
+
+
+def _langchain_chain_fuses_at_length(rag: KVRag) -> None:
+    """A stuff chain's long flat prompt: the default fuses its passages' caches, and recomputing every stale token
+    over them gives the full prefill's answer."""
+    pytest.importorskip("langchain_core")
+    from kvrag.integrations.langchain import KVCachedLLM, KVRetriever, format_docs
+    from langchain_core.prompts import PromptTemplate
+    from langchain_core.runnables import RunnablePassthrough
+
+    def chain(llm: KVCachedLLM):
+        return ({"context": KVRetriever(rag=rag, k=3) | format_docs, "question": RunnablePassthrough()}
+                | PromptTemplate.from_template(TEMPLATE) | llm)
+
+    default = KVCachedLLM(rag=rag, max_new_tokens=3)
+    chain(default).invoke(Q)
+    gate = default.last_answer.gate
+    assert gate is not None and gate.decision in ("fused", "escalated") and len(default.last_answer.chunks) == 3
+    every_stale = KVCachedLLM(rag=rag, mode="probe", ratio=1.0, max_new_tokens=3)
+    assert chain(every_stale).invoke(Q) == chain(KVCachedLLM(rag=rag, mode="full", max_new_tokens=3)).invoke(Q)
 
 
 def _langchain_chain_reads_the_stored_caches(rag: KVRag) -> None:

@@ -33,6 +33,35 @@ def test_the_default_answer_runs_the_gate_and_an_explicit_mode_does_not(rag: KVR
     assert "gate" in default.to_json() and default.to_json()["gate"]["decision"] == default.gate.decision
 
 
+def test_a_question_before_the_passages_is_prefilled_in_full_and_after_them_fused(rag: KVRag):
+    """Every passage attends to a question placed before it, and no stored cache saw a new one: the default prefills
+    such a prompt in full (the full prefill's answer), and fuses the same passages with the question after them."""
+    from kvrag.query.locate import chat_prompt
+
+    context = "\n\n".join(c.text for c in rag.retrieve(Q, k=3))
+
+    task = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved context to "
+            "answer the question. If you don't know the answer, just say that you don't know.")
+
+    def prompts(question: str) -> tuple[str, str]:
+        return (chat_prompt(rag.lm.tokenizer, f"{task}\nQuestion: {question}\nContext: {context}\nAnswer:"),
+                chat_prompt(rag.lm.tokenizer, f"{task}\nContext: {context}\nQuestion: {question}\nAnswer:"))
+
+    rag.context.heads.clear_prompts()
+    for prompt in prompts("Who designed the alpha reactor?"):  # each template's head is kept by its first call
+        rag.answer_prompt(prompt, max_new_tokens=1)
+    before, after = prompts(Q)
+    gate = GateConfig(full_below_tokens=0)
+    asked_first = rag.answer_prompt(before, gate=gate, max_new_tokens=4)
+    assert asked_first.gate.decision == "text_before" and asked_first.mode == "full"
+    assert asked_first.token_ids == rag.answer_prompt(before, "full", max_new_tokens=4).token_ids
+    rag.context.heads.clear_prompts()  # else the passages are read from the kept exact rows of the first call
+    asked_after = rag.answer_prompt(after, gate=gate, max_new_tokens=4)
+    assert asked_after.gate.decision == "fused" and asked_after.recompute_fraction < 1
+    with pytest.raises(ValueError, match="max_text_before"):
+        GateConfig(max_text_before=-1)
+
+
 def test_a_short_prompt_recomputes_every_token_after_the_first_chunk(rag: KVRag):
     prefix = rag.answer(Q, k=3, mode="prefix", max_new_tokens=5)
     gated = rag.answer(Q, k=3, gate=GateConfig(full_below_tokens=10_000), max_new_tokens=5)
@@ -201,5 +230,6 @@ def test_kvrag_ask_reports_the_gate_and_can_turn_it_off(rag: KVRag, capsys):
         assert "gate" not in json.loads(capsys.readouterr().out)
     assert main(["ask", path, q, "--k", "3", "--max-new-tokens", "2"]) == 0
     assert "gate: short prompt" in capsys.readouterr().err
+
 
 

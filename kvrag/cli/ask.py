@@ -43,10 +43,12 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     p.add_argument("--ratio", type=fraction, default=None,
                    help="fraction of the chunks' tokens recomputed by cacheblend and probe, in (0, 1] (default 0.15)")
     p.add_argument("--gate", choices=("auto", "on", "off", "strict"), default="auto",
-                   help="the correctness gate, which checks the fused answer's first token and falls back to more "
-                        "recompute or a full prefill when the cache cannot be trusted: 'auto' (the default) runs it "
-                        "when neither --mode nor --ratio is given; 'strict' answers from fused caches only when the "
-                        "check passes, else with a full prefill")
+                   help="the correctness gate: 'auto' (the default, when neither --mode nor --ratio is given) "
+                        "recomputes every stale token of a short prompt, prefills in full a prompt with new text "
+                        "before its passages, and fuses the rest at 15 %% without a check (fused answers are close "
+                        "to, not equal to, a full prefill's); 'on' runs it with --mode or --ratio too; 'strict' "
+                        "answers from a fused cache only when a first-token check passes, else with a full prefill; "
+                        "'off' no gate")
     p.add_argument("--k", type=positive_int, default=4, metavar="N", help="chunks to retrieve (default 4)")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="N",
                    help="longest answer, in tokens (default 64)")

@@ -7,10 +7,12 @@ Three steps, each cheap next to a fusion:
    there. By default it reads the first chunk's stored cache and recomputes the rest (the ``prefix`` mode,
    `GateConfig.short_mode`), which gives the full prefill's answer sooner. A prompt that is mostly text without
    a stored cache (more than `GateConfig.fuse_max_text_share` of it: passages seen for the first time) is
-   prefilled in full, which is then sooner than a fused pass. A prompt whose every stored cache holds rows
-   computed after exactly the tokens before it there (a passage cache's rows of this same prompt,
-   `LaidOut.in_place`) recomputes only its text pieces and suffix: that is a full prefill's computation, up
-   to the codec's rounding, and the check does not apply.
+   prefilled in full, which is then sooner than a fused pass. So is a prompt with text before its passages that no
+   stored cache saw (more than `GateConfig.max_text_before` tokens: a question asked before the context): every
+   passage row depends on it, and fused answers there part from the full prefill's at any ratio measured. A prompt
+   whose every stored cache holds rows computed after exactly the tokens before it there (a passage cache's rows
+   of this same prompt, `LaidOut.in_place`) recomputes only its text pieces and suffix: that is a full prefill's
+   computation, up to the codec's rounding, and the check does not apply.
 2. **Check.** After the fused pass, before decoding: the first token's log-probability lead over the
    runner-up (its *margin*), and, for a mode that runs a probe pass (``probe``), whether the question
    alone over the stored caches predicted the same first token. Where recomputing 15 % of the tokens
@@ -98,8 +100,9 @@ class GateReport:
 
     # "fused": the first attempt passed; "escalated": a later one was used; "short": a short prompt, every stale
     # token recomputed (the attempt's mode says how: "prefix" or "full"); "text": mostly text without a cache,
-    # prefilled in full; "kept": every passage read from a kept prompt's exact rows; "stored": every passage read
-    # from stored rows computed after this very text (`LaidOut.in_place`), only the rest recomputed
+    # prefilled in full; "text_before": text no stored cache saw before the passages (a question asked before the
+    # context), prefilled in full; "kept": every passage read from a kept prompt's exact rows; "stored": every
+    # passage read from stored rows computed after this very text (`LaidOut.in_place`), only the rest recomputed
     decision: str
     stale_tokens: int
     attempts: list[dict[str, Any]] = field(default_factory=list)
@@ -165,6 +168,8 @@ def plan_answer(laid: LaidOut, config: FuseConfig, gate: GateConfig | None) -> A
         return AnswerPlan((replace(config, mode=short),), gate, "short", stale, config.mode)
     if laid.text_share > gate.fuse_max_text_share:
         return AnswerPlan((replace(config, mode=exact),), gate, "text", stale, config.mode)
+    if laid.text_before > gate.max_text_before:
+        return AnswerPlan((replace(config, mode=exact),), gate, "text_before", stale, config.mode)
     ladder = () if gate.strict else tuple(r for r in gate.ladder if r > config.ratio)
     attempts = (config, *(replace(config, ratio=r) for r in ladder), replace(config, mode=exact))
     return AnswerPlan(attempts, gate, "fused", stale, config.mode)
@@ -255,7 +260,9 @@ def prepare_prompt(ctx: QueryContext, prompt: str, candidates: Sequence[Retrieve
         # nothing will be read: the prompt as one text, tokenized as a plain prefill tokenizes it
         found, laid = laid.kept + laid.used, lay_out_prompt(ctx, prompt, [], kept=kept)
         laid.found = found
-        plan = plan_answer(laid, config, gate)
+        whole = plan_answer(laid, config, gate)
+        kept_whole = whole.decision == "kept"
+        plan = whole if kept_whole else replace(whole, decision=plan.decision, stale_tokens=plan.stale_tokens)
     fused = execute(ctx, laid, plan, None, selector)
     fused.prompt_ids = torch.cat([laid.prefix.ids.cpu(), *laid.piece_ids, laid.suffix_ids]).tolist()
     fused.exact_rows = all(chunk is None for chunk in laid.chunks)  # exact head rows and one pass over the rest

@@ -176,6 +176,18 @@ class LaidOut:
         return bool(chunks) and all(c.in_place for c in chunks) and not self.rows_prefix
 
     @property
+    def text_before(self) -> int:
+        """Tokens of text without a stored cache before the first chunk piece (after the prefix): what a template
+        puts before the passages that no kept head holds, such as a question asked before the context.
+        """
+        n = 0
+        for chunk, ids in zip(self.chunks, self.piece_ids):
+            if chunk is not None:
+                return n
+            n += int(ids.numel())
+        return 0
+
+    @property
     def text_share(self) -> float:
         """The share of the tokens after the prefix that have no stored cache: text pieces and the suffix."""
         cached = sum(int(ids.numel()) for c, ids in zip(self.chunks, self.piece_ids) if c is not None)

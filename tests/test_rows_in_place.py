@@ -1,8 +1,9 @@
 """Passage rows read in place (`kvrag.passages.keys`, the gate's ``stored`` plan): rows a prompt's pass computed are
 keyed by the tokens before them, so a prompt with those same tokens before the passage reads them with nothing but
 its text recomputed, and gets the full prefill's answer. Elsewhere they are read through a link, only after the
-passage they followed; a link never reaches another context's rows. The tiny random Llama stands in for a user's
-model.
+passage they followed; a link never reaches another context's rows. A passage read from another context (warmed, or
+through a link) in a prompt answered from exact rows gets its in-place entry from that answer; a fused pass stores
+none. The tiny random Llama stands in for a user's model.
 """
 
 from __future__ import annotations
@@ -10,11 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
+from kvrag.model.rope import layer_ropes, rotate_layers
 from kvrag.passages import PassageCache
 from kvrag.passages.keys import PassageKeys
-from kvrag.query.locate import chat_prompt
+from kvrag.passages.prompt_rows import find_run
+from kvrag.query.locate import chat_prompt, encode
 from tests.test_passage_cache import PASSAGES, _prompt
+from tests.test_prompt_rows import _full_rows
 
 
 def _ask(cache: PassageCache, question: str, order: list[str] = PASSAGES, **options):
@@ -114,3 +119,60 @@ def test_rows_of_a_fused_pass_are_read_after_their_neighbour_never_in_place(raw_
     assert [c.text for c in again.chunks] == moved
     assert [c.in_place for c in again.chunks] == [True, False, False]
     assert again.gate is not None and again.gate.decision != "stored"
+
+
+def _assert_rows_are_the_full_prefills(cache: PassageCache, question: str) -> None:
+    """Every passage's stored in-place rows, placed back, equal a full prefill's rows of the prompt there."""
+    lm = cache.lm
+    prompt = chat_prompt(lm.tokenizer, _prompt(question))
+    found, missing = cache._lookup(prompt, PASSAGES)
+    assert not missing and [c.in_place for c in found] == [True] * len(PASSAGES)
+    ids = encode(lm.tokenizer, prompt)
+    rows = _full_rows(lm, ids)
+    for chunk in found:
+        start, n = find_run(ids, chunk.ids), len(chunk.ids or ())
+        assert start is not None
+        keys, values = cache.kvstore.load(chunk.key)
+        placed = rotate_layers(keys, layer_ropes(lm.model, lm.family, torch.arange(start, start + n), keys))
+        torch.testing.assert_close(placed, torch.stack([k[0, :, start:start + n] for k, _ in rows]),
+                                   atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(values, torch.stack([v[0, :, start:start + n] for _, v in rows]),
+                                   atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("earlier", ["warmed", "one warmed", "another question"])
+def test_passages_found_elsewhere_in_a_prompt_answered_exactly_are_read_in_place_when_it_comes_back(
+        raw_cache: PassageCache, earlier: str):
+    question = "Where was the beta telescope built?"
+    full = _ask(raw_cache, question, mode="full")
+    if earlier == "another question":  # rows after another question: found through the links, never in place
+        _ask(raw_cache, "Who designed the alpha reactor?", max_new_tokens=1)
+    else:
+        raw_cache.warm(PASSAGES if earlier == "warmed" else PASSAGES[1:2], show_progress=False)
+    assert raw_cache.flush(60)
+    raw_cache.heads.clear_prompts()
+    first = _ask(raw_cache, question)  # the caches found were computed elsewhere: a short prompt, prefilled in full
+    assert first.gate is not None and first.gate.decision == "short" and first.chunks
+    assert not any(c.in_place for c in first.chunks) and first.token_ids == full.token_ids
+    assert raw_cache.flush(60)  # that full prefill's rows of every passage, stored in place
+    raw_cache.heads.clear_prompts()  # as in a new process
+    raw_cache.kvstore.decoded.clear()
+    again = _ask(raw_cache, question)
+    assert again.gate is not None and again.gate.decision == "stored"
+    assert [c.text for c in again.chunks] == PASSAGES and all(c.in_place for c in again.chunks)
+    assert again.token_ids == full.token_ids == _ask(raw_cache, question, mode="full").token_ids
+    _assert_rows_are_the_full_prefills(raw_cache, question)
+
+
+def test_a_fused_pass_or_a_full_one_stores_no_rows_in_place_for_passages_found_elsewhere(raw_cache: PassageCache):
+    question = "Where was the beta telescope built?"
+    assert raw_cache.warm(PASSAGES, show_progress=False) == 3
+    stored = raw_cache.stats.stored
+    fused = _ask(raw_cache, question, mode="probe", max_new_tokens=1)  # the warmed caches fused: no exact rows
+    full = _ask(raw_cache, question, mode="full", max_new_tokens=1)  # nothing looked up, nothing stored
+    assert [c.text for c in fused.chunks] == PASSAGES and full.chunks == []
+    assert raw_cache.flush(60) and raw_cache.stats.stored == stored
+    raw_cache.heads.clear_prompts()
+    found, missing = raw_cache._lookup(chat_prompt(raw_cache.lm.tokenizer, _prompt(question)), PASSAGES)
+    assert [c.text for c in found] == PASSAGES and not any(c.in_place for c in found)
+    assert all(m.elsewhere for m in missing)  # to be stored in place only from an exact answer

@@ -16,6 +16,10 @@ Contract:
   prefilled alone (between the calls' fusions, one batch at a time), read anywhere. So no stored cache is taken as
   exact right after kvrag's prompt prefix (``prefix_exact=False``). A mode that recomputes everything (``full``)
   is a plain prefill of the prompt as one text: it looks nothing up and stores nothing.
+- A passage found but not in place (a cache `warm` stored, rows read after the same passage or first in another
+  prompt) gets its in-place entry too when the pass that answered read no stored cache (a full prefill, or kept
+  exact rows and one pass over the rest): that prompt asked again then reads every passage in place. A fused pass
+  stores none: its rows attended to stored caches.
 - Caches are stored with the ``int8`` codec by default (`PASSAGE_CODEC`).
 - The store is bounded in bytes (`kvrag.passages.cache_url`: ``file://`` under the user's cache folder by default,
   or ``redis://``), least recently used evicted; the codec's fitted state is stored once per model beside the blobs
@@ -76,7 +80,9 @@ CHAT_PASSED = ("temperature", "top_p", "stop", "seed", "fuse_config", "gate")  #
 
 @dataclass
 class CacheStats:
-    """Passages looked up and found stored, passages stored, and the bytes written, since the cache was opened."""
+    """Passages looked up and found stored, caches stored (a passage found elsewhere adds its in-place entry), and
+    the bytes written, since the cache was opened.
+    """
 
     looked_up: int = 0
     found: int = 0
@@ -91,11 +97,16 @@ class CacheStats:
 
 @dataclass(frozen=True)
 class _Missing:
+    """A passage whose rows in a prompt are to be stored after the answer: not stored at all, or (``elsewhere``)
+    stored only for other tokens before it, when just its in-place entry from an exact pass is wanted.
+    """
+
     text: str
-    ids: tuple[int, ...]
+    ids: tuple[int, ...]  # its tokens in that prompt
     after: tuple[int, ...] = ()  # the passage before it in that prompt (`PassageKeys.key`)
     source: PromptPass | None = field(default=None, compare=False)  # the pass of the prompt that missed it
     exact: bool = field(default=False, compare=False)  # that pass read no stored cache: its rows are a full prefill's
+    elsewhere: bool = field(default=False, compare=False)  # found, but not in place: only an in-place entry is stored
 
 
 _OPEN: weakref.WeakSet[PassageCache] = weakref.WeakSet()  # caches not closed: their pending stores run at exit
@@ -197,7 +208,9 @@ class PassageCache:
         return encode(self.lm.tokenizer, text.strip())
 
     def _lookup(self, prompt: str, texts: Iterable[str]) -> tuple[list[RetrievedChunk], list[_Missing]]:
-        """The passages of ``texts`` in ``prompt`` whose caches are stored, and the others. A passage is looked up
+        """The passages of ``texts`` in ``prompt`` whose caches are stored, and the passages whose rows here are to
+        be stored after the answer, in prompt order: the others, and those found but not in place (``elsewhere``:
+        stored in place only from an exact pass, `stream_prompt`). A passage is looked up
         by its tokens in the prompt (`kvrag.query.prompt_tokens`: after ``"Context: "`` its first word carries the
         space), else by its own tokens when enough of them meet those (`kvrag.query.prompt_tokens.align`; the prompt
         then reads the rows that match, `kvrag.query.locate`). A passage found in neither is stored as the prompt
@@ -222,14 +235,15 @@ class PassageCache:
             key = None if context is None else self.keys.stored(ids, context=context)
             in_place = key is not None
             key = key or self.keys.stored(ids, before) or self.keys.stored(ids)
+            here = tuple(ids)  # its tokens in this prompt (or its own, where the prompt has no run of them)
             if key is None and ids != own and align(ids, own)[0] and (plain := self.keys.stored(own)):
                 ids, key = own, plain
             if key is not None:
                 found.append(RetrievedChunk(key, text, math.nan, "", "prompt", seq, tuple(ids), in_place))
-            else:
-                missing.append(_Missing(text, tuple(ids), before))
+            if key is None or (not in_place and context is not None):  # the prompt may read it in place next time
+                missing.append(_Missing(text, here, before, elsewhere=key is not None))
             before = tuple(ids)
-        self.stats.looked_up += len(found) + len(missing)
+        self.stats.looked_up += len(texts)
         self.stats.found += len(found)
         return found, missing
 
@@ -263,7 +277,8 @@ class PassageCache:
             yield from fused.stream(generate)
         finally:  # after the answer (or a stream closed early): never on its critical path
             source = None if fused.prompt_ids is None else (fused.prompt_ids, hf_compat.cache_layers(fused.fused.cache))
-            self._writer.submit([replace(m, source=source, exact=fused.exact_rows) for m in missing])
+            exact = fused.exact_rows  # a passage found elsewhere is stored in place from a full prefill's rows only
+            self._writer.submit([replace(m, source=source, exact=exact) for m in missing if exact or not m.elsewhere])
         assert fused.answer is not None
         self.last_answer = fused.answer
         return fused.answer
@@ -344,9 +359,8 @@ class PassageCache:
         rows = {m: got.kv for m, got in zip(missing, found) if got is not None}
         contexts = {m: got.context for m, got in zip(missing, found) if got is not None and m.exact}
         fitted = self._fit(missing, rows) if self.keys.digest is None else {}
-        # a full prefill's rows: in place, linked after the passage before; a fused pass's: after it; else alone
         todo = [(m, key) for m in dict.fromkeys(missing)
-                if (key := self.keys.key(m.ids, m.after if m in rows else (), contexts.get(m))) is not None
+                if (key := self._entry_key(m, m in rows, contexts.get(m))) is not None
                 and not self.kvstore.contains(key)]
         rest = [(m, key) for m, key in todo if m not in fitted and m not in rows]
         with tqdm(total=sum(len(m.ids) for m, _ in todo), unit="tok", desc="caching passages",
@@ -362,6 +376,15 @@ class PassageCache:
                     self.kvstore.hold_decoded(key, self.prefix.kv[0][0].dtype)
                 bar.update(len(m.ids))
         return stored
+
+    def _entry_key(self, m: _Missing, has_rows: bool, context: str | None) -> str | None:
+        """Where ``m``'s rows go: a full prefill's (``context``, the digest of the tokens before them) in place,
+        linked after the passage before; a fused pass's (``has_rows``) after it; else a cache computed alone, plain.
+        A passage stored elsewhere gets its in-place entry only (None without a full prefill's rows).
+        """
+        if m.elsewhere and context is None:
+            return None
+        return self.keys.key(m.ids, m.after if has_rows else (), context)
 
     def _recompute(self, chunk: RetrievedChunk, lead: bool = False) -> KV:
         """A passage's cache computed again (its blob was evicted or damaged since the lookup), alone after the

@@ -319,12 +319,10 @@ class KVRag(PromptAnswers):
                 False for caches computed any other way (e.g. each chunk on its own from position 0).
             selector: a `kvrag.fusion.Selector` that chooses the recomputed positions instead of the one
                 ``mode`` names (e.g. `kvrag.fusion.FixedSelector`); ``mode`` still decides which caches load.
-            gate: the correctness gate (`GateConfig`; `kvrag.query.gate`). At its defaults it recomputes every
-                stale token of a short prompt (the full prefill's answer, but for the codec's rounding of the first
-                chunk) and fuses longer prompts at the mode's ratio without a check: their answers are close to, not
-                equal to, a full prefill's. Its first-token check and escalation run when `GateConfig` sets them
-                (``min_margin``, ``probe_must_agree``, ``ladder``, ``strict``). None (the default) runs it when no
-                mode, ratio, fusion settings, selector or caches are given; True runs the default `GateConfig`,
+            gate: the correctness gate (`GateConfig`; `kvrag.query.gate`). Its defaults recompute every stale token
+                of a short prompt and fuse longer ones without a check: answers close to, not equal to, a full
+                prefill's; its check and escalation run where `GateConfig` sets them. None (the default) runs it when
+                no mode, ratio, fusion settings, selector or caches are given; True runs the default `GateConfig`,
                 False turns it off. `Answer.gate` says what it did.
 
         Returns:

@@ -37,7 +37,7 @@ import math
 import threading
 import weakref
 from collections.abc import Generator, Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from typing import Any, cast
 
 from tqdm.auto import tqdm
@@ -54,7 +54,8 @@ from kvrag.passages.cache_url import memory_bound, open_cache_store, url_codec
 from kvrag.passages.codec_share import load_shared_state, publish_state
 from kvrag.passages.finder import MIN_CHARS, find_passages, split_passages
 from kvrag.passages.keys import PassageKeys
-from kvrag.passages.prompt_rows import PromptPass, context_digest, rows_of_passes
+from kvrag.passages.pending import CacheStats, MissingPassage
+from kvrag.passages.prompt_rows import context_digest, rows_of_passes
 from kvrag.prompt import build_layout
 from kvrag.query import gate as answering
 from kvrag.query.answer import Answer, RetrievedChunk, finish
@@ -76,37 +77,6 @@ EXIT_FLUSH_S = 60.0
 # a CPU (benchmarks/any-retriever README, "Rows read in place"); cachegen keeps 2.6x more: ``codec="cachegen"``
 PASSAGE_CODEC = "int8"
 CHAT_PASSED = ("temperature", "top_p", "stop", "seed", "fuse_config", "gate")  # chat options a passage cache uses
-
-
-@dataclass
-class CacheStats:
-    """Passages looked up and found stored, caches stored (a passage found elsewhere adds its in-place entry), and
-    the bytes written, since the cache was opened.
-    """
-
-    looked_up: int = 0
-    found: int = 0
-    stored: int = 0
-    stored_bytes: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        """Passages found over passages looked up (NaN before any lookup)."""
-        return self.found / self.looked_up if self.looked_up else math.nan
-
-
-@dataclass(frozen=True)
-class _Missing:
-    """A passage whose rows in a prompt are to be stored after the answer: not stored at all, or (``elsewhere``)
-    stored only for other tokens before it, when just its in-place entry from an exact pass is wanted.
-    """
-
-    text: str
-    ids: tuple[int, ...]  # its tokens in that prompt
-    after: tuple[int, ...] = ()  # the passage before it in that prompt (`PassageKeys.key`)
-    source: PromptPass | None = field(default=None, compare=False)  # the pass of the prompt that missed it
-    exact: bool = field(default=False, compare=False)  # that pass read no stored cache: its rows are a full prefill's
-    elsewhere: bool = field(default=False, compare=False)  # found, but not in place: only an in-place entry is stored
 
 
 _OPEN: weakref.WeakSet[PassageCache] = weakref.WeakSet()  # caches not closed: their pending stores run at exit
@@ -156,7 +126,7 @@ class PassageCache:
         self.controller = LoadController()
         self.stats = CacheStats()
         self.last_answer: Answer | None = None
-        self._writer: BackgroundWork[_Missing] = BackgroundWork(self._store_missing, "kvrag-passage-writer")
+        self._writer: BackgroundWork[MissingPassage] = BackgroundWork(self._store_missing, "kvrag-passage-writer")
         _OPEN.add(self)
 
     @classmethod
@@ -207,7 +177,7 @@ class PassageCache:
         """
         return encode(self.lm.tokenizer, text.strip())
 
-    def _lookup(self, prompt: str, texts: Iterable[str]) -> tuple[list[RetrievedChunk], list[_Missing]]:
+    def _lookup(self, prompt: str, texts: Iterable[str]) -> tuple[list[RetrievedChunk], list[MissingPassage]]:
         """The passages of ``texts`` in ``prompt`` whose caches are stored, and the passages whose rows here are to
         be stored after the answer, in prompt order: the others, and those found but not in place (``elsewhere``:
         stored in place only from an exact pass, `stream_prompt`). A passage is looked up
@@ -241,7 +211,7 @@ class PassageCache:
             if key is not None:
                 found.append(RetrievedChunk(key, text, math.nan, "", "prompt", seq, tuple(ids), in_place))
             if key is None or (not in_place and context is not None):  # the prompt may read it in place next time
-                missing.append(_Missing(text, here, before, elsewhere=key is not None))
+                missing.append(MissingPassage(text, here, before, elsewhere=key is not None))
             before = tuple(ids)
         self.stats.looked_up += len(texts)
         self.stats.found += len(found)
@@ -321,10 +291,10 @@ class PassageCache:
         for text in dict.fromkeys(p for t in texts for p in split_passages(t or "", self.min_chars)):
             ids = self.passage_ids(text)
             if self.keys.stored(ids) is None:
-                missing.append(_Missing(text, tuple(ids)))
+                missing.append(MissingPassage(text, tuple(ids)))
         return self._store_missing(missing, show_progress, hold=False)  # a bulk ingestion: the tier keeps what is read
 
-    def _caches(self, work: list[_Missing]) -> Generator[tuple[int, KV], None, None]:
+    def _caches(self, work: list[MissingPassage]) -> Generator[tuple[int, KV], None, None]:
         """The caches of ``work``'s passages, one prefill batch at a time under the model's lock."""
         batches = chunk_caches(self.lm, self.prefix, [list(m.ids) for m in work], BATCH_TOKENS)
         while True:
@@ -334,7 +304,7 @@ class PassageCache:
                 return
             yield got
 
-    def _fit(self, work: list[_Missing], rows: dict[_Missing, KV]) -> dict[_Missing, KV]:
+    def _fit(self, work: list[MissingPassage], rows: dict[MissingPassage, KV]) -> dict[MissingPassage, KV]:
         """Fit the codec on the first passages and publish its state (another process's, if it was first); the
         sample's caches, to be stored rather than computed again.
         """
@@ -348,7 +318,7 @@ class PassageCache:
         log.info("fitted the %s codec's state for %s on %d passages", codec.name, self.lm.source, len(caches))
         return caches
 
-    def _store_missing(self, missing: list[_Missing], show_progress: bool = False, hold: bool = True) -> int:
+    def _store_missing(self, missing: list[MissingPassage], show_progress: bool = False, hold: bool = True) -> int:
         """Compute and store the caches of ``missing`` passages that are still not stored (returns how many); with
         ``hold``, keep each decoded in the store's tier too (on the CPU): the next prompt placing it reads memory.
         """
@@ -377,7 +347,7 @@ class PassageCache:
                 bar.update(len(m.ids))
         return stored
 
-    def _entry_key(self, m: _Missing, has_rows: bool, context: str | None) -> str | None:
+    def _entry_key(self, m: MissingPassage, has_rows: bool, context: str | None) -> str | None:
         """Where ``m``'s rows go: a full prefill's (``context``, the digest of the tokens before them) in place,
         linked after the passage before; a fused pass's (``has_rows``) after it; else a cache computed alone, plain.
         A passage stored elsewhere gets its in-place entry only (None without a full prefill's rows).

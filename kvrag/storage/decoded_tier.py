@@ -20,10 +20,10 @@ import threading
 import torch
 
 from kvrag.byte_lru import ByteLRU
+from kvrag.model.prefix import KV
 
 DEFAULT_DECODED_BYTES = 512 << 20  # about 11K tokens of SmolLM2-135M in float32, 4K of an 8B model in bf16
 
-KV = tuple[torch.Tensor, torch.Tensor]
 TierKey = tuple[str, int | None, int, int, torch.dtype]
 
 

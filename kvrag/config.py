@@ -229,12 +229,17 @@ class GateConfig:
     It checks the fused pass's first token before decoding; a failed check escalates through
     ``ladder`` (the same mode at larger recompute ratios) and at the end to a full prefill.
 
-    The defaults were chosen on held-out data (benchmarks/quality-gate): with SmolLM2-135M the first-token
-    signals did not tell drifting answers from faithful ones (fused answers part from ``full``'s after the
-    first token), and an escalation costs more than it saves, so by default the gate recomputes every stale
-    token of a short prompt and trusts the fused cache elsewhere. ``strict`` trades speed for agreement.
+    By default the gate answers exactly: every stale token is recomputed (the first chunk's stored cache, exact where
+    it stands, is read; kept prompts and rows stored in place are read), so the answer is the full prefill's but for
+    the codec's rounding of what is read. Fusion, sooner and approximate, runs with ``fuse=True`` (or ``strict``):
+    with SmolLM2-135M, fused answers at ~1,600 tokens lost every single-fact answer that the full prefill got right
+    (12 of 12 through LlamaIndex, 13 of 13 through `KVRag.answer`), and no signal read off a fused pass told drifting
+    answers from faithful ones cheaply enough (benchmarks/quality-long-prompts, benchmarks/quality-gate).
 
     Attributes:
+        fuse: fuse prompts of at least ``full_below_tokens`` stale tokens at the mode's ratio instead of answering
+            them exactly: sooner (2.5-3x at 2K tokens with SmolLM2 on a CPU), with answers close to, not equal to,
+            the full prefill's. Off by default.
         full_below_tokens: prompts whose stale chunk tokens (all but the first chunk, whose cache is
             exact) number fewer than this have all of them recomputed (``short_mode``): fusion saves
             little there.
@@ -266,6 +271,7 @@ class GateConfig:
         strict_margin: the margin a strict check requires.
     """
 
+    fuse: bool = False
     full_below_tokens: int = 512
     short_mode: str = "prefix"
     fuse_max_text_share: float = 0.25

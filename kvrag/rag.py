@@ -319,9 +319,9 @@ class KVRag(PromptAnswers):
                 False for caches computed any other way (e.g. each chunk on its own from position 0).
             selector: a `kvrag.fusion.Selector` that chooses the recomputed positions instead of the one
                 ``mode`` names (e.g. `kvrag.fusion.FixedSelector`); ``mode`` still decides which caches load.
-            gate: the correctness gate (`GateConfig`; `kvrag.query.gate`). Its defaults recompute every stale token
-                of a short prompt and fuse longer ones without a check: answers close to, not equal to, a full
-                prefill's; its check and escalation run where `GateConfig` sets them. None (the default) runs it when
+            gate: the correctness gate (`GateConfig`; `kvrag.query.gate`). Its defaults answer exactly (every stale
+                token recomputed); ``GateConfig(fuse=True)`` fuses long prompts: sooner, answers close to, not equal
+                to, a full prefill's, checked where `GateConfig` says. None (the default) runs it when
                 no mode, ratio, fusion settings, selector or caches are given; True runs the default `GateConfig`,
                 False turns it off. `Answer.gate` says what it did.
 

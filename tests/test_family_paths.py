@@ -48,7 +48,8 @@ def test_build_answer_score_and_chat_on_every_family(arch: str, tmp_path: Path):
         assert default.gate is not None and default.token_ids[0] == full.token_ids[0]
         # the fused path over ~370 tokens (23 windows of the windowed families, whose stored caches keep 16 rows
         # of such a layer): a fused pass, trusted where its probe pass agrees, else escalated
-        fused = rag.answer(Q, k=3, gate=GateConfig(full_below_tokens=0, probe_must_agree=True), max_new_tokens=3)
+        checked = GateConfig(fuse=True, full_below_tokens=0, probe_must_agree=True)
+        fused = rag.answer(Q, k=3, gate=checked, max_new_tokens=3)
         assert fused.gate.decision != "short" and fused.gate.attempts[0]["mode"] == "probe"
         assert fused.n_prompt_tokens > 8 * 16 and fused.token_ids[0] == full.token_ids[0]
         prepared = rag.prepare(Q, k=3, mode="full")
@@ -68,16 +69,20 @@ def test_build_answer_score_and_chat_on_every_family(arch: str, tmp_path: Path):
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_the_default_fuses_a_long_prompt_on_every_family(arch: str, tmp_path: Path):
-    """At a length where the default gate fuses: the fused path reads the stored caches, recomputing every stale
-    token over them gives the full prefill's logits, and the default's selection moves the logits toward full's."""
+def test_a_long_prompt_on_every_family_exact_by_default_and_fused_when_asked(arch: str, tmp_path: Path):
+    """At a length where a fusing gate fuses: the default answers it exactly (the full prefill's answer, the first
+    chunk's stored cache read); the fusing gate reads the stored caches; recomputing every stale token over them gives
+    the full prefill's logits, and the default mode's selection moves the logits toward full's."""
     model_dir = save_tiny_model(arch, tmp_path / "model")
     rag = KVRag.build(LONG_DOCS, tmp_path / "idx", model=str(model_dir),
                       split=SplitConfig(mode="document", max_tokens=1024), codec="raw", show_progress=False)
     try:
         default = rag.answer(Q, k=3, max_new_tokens=3)
         assert default.gate is not None and default.gate.stale_tokens >= GateConfig().full_below_tokens
-        assert default.gate.decision in ("fused", "escalated") and default.gate.attempts[0]["mode"] == "probe"
+        assert default.gate.decision == "exact" and 0 < default.recompute_fraction < 1
+        assert default.token_ids == rag.answer(Q, k=3, mode="full", max_new_tokens=3).token_ids
+        fusing = rag.answer(Q, k=3, gate=GateConfig(fuse=True), max_new_tokens=3)
+        assert fusing.gate.decision in ("fused", "escalated") and fusing.gate.attempts[0]["mode"] == "probe"
         full = rag.prepare(Q, k=3, mode="full").fused
         every_stale = rag.prepare(Q, k=3, mode="probe", ratio=1.0).fused
         assert every_stale.recompute_fraction < 1  # the first chunk's stored (lossless) cache is read, not recomputed
@@ -92,8 +97,8 @@ def test_the_default_fuses_a_long_prompt_on_every_family(arch: str, tmp_path: Pa
 
 
 def _langchain_chain_fuses_at_length(rag: KVRag) -> None:
-    """A stuff chain's long flat prompt: the default fuses its passages' caches, and recomputing every stale token
-    over them gives the full prefill's answer."""
+    """A stuff chain's long flat prompt: the default answers it as a full prefill does, a fusing gate fuses its
+    passages' caches, and recomputing every stale token over them gives the full prefill's answer."""
     pytest.importorskip("langchain_core")
     from kvrag.integrations.langchain import KVCachedLLM, KVRetriever, format_docs
     from langchain_core.prompts import PromptTemplate
@@ -103,12 +108,15 @@ def _langchain_chain_fuses_at_length(rag: KVRag) -> None:
         return ({"context": KVRetriever(rag=rag, k=3) | format_docs, "question": RunnablePassthrough()}
                 | PromptTemplate.from_template(TEMPLATE) | llm)
 
-    default = KVCachedLLM(rag=rag, max_new_tokens=3)
-    chain(default).invoke(Q)
-    gate = default.last_answer.gate
-    assert gate is not None and gate.decision in ("fused", "escalated") and len(default.last_answer.chunks) == 3
+    full = chain(KVCachedLLM(rag=rag, mode="full", max_new_tokens=3)).invoke(Q)
+    assert chain(KVCachedLLM(rag=rag, max_new_tokens=3)).invoke(Q) == full
+    fusing = KVCachedLLM(rag=rag, gate=GateConfig(fuse=True), max_new_tokens=3)
+    rag.context.heads.clear_prompts()  # else the default's exact answer is read back from its kept rows
+    chain(fusing).invoke(Q)
+    gate = fusing.last_answer.gate
+    assert gate is not None and gate.decision in ("fused", "escalated") and len(fusing.last_answer.chunks) == 3
     every_stale = KVCachedLLM(rag=rag, mode="probe", ratio=1.0, max_new_tokens=3)
-    assert chain(every_stale).invoke(Q) == chain(KVCachedLLM(rag=rag, mode="full", max_new_tokens=3)).invoke(Q)
+    assert chain(every_stale).invoke(Q) == full
 
 
 def _langchain_chain_reads_the_stored_caches(rag: KVRag) -> None:

@@ -16,7 +16,7 @@ DOCS = [
     ("delta", "The delta of a river is where it meets the sea. Sediment builds up there. " * 3),
 ]
 Q = "Who commands beta station?"
-ALWAYS_FUSE = dict(full_below_tokens=0, probe_must_agree=False)  # the check always passes
+ALWAYS_FUSE = dict(fuse=True, full_below_tokens=0, probe_must_agree=False)  # the check always passes
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_a_question_before_the_passages_is_prefilled_in_full_and_after_them_fuse
     for prompt in prompts("Who designed the alpha reactor?"):  # each template's head is kept by its first call
         rag.answer_prompt(prompt, max_new_tokens=1)
     before, after = prompts(Q)
-    gate = GateConfig(full_below_tokens=0)
+    gate = GateConfig(fuse=True, full_below_tokens=0)
     asked_first = rag.answer_prompt(before, gate=gate, max_new_tokens=4)
     assert asked_first.gate.decision == "text_before" and asked_first.mode == "full"
     assert asked_first.token_ids == rag.answer_prompt(before, "full", max_new_tokens=4).token_ids
@@ -108,7 +108,7 @@ def test_a_passing_check_keeps_the_fused_answer(rag: KVRag):
 
 def test_a_failed_check_climbs_the_ladder_then_prefills_in_full(rag: KVRag):
     full = rag.answer(Q, k=3, mode="full", max_new_tokens=5)
-    never = GateConfig(full_below_tokens=0, min_margin=1e9, ladder=(0.5,))
+    never = GateConfig(fuse=True, full_below_tokens=0, min_margin=1e9, ladder=(0.5,))
     gated = rag.answer(Q, k=3, gate=never, max_new_tokens=5)
     assert [(a["mode"], a["ratio"]) for a in gated.gate.attempts] == [
         (DEFAULT_MODE, 0.15), (DEFAULT_MODE, 0.5), ("full", 0.15)]
@@ -139,7 +139,7 @@ def test_a_failed_attempt_is_freed_before_the_next_one_is_built(rag: KVRag, monk
         return fused
 
     monkeypatch.setattr(gate, "run", tracked)
-    never = GateConfig(full_below_tokens=0, min_margin=1e9, ladder=(0.5,))
+    never = GateConfig(fuse=True, full_below_tokens=0, min_margin=1e9, ladder=(0.5,))
     gated = rag.answer(Q, k=3, gate=never, max_new_tokens=2)
     assert gated.gate.escalations == 2 and alive_at_start == [0, 0, 0]  # never two caches at once
 
@@ -156,7 +156,7 @@ def test_a_gated_answer_tokenises_each_passage_once(rag: KVRag, monkeypatch):
 
 
 def test_strict_skips_the_ladder(rag: KVRag):
-    strict = GateConfig(full_below_tokens=0, min_margin=1e9, ladder=(0.5,), strict=True)
+    strict = GateConfig(fuse=True, full_below_tokens=0, min_margin=1e9, ladder=(0.5,), strict=True)
     gated = rag.answer(Q, k=3, gate=strict, max_new_tokens=3)
     assert [a["mode"] for a in gated.gate.attempts] == [DEFAULT_MODE, "full"]
 
@@ -206,7 +206,7 @@ def test_a_prompt_mostly_of_uncached_text_is_prefilled_in_full(rag: KVRag):
     prompt = rag.prompt_text(Q, chunks)
     laid = lay_out_prompt(rag.context, prompt, chunks[:1])  # one passage read, the others text
     assert laid.text_share > 0.25
-    gate = GateConfig(full_below_tokens=0)
+    gate = GateConfig(fuse=True, full_below_tokens=0)
     plan = answering.plan_answer(laid, FuseConfig(mode=DEFAULT_MODE), gate)
     assert plan.decision == "text" and [a.mode for a in plan.attempts] == ["full"]
     laid_all = lay_out_prompt(rag.context, prompt, chunks)

@@ -26,7 +26,8 @@ PASSAGES = [
     "The gamma bridge crosses the river in three arches of grey stone; it was finished in 1890 after the flood "
     "had carried away the wooden bridge that stood there before.",
 ]
-FUSE = GateConfig(full_below_tokens=0, fuse_max_text_share=1.0, max_text_before=10**6)  # the gate, fusing every prompt
+# the gate, fusing every prompt
+FUSE = GateConfig(fuse=True, full_below_tokens=0, fuse_max_text_share=1.0, max_text_before=10**6)
 TUTORIAL = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved context to "
             "answer the question.\nQuestion: {question} \nContext: {context} \nAnswer:")
 

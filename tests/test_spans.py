@@ -173,12 +173,12 @@ def test_a_long_prompt_goes_through_the_gate_and_its_ladder(tiny_rag):
 
     prompt, _ = _flat_prompt(tiny_rag)
     tiny_rag.context.heads.clear_prompts()  # an earlier test's exact answer to this prompt would be read instead
-    never = GateConfig(full_below_tokens=0, min_margin=1e9, ladder=(0.5,))
+    never = GateConfig(fuse=True, full_below_tokens=0, min_margin=1e9, ladder=(0.5,))
     gated = tiny_rag.answer_prompt(prompt, gate=never, max_new_tokens=3)
     assert gated.gate.decision == "escalated" and [a["mode"] for a in gated.gate.attempts] == [
         "probe", "probe", "full"]
     assert gated.token_ids == _greedy(tiny_rag, _token_ids(_laid_out(tiny_rag, prompt)), 3)
-    trusted = tiny_rag.answer_prompt(prompt, gate=GateConfig(full_below_tokens=0), max_new_tokens=3)
+    trusted = tiny_rag.answer_prompt(prompt, gate=GateConfig(fuse=True, full_below_tokens=0), max_new_tokens=3)
     assert trusted.gate.decision == "fused" and trusted.mode == "probe" and trusted.recompute_fraction < 1
 
 

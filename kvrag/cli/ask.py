@@ -42,13 +42,13 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                         "gate); 'full' recomputes everything, the reference")
     p.add_argument("--ratio", type=fraction, default=None,
                    help="fraction of the chunks' tokens recomputed by cacheblend and probe, in (0, 1] (default 0.15)")
-    p.add_argument("--gate", choices=("auto", "on", "off", "strict"), default="auto",
+    p.add_argument("--gate", choices=("auto", "on", "off", "fuse", "strict"), default="auto",
                    help="the correctness gate: 'auto' (the default, when neither --mode nor --ratio is given) "
-                        "recomputes every stale token of a short prompt, prefills in full a prompt with new text "
-                        "before its passages, and fuses the rest at 15 %% without a check (fused answers are close "
-                        "to, not equal to, a full prefill's); 'on' runs it with --mode or --ratio too; 'strict' "
-                        "answers from a fused cache only when a first-token check passes, else with a full prefill; "
-                        "'off' no gate")
+                        "answers exactly, the full prefill's answer: it reads the first passage's cache, kept "
+                        "prompts and rows stored in place, and recomputes every other token; 'on' runs it with "
+                        "--mode or --ratio too; 'fuse' fuses prompts of 512 stale tokens or more at 15 %% (sooner; "
+                        "answers close to, not equal to, a full prefill's); 'strict' fuses and answers from the fused "
+                        "cache only when a first-token check passes, else with a full prefill; 'off' no gate")
     p.add_argument("--k", type=positive_int, default=4, metavar="N", help="chunks to retrieve (default 4)")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="N",
                    help="longest answer, in tokens (default 64)")
@@ -94,7 +94,8 @@ def _gate(choice: str) -> Any:
     """``--gate`` as `KVRag.answer`'s ``gate`` argument."""
     from kvrag.config import GateConfig
 
-    return {"auto": None, "on": True, "off": False, "strict": GateConfig(strict=True)}[choice]
+    return {"auto": None, "on": True, "off": False, "fuse": GateConfig(fuse=True),
+            "strict": GateConfig(strict=True)}[choice]
 
 
 def _summary(answer: Any, load_s: float, warmup: int) -> str:

@@ -2,22 +2,24 @@
 
 Three steps, each cheap next to a fusion:
 
-1. **Cost.** A prompt whose stale chunk tokens (all but the first chunk, whose cache is exact) are fewer
-   than `GateConfig.full_below_tokens` has every one of them recomputed outright: fusion would save little
-   there. By default it reads the first chunk's stored cache and recomputes the rest (the ``prefix`` mode,
-   `GateConfig.short_mode`), which gives the full prefill's answer sooner. A prompt that is mostly text without
-   a stored cache (more than `GateConfig.fuse_max_text_share` of it: passages seen for the first time) is
-   prefilled in full, which is then sooner than a fused pass. So is a prompt with text before its passages that no
-   stored cache saw (more than `GateConfig.max_text_before` tokens: a question asked before the context): every
-   passage row depends on it, and fused answers there part from the full prefill's at any ratio measured. A prompt
-   whose every stored cache holds rows computed after exactly the tokens before it there (a passage cache's rows
-   of this same prompt, `LaidOut.in_place`) recomputes only its text pieces and suffix: that is a full prefill's
-   computation, up to the codec's rounding, and the check does not apply.
+1. **Cost and trust.** A prompt whose stale chunk tokens (all but the first chunk, whose cache is exact) are fewer
+   than `GateConfig.full_below_tokens` has every one of them recomputed outright: fusion would save little there.
+   It reads the first chunk's stored cache and recomputes the rest (the ``prefix`` mode, `GateConfig.short_mode`),
+   which gives the full prefill's answer sooner. Unless `GateConfig.fuse` is set, a longer prompt is answered the
+   same way (decision ``"exact"``): fused answers did not hold with the models measured. A fusing gate prefills in
+   full a prompt that is mostly text without a stored cache (more than `GateConfig.fuse_max_text_share` of it:
+   passages seen for the first time), which is then sooner than a fused pass, and a prompt with text before its
+   passages that no stored cache saw (more than `GateConfig.max_text_before` tokens: a question asked before the
+   context), where fused answers part from the full prefill's at any ratio measured. A prompt whose every stored
+   cache holds rows computed after exactly the tokens before it there (a passage cache's rows of this same prompt,
+   `LaidOut.in_place`) recomputes only its text pieces and suffix: that is a full prefill's computation, up to the
+   codec's rounding, and the check does not apply.
 2. **Check.** After the fused pass, before decoding: the first token's log-probability lead over the
    runner-up (its *margin*), and, for a mode that runs a probe pass (``probe``), whether the question
    alone over the stored caches predicted the same first token. Where recomputing 15 % of the tokens
    changed the first token, the stored caches matter to this answer more than the selection covers.
-   By default the check passes every fused pass (see `GateConfig` for why); ``strict`` makes it bite.
+   At the settings `GateConfig` documents the check passes every fused pass; ``min_margin``,
+   ``probe_must_agree`` and ``strict`` make it bite.
 3. **Escalate.** A failed check fuses again at each ratio of `GateConfig.ladder` in turn, and at the end
    prefills in full. With `GateConfig.strict`, a failure goes straight to the full prefill.
 
@@ -99,7 +101,8 @@ class GateReport:
     """What the gate did for one answer: each attempt with its signals, and the outcome."""
 
     # "fused": the first attempt passed; "escalated": a later one was used; "short": a short prompt, every stale
-    # token recomputed (the attempt's mode says how: "prefix" or "full"); "text": mostly text without a cache,
+    # token recomputed (the attempt's mode says how: "prefix" or "full"); "exact": a longer one answered so, as
+    # the gate does unless it fuses (`GateConfig.fuse`); "text": mostly text without a cache,
     # prefilled in full; "text_before": text no stored cache saw before the passages (a question asked before the
     # context), prefilled in full; "kept": every passage read from a kept prompt's exact rows; "stored": every
     # passage read from stored rows computed after this very text (`LaidOut.in_place`), only the rest recomputed
@@ -129,10 +132,11 @@ def gate_settings(gate: GateConfig | bool) -> GateConfig | None:
 class AnswerPlan:
     """What one answer runs, made once before anything is fused: the fusions to try in order (each a
     `FuseConfig`; the first one whose check passes is used) and the gate they answer to (None: no gate,
-    one attempt). ``decision`` is the `GateReport`'s: ``"fused"``, ``"short"`` for a short prompt, ``"text"``
-    for a prompt that is mostly text without a stored cache, ``"kept"`` for a prompt whose passages all lie in a
-    kept prompt's exact rows (`kvrag.query.head_cache`), or ``"stored"`` for one whose passages' stored rows were
-    all computed after the very tokens before them here (`LaidOut.in_place`).
+    one attempt). ``decision`` is the `GateReport`'s: ``"fused"``, ``"short"`` for a short prompt, ``"exact"`` for
+    a longer one answered exactly (a gate that does not fuse), ``"text"`` for a prompt that is mostly text without a
+    stored cache, ``"text_before"`` for one with new text before its passages, ``"kept"`` for one whose passages all
+    lie in a kept prompt's exact rows (`kvrag.query.head_cache`), or ``"stored"`` for one whose passages' stored
+    rows were all computed after the very tokens before them here (`LaidOut.in_place`).
     ``mode`` is the mode asked for: a selector given with it chooses only that mode's positions.
     """
 
@@ -148,9 +152,9 @@ def plan_answer(laid: LaidOut, config: FuseConfig, gate: GateConfig | None) -> A
 
     A mode that recomputes every position, or a prompt without a stored cache to read, is one attempt that
     recomputes everything. A prompt whose stored caches are all in place is one attempt of ``reuse``: its text
-    pieces and suffix recomputed, nothing else. A short prompt is one attempt of ``gate.short_mode`` where the first
-    chunk's cache is exact (else of the exact mode), and a prompt mostly of text without a cache one attempt of the
-    exact mode.
+    pieces and suffix recomputed, nothing else. A short prompt, and any prompt under a gate that does not fuse, is
+    one attempt of ``gate.short_mode`` where the first chunk's cache is exact (else of the exact mode), and a prompt
+    mostly of text without a cache, or with new text before its passages, one attempt of the exact mode.
     Otherwise: ``config``, the ladder's larger ratios, then the exact mode.
     """
     exact = exact_mode()
@@ -163,9 +167,11 @@ def plan_answer(laid: LaidOut, config: FuseConfig, gate: GateConfig | None) -> A
         return AnswerPlan((config,), None, "fused", stale, config.mode)
     if laid.in_place:  # the stored rows are what a full prefill computes there: only the rest runs
         return AnswerPlan((replace(config, mode="reuse"),), gate, "stored", stale, config.mode)
-    if stale < gate.full_below_tokens:
+    fusing = gate.fuse or gate.strict
+    if stale < gate.full_below_tokens or not fusing:
         short = gate.short_mode if laid.first_exact and not gate.strict else exact
-        return AnswerPlan((replace(config, mode=short),), gate, "short", stale, config.mode)
+        decision = "short" if stale < gate.full_below_tokens else "exact"
+        return AnswerPlan((replace(config, mode=short),), gate, decision, stale, config.mode)
     if laid.text_share > gate.fuse_max_text_share:
         return AnswerPlan((replace(config, mode=exact),), gate, "text", stale, config.mode)
     if laid.text_before > gate.max_text_before:
@@ -192,7 +198,7 @@ def execute(ctx: QueryContext, laid: LaidOut, plan: AnswerPlan, caches: Sequence
         if plan.gate is None:
             break
         signals = read_signals(fused.fused)
-        final = i == len(plan.attempts) - 1 or plan.decision == "short"
+        final = i == len(plan.attempts) - 1 or plan.decision in ("short", "exact")
         ok, why = (True, "") if final else passes(signals, plan.gate)
         seconds = time.perf_counter() - t
         assert report is not None  # made with the gate

@@ -229,12 +229,12 @@ class GateConfig:
     It checks the fused pass's first token before decoding; a failed check escalates through
     ``ladder`` (the same mode at larger recompute ratios) and at the end to a full prefill.
 
-    By default the gate answers exactly: every stale token is recomputed (the first chunk's stored cache, exact where
-    it stands, is read; kept prompts and rows stored in place are read), so the answer is the full prefill's but for
-    the codec's rounding of what is read. Fusion, sooner and approximate, runs with ``fuse=True`` (or ``strict``):
-    with SmolLM2-135M, fused answers at ~1,600 tokens lost every single-fact answer that the full prefill got right
-    (12 of 12 through LlamaIndex, 13 of 13 through `KVRag.answer`), and no signal read off a fused pass told drifting
-    answers from faithful ones cheaply enough (benchmarks/quality-long-prompts, benchmarks/quality-gate).
+    By default the gate answers exactly: every stale token is recomputed (a short prompt's first chunk cache, exact
+    where it stands, is read, and so are kept heads and prompts and rows stored in place), so the answer is the full
+    prefill's but for the codec's rounding of what is read. Fusion, sooner and approximate, runs with ``fuse=True``
+    (or ``strict``): with SmolLM2-135M, fused answers at ~1,600 tokens lost every single-fact answer that the full
+    prefill got right (12 of 12 through LlamaIndex, 13 of 13 through `KVRag.answer`), and no signal read off a fused
+    pass told drifting answers from faithful ones cheaply enough (benchmarks/quality-long-prompts, quality-gate).
 
     Attributes:
         fuse: fuse prompts of at least ``full_below_tokens`` stale tokens at the mode's ratio instead of answering

@@ -5,8 +5,9 @@ Three steps, each cheap next to a fusion:
 1. **Cost and trust.** A prompt whose stale chunk tokens (all but the first chunk, whose cache is exact) are fewer
    than `GateConfig.full_below_tokens` has every one of them recomputed outright: fusion would save little there.
    It reads the first chunk's stored cache and recomputes the rest (the ``prefix`` mode, `GateConfig.short_mode`),
-   which gives the full prefill's answer sooner. Unless `GateConfig.fuse` is set, a longer prompt is answered the
-   same way (decision ``"exact"``): fused answers did not hold with the models measured. A fusing gate prefills in
+   which gives the full prefill's answer sooner. Unless `GateConfig.fuse` is set, a longer prompt is prefilled in
+   full after its kept head (decision ``"exact"``): fused answers did not hold with the models measured, and one
+   chunk's cache saves less there than the fusion loop costs over a plain prefill. A fusing gate prefills in
    full a prompt that is mostly text without a stored cache (more than `GateConfig.fuse_max_text_share` of it:
    passages seen for the first time), which is then sooner than a fused pass, and a prompt with text before its
    passages that no stored cache saw (more than `GateConfig.max_text_before` tokens: a question asked before the
@@ -152,9 +153,9 @@ def plan_answer(laid: LaidOut, config: FuseConfig, gate: GateConfig | None) -> A
 
     A mode that recomputes every position, or a prompt without a stored cache to read, is one attempt that
     recomputes everything. A prompt whose stored caches are all in place is one attempt of ``reuse``: its text
-    pieces and suffix recomputed, nothing else. A short prompt, and any prompt under a gate that does not fuse, is
-    one attempt of ``gate.short_mode`` where the first chunk's cache is exact (else of the exact mode), and a prompt
-    mostly of text without a cache, or with new text before its passages, one attempt of the exact mode.
+    pieces and suffix recomputed, nothing else. A short prompt is one attempt of ``gate.short_mode`` where the first
+    chunk's cache is exact (else of the exact mode); a longer one under a gate that does not fuse, a prompt mostly of
+    text without a cache, or one with new text before its passages, one attempt of the exact mode.
     Otherwise: ``config``, the ladder's larger ratios, then the exact mode.
     """
     exact = exact_mode()
@@ -167,11 +168,11 @@ def plan_answer(laid: LaidOut, config: FuseConfig, gate: GateConfig | None) -> A
         return AnswerPlan((config,), None, "fused", stale, config.mode)
     if laid.in_place:  # the stored rows are what a full prefill computes there: only the rest runs
         return AnswerPlan((replace(config, mode="reuse"),), gate, "stored", stale, config.mode)
-    fusing = gate.fuse or gate.strict
-    if stale < gate.full_below_tokens or not fusing:
+    if stale < gate.full_below_tokens:
         short = gate.short_mode if laid.first_exact and not gate.strict else exact
-        decision = "short" if stale < gate.full_below_tokens else "exact"
-        return AnswerPlan((replace(config, mode=short),), gate, decision, stale, config.mode)
+        return AnswerPlan((replace(config, mode=short),), gate, "short", stale, config.mode)
+    if not (gate.fuse or gate.strict):  # one chunk's cache saves less here than the fusion loop costs over a prefill
+        return AnswerPlan((replace(config, mode=exact),), gate, "exact", stale, config.mode)
     if laid.text_share > gate.fuse_max_text_share:
         return AnswerPlan((replace(config, mode=exact),), gate, "text", stale, config.mode)
     if laid.text_before > gate.max_text_before:

@@ -113,11 +113,12 @@ class KVRetriever(BaseRetriever):
 class KVCachedLLM(LLM):
     r"""A LangChain LLM over a kvrag index's model that reuses the caches of the chunks in its prompt.
 
-    By default each answer is made as `KVRag.answer` makes it: ``probe`` under the correctness gate, which
-    recomputes every stale token of a short prompt. ``mode``/``ratio`` fix a fusion mode (no gate unless
-    ``gate=True``); ``mode="full"`` recomputes everything. Each generation's ``generation_info`` reports its own
-    call: ``ttft_s``, ``chunk_ids``, ``mode``, ``recompute_fraction``, ``prompt_tokens``, ``timings`` and
-    ``gate``. ``last_answer`` holds the last call's `kvrag.Answer` (with concurrent calls, any one of them).
+    By default each answer is made as `KVRag.answer` makes it: under the correctness gate, which gives the full
+    prefill's answer (``gate=GateConfig(fuse=True)`` fuses long prompts). ``mode``/``ratio`` fix a fusion mode (no
+    gate unless ``gate=True``); ``mode="full"`` recomputes everything. Each generation's ``generation_info``
+    reports its own call: ``ttft_s``, ``chunk_ids``, ``mode``, ``recompute_fraction``, ``prompt_tokens``,
+    ``timings`` and ``gate``. ``last_answer`` holds the last call's `kvrag.Answer` (with concurrent calls, any one
+    of them).
 
     Example:
         >>> llm = KVCachedLLM(rag=KVRag.open("./idx"))  # doctest: +SKIP

@@ -98,7 +98,8 @@ class KVRetriever(BaseRetriever):
 class KVCachedLLM(CustomLLM):
     """A LlamaIndex LLM over a kvrag index's model that reuses the caches of the chunks in its prompt.
 
-    By default each answer is made as `KVRag.answer` makes it: ``probe`` under the correctness gate.
+    By default each answer is made as `KVRag.answer` makes it: under the correctness gate, the full prefill's answer
+    (``gate=GateConfig(fuse=True)`` fuses long prompts).
     ``mode``/``ratio`` fix a fusion mode (no gate unless ``gate=True``); ``mode="full"`` recomputes everything.
     ``CompletionResponse.additional_kwargs`` reports the call's own ``ttft_s``, ``chunk_ids``, ``mode``,
     ``recompute_fraction``, ``prompt_tokens``, ``timings`` and ``gate``; ``last_answer`` holds the last call's

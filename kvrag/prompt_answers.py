@@ -74,8 +74,8 @@ class PromptAnswers:
 
         The prompt is laid out as ``[head][passage]…[tail]`` (`kvrag.query.locate`): the head's KV is kept
         between calls by token prefix, each passage found reads its stored cache, and the answer is then made
-        exactly as `answer` makes it: by default ``probe`` under the correctness gate, which recomputes
-        every stale token of a short prompt.
+        exactly as `answer` makes it: by default under the correctness gate, which gives the full prefill's
+        answer (``gate=GateConfig(fuse=True)`` fuses long prompts).
 
         Args:
             prompt: the exact prompt string (no chat template is added; `kvrag.query.locate.chat_prompt` adds

@@ -308,3 +308,15 @@ def test_index_with_its_own_instruction_and_question_tail(tiny_model_dir: Path, 
                  "--instruction", "Use the passages.", "--question-tail", ""]) == 0
     prompt = json.loads((idx / "manifest.json").read_text())["prompt"]
     assert prompt["instruction"] == "Use the passages." and prompt["question_tail"] == ""
+
+
+def test_ask_names_every_gate_decision_without_calling_it_a_failed_check():
+    from kvrag.cli.ask import _gate_text
+    from kvrag.query.gate import GateReport
+
+    attempt = {"mode": "full", "ratio": 0.15, "signals": {}, "passed": True, "reason": "", "seconds": 0.1}
+    for decision in ("exact", "kept", "stored", "text", "text_before", "fused"):
+        assert "check failed" not in _gate_text(GateReport(decision, 600, [attempt]))
+    assert "prefilled in full" in _gate_text(GateReport("exact", 600, [attempt]))
+    failed = {**attempt, "mode": "probe", "passed": False, "reason": "first-token margin 0.1 < 1"}
+    assert _gate_text(GateReport("escalated", 600, [failed, attempt])).startswith("check failed (first-token")

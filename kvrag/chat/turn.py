@@ -3,8 +3,8 @@
 A conversation's prompt is its messages in order, each user message carrying the passages retrieved for
 it: ``[system][user 1: passages, question][answer 1][user 2: passages, question][answer 2]…``. A turn
 appends to it and never changes what came before, so the history's KV is kept whole across turns: a turn
-fuses its passages' stored caches after the kept KV (by the chosen mode, under the correctness gate by
-default, as `KVRag.answer`), prefills its question, decodes, and the conversation is kept with the turn's
+lays its passages after the kept KV (under the correctness gate by default, as `KVRag.answer`: recomputed there;
+fused by a chosen mode or a fusing gate), prefills its question, decodes, and the conversation is kept with the turn's
 prompt rows and its answer (`kvrag.chat.sessions`, in the background).
 
 Without a kept history (the first turn, a conversation not seen, ``history_cache=False``) the history is

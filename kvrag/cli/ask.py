@@ -151,14 +151,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+_DECISIONS = {
+    "fused": "check passed",
+    "exact": "long prompt, prefilled in full after the kept head (fusion is --gate fuse)",
+    "kept": "every passage read from a kept prompt's exact rows",
+    "stored": "every passage read from rows stored after the same tokens, the rest recomputed",
+    "text": "mostly text without a stored cache, prefilled in full",
+    "text_before": "new text before the passages, prefilled in full",
+}
+
+
 def _gate_text(report: Any) -> str:
     """What the correctness gate did, in a few words."""
     if report.decision == "short":
         how = "full prefill" if report.attempts[-1]["mode"] == "full" else "first chunk read, the rest recomputed"
         return f"short prompt ({report.stale_tokens} stale tokens), {how}"
-    if report.decision == "fused":
-        return "check passed"
-    if report.decision == "kept":
-        return "every passage read from a kept prompt's exact rows"
+    if report.decision in _DECISIONS:
+        return _DECISIONS[report.decision]
     last = report.attempts[-1]
     return f"check failed ({report.attempts[0]['reason']}), answered by {last['mode']}"

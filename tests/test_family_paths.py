@@ -100,13 +100,10 @@ def _langchain_chain_fuses_at_length(rag: KVRag) -> None:
     """A stuff chain's long flat prompt: the default answers it as a full prefill does, a fusing gate fuses its
     passages' caches, and recomputing every stale token over them gives the full prefill's answer."""
     pytest.importorskip("langchain_core")
-    from kvrag.integrations.langchain import KVCachedLLM, KVRetriever, format_docs
-    from langchain_core.prompts import PromptTemplate
-    from langchain_core.runnables import RunnablePassthrough
+    from kvrag.integrations.langchain import KVCachedLLM
 
     def chain(llm: KVCachedLLM):
-        return ({"context": KVRetriever(rag=rag, k=3) | format_docs, "question": RunnablePassthrough()}
-                | PromptTemplate.from_template(TEMPLATE) | llm)
+        return _stuff_chain(rag, llm, k=3)
 
     full = chain(KVCachedLLM(rag=rag, mode="full", max_new_tokens=3)).invoke(Q)
     assert chain(KVCachedLLM(rag=rag, max_new_tokens=3)).invoke(Q) == full
@@ -122,13 +119,10 @@ def _langchain_chain_fuses_at_length(rag: KVRag) -> None:
 def _langchain_chain_reads_the_stored_caches(rag: KVRag) -> None:
     """A stuff chain's flat prompt: its passages are found and read, and its answer is the full prefill's."""
     pytest.importorskip("langchain_core")
-    from kvrag.integrations.langchain import KVCachedLLM, KVRetriever, format_docs
-    from langchain_core.prompts import PromptTemplate
-    from langchain_core.runnables import RunnablePassthrough
+    from kvrag.integrations.langchain import KVCachedLLM
 
     def chain(llm: KVCachedLLM):
-        return ({"context": KVRetriever(rag=rag, k=2) | format_docs, "question": RunnablePassthrough()}
-                | PromptTemplate.from_template(TEMPLATE) | llm)
+        return _stuff_chain(rag, llm, k=2)
 
     default, full = KVCachedLLM(rag=rag, max_new_tokens=3), KVCachedLLM(rag=rag, mode="full", max_new_tokens=3)
     assert chain(default).invoke(Q) == chain(full).invoke(Q)
@@ -147,3 +141,13 @@ def _llama_index_engine_reads_the_stored_caches(rag: KVRag) -> None:
     texts = [str(engine.query(Q)) for engine in engines]
     assert texts[0] == texts[1]
     assert len(default.last_answer.chunks) == 2 and default.last_answer.gate is not None
+
+
+def _stuff_chain(rag: KVRag, llm, k: int):
+    """A LangChain stuff chain over kvrag's retriever: ``k`` passages in `TEMPLATE`, answered by ``llm``."""
+    from kvrag.integrations.langchain import KVRetriever, format_docs
+    from langchain_core.prompts import PromptTemplate
+    from langchain_core.runnables import RunnablePassthrough
+
+    return ({"context": KVRetriever(rag=rag, k=k) | format_docs, "question": RunnablePassthrough()}
+            | PromptTemplate.from_template(TEMPLATE) | llm)

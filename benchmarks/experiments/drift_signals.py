@@ -33,7 +33,7 @@ import torch
 
 from kvrag.bench import common, metrics
 from kvrag.bench.qa_data import build_index, load_questions, passage_keys, passage_text
-from kvrag.config import FuseConfig
+from kvrag.config import FuseConfig, GenerateConfig
 from kvrag.fusion.selectors.probe import ProbeSelector
 from kvrag.query.locate import chat_prompt
 
@@ -43,6 +43,7 @@ LANGCHAIN = ("You are an assistant for question-answering tasks. Use the followi
 LLAMAINDEX = ("Context information is below.\n---------------------\n{context}\n---------------------\nGiven the "
               "context information and not prior knowledge, answer the query.\nQuery: {question}\nAnswer: ")
 SIGNALS = ("margin", "probe_kl", "unread_share", "lookahead_margin")
+RISING = ("probe_kl", "unread_share")  # signals whose high values mean drift (low values, for the others)
 
 
 def margins(logprobs: torch.Tensor) -> torch.Tensor:
@@ -89,8 +90,8 @@ def one_row(rag: Any, item: dict[str, Any], args: argparse.Namespace) -> dict[st
     if result.probe_logits is not None:
         probe = torch.log_softmax(result.probe_logits.float(), -1)
         kl = float((logp.exp() * (logp - probe)).sum())
-    fused_answer = fused.generate(common_config(args))
-    full_answer = full.generate(common_config(args))
+    fused_answer = fused.generate(GenerateConfig(max_new_tokens=args.max_new_tokens))
+    full_answer = full.generate(GenerateConfig(max_new_tokens=args.max_new_tokens))
     own = fused.teacher_logprobs(fused_answer.token_ids)
     h = min(args.horizon, len(fused_answer.token_ids))
     parts = fused_answer.token_ids[:args.horizon] != full_answer.token_ids[:args.horizon]
@@ -105,17 +106,11 @@ def one_row(rag: Any, item: dict[str, Any], args: argparse.Namespace) -> dict[st
             "fused": fused_answer.text, "full": full_answer.text, "golds": item["answers"]}
 
 
-def common_config(args: argparse.Namespace) -> Any:
-    from kvrag.config import GenerateConfig
-
-    return GenerateConfig(max_new_tokens=args.max_new_tokens)
-
-
 def threshold_for(rows: list[dict[str, Any]], signal: str, max_needless: float) -> float:
     """The threshold (escalate when the signal is below it, or above it for ``probe_kl``/``unread_share``) that
     catches the most parting answers while escalating at most ``max_needless`` of the holding ones.
     """
-    sign = 1.0 if signal in ("probe_kl", "unread_share") else -1.0
+    sign = 1.0 if signal in RISING else -1.0
     values = sorted({sign * r[signal] for r in rows if not math.isnan(r[signal])})
     best, best_caught = math.inf, -1
     for v in values:
@@ -129,7 +124,7 @@ def escalates(row: dict[str, Any], signal: str, threshold: float) -> bool:
     value = row[signal]
     if math.isnan(value):
         return False
-    return value >= threshold if signal in ("probe_kl", "unread_share") else value <= threshold
+    return value >= threshold if signal in RISING else value <= threshold
 
 
 def rates(rows: list[dict[str, Any]], signal: str, threshold: float) -> tuple[float, float]:

@@ -199,7 +199,7 @@ def execute(ctx: QueryContext, laid: LaidOut, plan: AnswerPlan, caches: Sequence
         if plan.gate is None:
             break
         signals = read_signals(fused.fused)
-        final = i == len(plan.attempts) - 1 or plan.decision in ("short", "exact")
+        final = i == len(plan.attempts) - 1  # a plan that is not fused has one attempt
         ok, why = (True, "") if final else passes(signals, plan.gate)
         seconds = time.perf_counter() - t
         assert report is not None  # made with the gate

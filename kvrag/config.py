@@ -65,6 +65,11 @@ class CodecConfig:
     level: int | None = None
 
 
+# `kvrag serve`'s slice of a fusion or prefill between two rounds of the answers already streaming, in tokens' work
+# (`kvrag.fusion.slicing`); chosen in benchmarks/serve-load/README.md ("Chunked prefill")
+PREFILL_CHUNK_TOKENS = 64
+
+
 @dataclass(frozen=True)
 class SessionConfig:
     """Where conversations' kept KV lives between turns (`kvrag.chat.tiers`): each tier bounded in bytes.

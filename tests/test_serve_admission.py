@@ -93,7 +93,7 @@ def test_admission_keeps_headroom_below_the_bound():
     for _ in range(40):
         scheduler.times.observe_wait(1.0, 1.0)  # replayed waits measured as they were: scale 1
     replayed = iter([None, 0.9 * 10.0 * ADMIT_HEADROOM, 10.0 * (1 + ADMIT_HEADROOM) / 2])
-    scheduler._expected_wait_locked = lambda: next(replayed)  # type: ignore[method-assign]
+    scheduler._expected_wait_locked = lambda ahead=None: next(replayed)  # type: ignore[method-assign]
 
     def job() -> Job:
         return Job([{"role": "user", "content": "q"}], {}, lambda event: None)
@@ -120,6 +120,13 @@ def test_a_request_whose_wait_exceeds_the_bound_gets_429_with_retry_after(index:
         error = refused.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["type"] == "rate_limit_error"
         assert "expected wait" in error["message"] and int(refused.headers["Retry-After"]) >= 1
+        assert error["message"].endswith("its place in line: 1; retry after "
+                                         f"{refused.headers['Retry-After']} s")
+        other = httpx.post(f"{server.url}/v1/chat/completions", json=LONG | {"max_tokens": 9}, timeout=30)
+        assert other.status_code == 429 and "its place in line: 2" in other.json()["error"]["message"]
+        again = httpx.post(f"{server.url}/v1/chat/completions", json=LONG | {"max_tokens": 8}, timeout=30)
+        assert "its place in line: 1" in again.json()["error"]["message"]  # the same request keeps its place
+        assert httpx.get(f"{server.url}/health").json()["waiting_line"] == 2
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
         with pytest.raises(openai.RateLimitError) as raised:
             client.chat.completions.create(model="m", messages=LONG["messages"], max_tokens=8)  # type: ignore[arg-type]

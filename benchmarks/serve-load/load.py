@@ -3,8 +3,10 @@
 Contract: `run_level(target, conversations, clients, duration_s)` starts ``clients`` asyncio tasks; each runs
 conversations (turns of `Turn`) until ``duration_s`` has passed, streaming every answer, and never retries through
 the client (``max_retries=0``): a 429 is counted, and the client waits its ``Retry-After`` (at most 5 s) and asks the
-same turn again. It returns a `LevelResult`: per answered turn its TTFT, the gaps between its content chunks and
-its completion tokens, plus the counts of 429s, 5xx and other errors and the wall time until the last turn ended.
+same turn again, as a user waiting for an answer would, also after ``duration_s``, until `GIVE_UP_S` after its first
+attempt. It returns a `LevelResult`: per answered turn its TTFT from the attempt that was answered and from the
+turn's first attempt, the gaps between its content chunks and its completion tokens; per turn given up, how long it
+had waited; the counts of 429s, 5xx and other errors and the wall time until the last turn ended.
 A `Target` says how to phrase a turn for one server: kvrag retrieves its passages itself (``k`` in the body), a plain
 OpenAI server gets the same passages in the user message.
 """
@@ -20,6 +22,7 @@ from typing import Any
 MAX_TOKENS = 24
 REQUEST_TIMEOUT_S = 600.0
 MAX_RETRY_WAIT_S = 5.0
+GIVE_UP_S = 300.0  # a turn refused this long after its first attempt is given up (and counted)
 SYSTEM = "Answer the question from the passages in a few words."
 
 
@@ -47,7 +50,9 @@ class LevelResult:
     """What one load level measured."""
 
     clients: int
-    ttft_s: list[float] = field(default_factory=list)
+    ttft_s: list[float] = field(default_factory=list)  # from the attempt that was answered
+    ttft_first_attempt_s: list[float] = field(default_factory=list)  # from the turn's first attempt
+    given_up_s: list[float] = field(default_factory=list)  # turns never answered: how long they were retried
     gaps_s: list[float] = field(default_factory=list)
     tokens: int = 0
     answers: int = 0
@@ -59,8 +64,11 @@ class LevelResult:
     error_samples: list[str] = field(default_factory=list)
 
 
-async def _turn(client: Any, target: Target, messages: list[dict[str, str]], result: LevelResult) -> str | None:
-    """Stream one answer; its text, or None when it was refused or failed (counted in ``result``)."""
+async def _turn(client: Any, target: Target, messages: list[dict[str, str]], result: LevelResult,
+                asked: float) -> str | None:
+    """Stream one answer; its text, or None when it was refused or failed (counted in ``result``). ``asked``: when
+    the turn's first attempt was sent.
+    """
     import openai
 
     sent = time.perf_counter()
@@ -104,6 +112,7 @@ async def _turn(client: Any, target: Target, messages: list[dict[str, str]], res
     result.empty_answers += not pieces
     result.tokens += tokens or len(pieces)
     result.ttft_s.append((first or time.perf_counter()) - sent)
+    result.ttft_first_attempt_s.append((first or time.perf_counter()) - asked)
     return "".join(pieces).strip()
 
 
@@ -126,11 +135,13 @@ async def _client(index: int, target: Target, conversations: list[list[Turn]], d
             for turn in conversation:
                 if time.perf_counter() >= deadline:
                     break
-                answer = None
-                while answer is None and time.perf_counter() < deadline:
+                answer, asked = None, time.perf_counter()
+                while answer is None and time.perf_counter() - asked < GIVE_UP_S:
                     answer = await _turn(client, target, [*messages, {"role": "user",
-                                                                     "content": target.user_message(turn)}], result)
+                                                                     "content": target.user_message(turn)}], result,
+                                         asked)
                 if answer is None:
+                    result.given_up_s.append(time.perf_counter() - asked)
                     break
                 messages += [{"role": "user", "content": turn.question}, {"role": "assistant", "content": answer}]
     finally:

@@ -1,8 +1,9 @@
 """The load benchmark's table and plot from its rows (`run.py`): ``python report.py RESULTS_DIR`` redraws them.
 
 Contract: `summarise(row)` turns one level's raw measurements into the reported figures (answers and tokens per
-second over the level's wall time, TTFT p50/p99 and p99 time between tokens over answered turns, peak resident
-memory, error counts); `write_report(rows, out)` writes ``table.md`` and, when matplotlib is installed,
+second over the level's wall time, TTFT p50/p99 over answered turns from the attempt answered, TTFT p99 from a
+turn's first attempt and the longest any turn waited (answered or given up), p99 time between tokens, the share of
+requests admitted (answers over answers and 429s), peak resident memory, error counts); `write_report(rows, out)` writes ``table.md`` and, when matplotlib is installed,
 ``load.png``.
 """
 
@@ -14,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 COLUMNS = ("server", "clients", "answers", "empty", "answers/s", "tokens/s", "TTFT p50 s", "TTFT p99 s",
-           "p99 between tokens s", "peak RSS MB", "429", "5xx", "other errors")
+           "TTFT p99 from first attempt s", "longest wait s", "p99 between tokens s", "admitted share", "peak RSS MB",
+           "429", "given up", "5xx", "other errors")
 
 
 def quantile(values: list[float], q: float) -> float | None:
@@ -32,8 +34,13 @@ def summarise(row: dict[str, Any]) -> dict[str, Any]:
             "empty": row.get("empty_answers", 0),
             "answers/s": row["answers"] / wall, "tokens/s": row["tokens"] / wall,
             "TTFT p50 s": quantile(row["ttft_s"], 0.5), "TTFT p99 s": quantile(row["ttft_s"], 0.99),
-            "p99 between tokens s": quantile(row["gaps_s"], 0.99), "peak RSS MB": row["peak_rss_bytes"] / 2**20,
-            "429": row["refused_429"], "5xx": row["server_5xx"], "other errors": row["other_errors"]}
+            "TTFT p99 from first attempt s": quantile(row.get("ttft_first_attempt_s", []), 0.99),
+            "longest wait s": max([*row.get("ttft_first_attempt_s", []), *row.get("given_up_s", [])], default=None),
+            "p99 between tokens s": quantile(row["gaps_s"], 0.99),
+            "admitted share": row["answers"] / max(row["answers"] + row["refused_429"], 1),
+            "peak RSS MB": row["peak_rss_bytes"] / 2**20,
+            "429": row["refused_429"], "given up": len(row.get("given_up_s", [])), "5xx": row["server_5xx"],
+            "other errors": row["other_errors"]}
 
 
 def _cell(value: Any) -> str:

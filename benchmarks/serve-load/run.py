@@ -98,14 +98,18 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], path: str, timeout: flo
     raise RuntimeError(f"the server for {url} did not start within {timeout:.0f} s")
 
 
-def start_servers(index: Path, f32: Path | None, threads: int, k: int, max_wait: float, log: Path) -> dict[str, Any]:
+def start_servers(index: Path, f32: Path | None, threads: int, k: int, max_wait: float, log: Path,
+                  prefill_chunk_tokens: int | None = None) -> dict[str, Any]:
     """Both servers (only kvrag's when ``f32`` is None), ready to answer: name -> (process, port)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
     kport, lport = _free_port(), _free_port()
     out = open(log, "ab")  # noqa: SIM115 - held for the servers' lifetime
     kvrag = subprocess.Popen([sys.executable, "-m", "kvrag.cli", "serve", str(index), "--port", str(kport),
                               "--device", "cpu", "--k", str(k), "--max-tokens", "24", "--max-wait", str(max_wait),
-                              "--model-name", "smollm2"], stdout=out, stderr=subprocess.STDOUT, env=env)
+                              "--model-name", "smollm2",
+                              *(["--prefill-chunk-tokens", str(prefill_chunk_tokens)]
+                                if prefill_chunk_tokens is not None else [])],
+                             stdout=out, stderr=subprocess.STDOUT, env=env)
     _wait_ready(f"http://127.0.0.1:{kport}", kvrag, "/health")
     if f32 is None:
         return {"kvrag": (kvrag, kport)}
@@ -163,6 +167,8 @@ def server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="threads of each server")
     parser.add_argument("--k", type=int, default=4, help="passages per turn")
     parser.add_argument("--max-wait", type=float, default=10.0, help="kvrag serve --max-wait")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                        help="kvrag serve --prefill-chunk-tokens (default: kvrag's; 0: a first step runs whole)")
 
 
 def started(args: argparse.Namespace, llama: bool, log: str) -> tuple[dict[str, Any], list[list[Turn]]]:
@@ -170,7 +176,8 @@ def started(args: argparse.Namespace, llama: bool, log: str) -> tuple[dict[str, 
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     index, picked, f32 = prepare(args.work, args.k, args.threads)
-    servers = start_servers(index, f32 if llama else None, args.threads, args.k, args.max_wait, args.out / log)
+    servers = start_servers(index, f32 if llama else None, args.threads, args.k, args.max_wait, args.out / log,
+                            args.prefill_chunk_tokens)
     return servers, conversations(picked, 200)
 
 

@@ -6,7 +6,8 @@ Contract:
   ``[L, kv_heads, n, head_dim]`` (keys rotated at positions ``0..n-1``, exactly as a prefill left them),
   with the token ids and the messages they came from (``spans``: message index in the whole
   conversation, token count). Reusing it is exact: `extend` prefills only the new tokens over it, which
-  is what a prefill of the whole sequence computes.
+  is what a prefill of the whole sequence computes. Under a serve worker's slicer (`kvrag.fusion.slicing`) the new
+  tokens are prefilled in pieces of its budget, handing the worker back before each (rows equal to float rounding).
 - `truncated` drops whole messages after the system message without recomputing anything
   (position-decoupled truncation): the kept rows move to their new positions and their keys are rotated
   there (RoPE undone at the old position, applied at the new one), as with a chunk's stored cache. The
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrag.errors import InputError
+from kvrag.fusion import slicing
 from kvrag.model import LoadedModel, hf_compat
 from kvrag.model.prefix import PrefixCache
 from kvrag.model.rope import layer_ropes, rotate_layers
@@ -89,10 +91,15 @@ def extend(lm: LoadedModel, history: HistoryKV | None, pieces: Sequence[tuple[in
     if history is not None:
         past = hf_compat.dynamic_cache([(history.keys[i][None].to(device), history.values[i][None].to(device))
                                         for i in range(history.keys.shape[0])])
+    base = hf_compat.base_model(lm.model)
+    piece = slicing.budget_tokens() or len(new_ids)  # a serve worker's slices (`kvrag.fusion.slicing`), else whole
     with torch.no_grad():
-        base = hf_compat.base_model(lm.model)
-        out = base(input_ids=ids, position_ids=positions, **hf_compat.with_cache(base, past), use_cache=True)
-    layers = hf_compat.cache_layers(hf_compat.returned_cache(out))
+        for at in range(0, len(new_ids), piece):
+            slicing.boundary()
+            out = base(input_ids=ids[:, at: at + piece], position_ids=positions[:, at: at + piece],
+                       **hf_compat.with_cache(base, past), use_cache=True)
+            past = hf_compat.returned_cache(out)
+    layers = hf_compat.cache_layers(past)
     keys = torch.stack([k[0] for k, _ in layers])
     values = torch.stack([v[0] for _, v in layers])
     spans = [] if history is None else list(history.spans)

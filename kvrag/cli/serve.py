@@ -30,7 +30,7 @@ from kvrag.cli.common import (
     positive_int,
     store_arg,
 )
-from kvrag.config import SessionConfig
+from kvrag.config import PREFILL_CHUNK_TOKENS, SessionConfig
 from kvrag.errors import IndexNotFoundError
 
 HELP = "serve an index over an OpenAI-compatible HTTP API"
@@ -73,6 +73,10 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                    help="refuse with 429 and Retry-After a request whose expected wait for its first token, "
                         "estimated from measured service times, exceeds this (e.g. 10 or 10s; 0: no bound; "
                         "default 10)")
+    p.add_argument("--prefill-chunk-tokens", type=non_negative_int, default=PREFILL_CHUNK_TOKENS, metavar="N",
+                   help="run a long prefill or fusion in slices of N tokens' work, with the answers already "
+                        "streaming given a token between slices (0: whole, tokens wait for it; default "
+                        f"{PREFILL_CHUNK_TOKENS})")
     p.add_argument("--no-warmup", action="store_true",
                    help="serve at once, without answering one warm-up question first (the first service times "
                         "are then measured on the first requests)")
@@ -134,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
     options = ServeOptions(model_name=args.model_name, api_key=args.api_key or None,
                            history_cache=not args.no_history_cache, k=args.k, max_tokens=args.max_tokens,
                            max_active=args.max_active, max_queue=args.max_queue,
-                           max_wait=args.max_wait or None, warmup=not args.no_warmup)
+                           max_wait=args.max_wait or None, prefill_chunk_tokens=args.prefill_chunk_tokens or None,
+                           warmup=not args.no_warmup)
     sock = bind(args.host, args.port)  # a taken port fails here, before the model loads
     try:
         from kvrag.rag import KVRag  # torch and the rest load only now

@@ -19,7 +19,7 @@ import torch
 
 from kvrag.config import FuseConfig
 from kvrag.fusion import attention as attn
-from kvrag.fusion import placement
+from kvrag.fusion import placement, slicing
 from kvrag.fusion.inputs import FusionInput, FusionResult, Segments, segments
 from kvrag.fusion.scores import question_attention, token_scores
 from kvrag.fusion.selectors import Selector, make_selector
@@ -47,6 +47,7 @@ def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig, selector: Select
     Returns:
         The fused cache over all N tokens, the last token's logits and what was recomputed.
     """
+    slicing.boundary()  # the work before the fusion is a slice of its own
     t0 = time.perf_counter()
     seg = segments(inp)
     selector = make_selector(config) if selector is None else selector
@@ -90,12 +91,15 @@ def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig, selector: Select
 
 def run_layer(lm: LoadedModel, layer_idx: int, hidden: torch.Tensor, sel: torch.Tensor, blocks: list[attn.Block],
               cache: hf_compat.ScatterCache) -> torch.Tensor:
-    """One decoder layer over the selected tokens, block by block; the layer's output hidden states."""
+    """One decoder layer over the selected tokens, block by block; the layer's output hidden states. An installed
+    `kvrag.fusion.slicing.Slicer` may run other work between blocks (nothing here depends on it).
+    """
     scatter = cache.layer(layer_idx)
     outs = []
     for part, limit, mask, rope in blocks:
         scatter.rows, scatter.limit = sel[part], limit
         outs.append(hf_compat.run_decoder_layer(lm.model, layer_idx, hidden[:, part], mask, sel[part], rope, cache))
+        slicing.ran(int(scatter.rows.numel()), lm.spec.n_layers)  # may run other answers' steps before the next
     scatter.rows, scatter.limit = sel, None
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 

@@ -8,7 +8,8 @@ caller owns it. Routes:
 - ``POST /v1/chat/completions`` (`kvrag.serve.completions`);
 - ``GET /v1/models`` and ``GET /v1/models/{id}``: the one model, named ``options.model_name`` or
   after the index's model;
-- ``GET /health`` (also ``/healthz``): ``{"status": "ok", ...}``, 503 once the worker has stopped;
+- ``GET /health`` (also ``/healthz``): ``{"status": "ok", ...}`` with the queue depth, the active requests and
+  the places held in the waiting line (`kvrag.serve.line`), 503 once the worker has stopped;
 - ``GET /metrics``: Prometheus text format (`kvrag.serve.metrics`).
 
 With ``options.api_key`` set, every ``/v1`` route answers 401 in OpenAI's error shape unless the request
@@ -34,6 +35,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the import
     raise ImportError("kvrag serve needs FastAPI, uvicorn and prometheus-client: pip install 'kvrag[serve]'") from exc
 
+from kvrag.config import PREFILL_CHUNK_TOKENS
 from kvrag.serve.completions import complete
 from kvrag.serve.metrics import ServeMetrics
 from kvrag.serve.openai_schema import RequestDefaults, RequestError, parse_chat_request
@@ -56,6 +58,8 @@ class ServeOptions:
         max_queue: requests that may wait for a slot; more get 429.
         max_wait: seconds; a request whose expected wait for its first token (from measured service times)
             exceeds it gets 429 with ``Retry-After`` (None: only ``max_queue`` bounds the wait).
+        prefill_chunk_tokens: the tokens' worth of a fusion or prefill run between two rounds of the answers already
+            streaming (None: a first step runs whole, and their tokens wait for it).
         warmup: answer one question before serving, loading what loads on first use and measuring the first
             service times.
     """
@@ -68,6 +72,7 @@ class ServeOptions:
     max_active: int = 8
     max_queue: int = 64
     max_wait: float | None = 10.0
+    prefill_chunk_tokens: int | None = PREFILL_CHUNK_TOKENS
     warmup: bool = True
 
 
@@ -88,7 +93,8 @@ class ServerState:
         self.created = int(time.time())
         self.defaults = RequestDefaults(k=options.k, max_tokens=options.max_tokens,
                                         history_cache=options.history_cache, modes=available_modes())
-        self.scheduler = Scheduler(rag, options.max_active, options.max_queue, options.max_wait)
+        self.scheduler = Scheduler(rag, options.max_active, options.max_queue, options.max_wait,
+                                   options.prefill_chunk_tokens)
         has_sessions = getattr(rag, "sessions", None) is not None  # created here, before the worker starts
         self.metrics = ServeMetrics(self.scheduler.queue_depth, self.scheduler.active_count,
                                     (lambda: rag.sessions.stats()) if has_sessions else (lambda: None),
@@ -166,7 +172,8 @@ def create_app(rag: Any, options: ServeOptions | None = None) -> FastAPI:
     async def health() -> JSONResponse:
         alive = state.scheduler.alive
         body = {"status": "ok" if alive else "unavailable", "model": state.model_name,
-                "queue_depth": state.scheduler.queue_depth(), "active": state.scheduler.active_count()}
+                "queue_depth": state.scheduler.queue_depth(), "active": state.scheduler.active_count(),
+                "waiting_line": state.scheduler.line_length()}
         return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/metrics")

@@ -35,6 +35,7 @@ from kvrag.serve.openai_schema import (
     new_completion_id,
     usage_body,
 )
+from kvrag.serve.line import request_ticket
 from kvrag.serve.scheduler import Done, Event, Failed, Job, Piece, QueueFull, ServerStopping, WaitTooLong
 
 if TYPE_CHECKING:
@@ -148,7 +149,8 @@ class Exchange:
 async def complete(state: ServerState, request: Request, chat: ChatRequest) -> Response:
     """Queue ``chat`` and answer it, whole or streamed."""
     exchange = Exchange(request)
-    job = Job(chat.messages, chat.chat_kwargs(), exchange.emit)
+    kwargs = chat.chat_kwargs()
+    job = Job(chat.messages, kwargs, exchange.emit, ticket=request_ticket(chat.messages, kwargs))
     try:
         state.scheduler.submit(job)
     except QueueFull as exc:

@@ -6,10 +6,17 @@ Contract: `KVRag` is not thread-safe, so every call into it (``chat_stream`` and
 queue is bounded, never unbounded memory) or, with ``max_wait`` set, `WaitTooLong` when the job's expected
 wait for its first token exceeds it (`kvrag.serve.admission`, from the step times the worker measures, scaled by
 how admitted jobs' measured waits compared with their expected ones); both
-carry ``retry_after``, the seconds after which a retry may be admitted. A cancelled job no longer counts.
+carry ``retry_after``, the seconds after which a retry may be admitted. A job refused for its wait keeps a place
+in a `kvrag.serve.line.WaitingLine` (by its ``ticket``, up to ``max_queue`` places): the places count as work
+ahead of later requests, so refused requests are admitted in the order they first came, and ``retry_after``
+reflects the place. A cancelled job no longer counts.
 The worker keeps up to ``max_active`` jobs' ``chat_stream``
 generators and calls ``next()`` on each in turn, so concurrent conversations all progress; before each round it
-runs the decoding steps the answers announced as one pass (`kvrag.generation.step_batch`); a job waiting
+runs the decoding steps the answers announced as one pass (`kvrag.generation.step_batch`). With
+``prefill_chunk_tokens`` set, a job's first step (its fusion or prefill) hands the worker back after each slice
+of that many tokens' work and as its fusion begins (`kvrag.fusion.slicing`), and the worker runs one round of the
+answers already decoding before the next slice (and between two first steps in one round), so their tokens keep
+flowing; the slices compute what the whole pass would. A job waiting
 for a slot has had ``rag.sessions.expect(messages)`` called (its history is prefetched and kept from
 eviction), and every job, however it ends, has ``rag.sessions.release(messages)`` called once.
 
@@ -30,8 +37,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrag.fusion import slicing
 from kvrag.generation import step_batch
 from kvrag.serve.admission import Pending, ServiceTimes, admit_limit, expected_wait
+from kvrag.serve.line import GRACE_S, WaitingLine
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +101,7 @@ class Job:
     answer: Any = None
     steps: int = 0  # next() calls that returned (the first one gives the first token)
     replayed_wait: float | None = None  # the uncalibrated expected wait at admission, for `observe_wait`
+    ticket: str | None = None  # the request's `kvrag.serve.line.request_ticket`: its place in the line when refused
     _cancelled: threading.Event = field(default_factory=threading.Event)
     _stream: Iterator[str] | None = None
 
@@ -119,15 +129,22 @@ class Scheduler:
         max_queue: how many more may wait for a slot; beyond that `submit` raises `QueueFull`.
         max_wait: the longest expected wait for a first token a job is admitted with (seconds; None: no bound);
             beyond it `submit` raises `WaitTooLong`.
+        prefill_chunk_tokens: the tokens' worth of fusion or prefill work run between two rounds of the decoding
+            answers (None: a first step runs whole).
     """
 
-    def __init__(self, rag: Any, max_active: int = 8, max_queue: int = 64, max_wait: float | None = None) -> None:
+    def __init__(self, rag: Any, max_active: int = 8, max_queue: int = 64, max_wait: float | None = None,
+                 prefill_chunk_tokens: int | None = None) -> None:
         if max_active < 1 or max_queue < 0 or (max_wait is not None and not max_wait > 0):
             raise ValueError(f"max_active must be >= 1, max_queue >= 0 and max_wait > 0 (or None), got "
                              f"{max_active}, {max_queue}, {max_wait}")
         self.rag, self.max_active, self.max_queue, self.max_wait = rag, max_active, max_queue, max_wait
+        self._slicer = slicing.Slicer(prefill_chunk_tokens, self._between_slices) if prefill_chunk_tokens else None
+        self._stepping: Job | None = None  # the job whose next() runs now
+        self._sliced_s = 0.0  # seconds the stepping job's next() spent running other jobs' steps between slices
         self.times = ServiceTimes()  # written by the worker thread, read by submitters
         self._lock = threading.Condition()
+        self._line = WaitingLine(max_queue)  # refused for their wait, by ticket, in arrival order
         self._arrived: deque[Job] = deque()  # submitted, not yet seen by the worker (no expect() yet)
         self._waiting: deque[Job] = deque()  # seen by the worker (expect() called), waiting for a slot
         self._active: list[Job] = []
@@ -177,16 +194,23 @@ class Scheduler:
         with self._lock:
             if self._stopping or (self._thread.ident is not None and not self._thread.is_alive()):
                 raise ServerStopping("the server is shutting down")
-            replayed = self._expected_wait_locked()
+            now = time.monotonic()
+            self._line.expire(now)
+            ahead = self._line.ahead(job.ticket)  # the places of requests refused before this one
+            replayed = self._expected_wait_locked(ahead)
             wait = self.times.calibrated(replayed)
             if self._queued_locked() >= self.max_queue + max(0, self.max_active - len(self._active)):
                 raise QueueFull(f"{self.max_queue} requests are already waiting", max(wait or 1.0, 1.0))
             # alone, a job waits for nothing but itself; a cancelled one ends at its next step
-            busy = any(not job.cancelled for job in self._active) or self._queued_locked() > 0
+            busy = any(not job.cancelled for job in self._active) or self._queued_locked() > 0 or bool(ahead)
             limit = admit_limit(self.max_wait) if self.max_wait is not None else None
             if limit is not None and wait is not None and wait > limit and busy:
+                retry = max(wait - limit, 1.0)
+                place = self._line.hold(job.ticket, job.pending(), now + retry + GRACE_S)
+                kept = f"; its place in line: {place}" if place is not None else ""
                 raise WaitTooLong(f"its expected wait for a first token, {wait:.1f} s, is too close to the server's "
-                                  f"bound of {self.max_wait:g} s", max(wait - limit, 1.0))
+                                  f"bound of {self.max_wait:g} s{kept}", retry)
+            self._line.release(job.ticket)
             job.replayed_wait = replayed
             self._arrived.append(job)
             self._lock.notify_all()
@@ -194,19 +218,27 @@ class Scheduler:
     def _queued_locked(self) -> int:
         return sum(not job.cancelled for queue in (self._arrived, self._waiting) for job in queue)
 
-    def _expected_wait_locked(self) -> float | None:
+    def _expected_wait_locked(self, ahead: list[Pending] | None = None) -> float | None:
+        """The replayed wait of a job submitted now, behind ``ahead`` (places in the line) as well as the queue."""
         queued = [job.pending() for queue in (self._waiting, self._arrived) for job in queue if not job.cancelled]
+        queued += ahead or []
         active = [job.pending() for job in self._active if not job.cancelled]  # a cancelled one ends at its next step
         return expected_wait(self.times, active, queued, self.max_active)
 
     def expected_wait(self) -> float | None:
         """Seconds a request submitted now would wait for its first token (None before anything was measured)."""
         with self._lock:
-            return self.times.calibrated(self._expected_wait_locked())
+            return self.times.calibrated(self._expected_wait_locked(self._line.ahead(None)))
 
     def batched_steps(self) -> int:
         """Token steps run in a pass shared with other answers, since the worker started."""
         return self._batch.batched_steps
+
+    def line_length(self) -> int:
+        """Places held in the waiting line by refused requests that may come back."""
+        with self._lock:
+            self._line.expire(time.monotonic())
+            return len(self._line)
 
     def queue_depth(self) -> int:
         """Requests waiting for a slot (not yet generating)."""
@@ -222,11 +254,16 @@ class Scheduler:
 
     def _run(self) -> None:
         try:
-            with step_batch.installed(self._batch):
+            with step_batch.installed(self._batch), slicing.installed(self._slicer):
                 while self._take_arrivals():
                     self._admit()
                     self._run_batch()
+                    first_ran = False
                     for job in list(self._active):
+                        if first_ran and job.steps == 0 and self._slicer is not None:
+                            self._stepping = None  # one first step's end and the next one's start: slices apart
+                            self._slicer.boundary()
+                        first_ran = first_ran or job.steps == 0
                         self._step(job)
         except BaseException:  # a bug here must not leave requests hanging: fail them all, then stop
             log.exception("the serve worker failed")
@@ -241,6 +278,27 @@ class Scheduler:
         began = time.perf_counter()
         computed = self._batch.run()
         self._batch_share = (time.perf_counter() - began) / computed if computed else 0.0
+
+    def prefill_slices(self) -> int:
+        """How many times a fusion or prefill handed the worker back to the decoding answers, since it started."""
+        return self._slicer.hand_backs if self._slicer is not None else 0
+
+    def _between_slices(self) -> None:
+        """Between two slices of the stepping job's first step: one round of the answers already decoding (their
+        batched steps, then a token each), with ``rag.last_answer`` as the stepping job left it.
+        """
+        began = time.perf_counter()
+        stepping, sliced, had = self._stepping, self._sliced_s, getattr(self.rag, "last_answer", None)
+        try:
+            self._run_batch()
+            for job in list(self._active):
+                if job is not stepping and job.steps > 0:
+                    self._step(job)
+        finally:
+            if hasattr(self.rag, "last_answer"):
+                self.rag.last_answer = had
+            self._stepping = stepping  # the steps above set their own
+            self._sliced_s = sliced + time.perf_counter() - began
 
     def _take_arrivals(self) -> bool:
         """Wait for work; move new jobs to the waiting line, announcing each to the session cache, and drop
@@ -289,6 +347,9 @@ class Scheduler:
             self._finish(job, None)
             return
         before = getattr(self.rag, "last_answer", None)
+        self._stepping, self._sliced_s = job, 0.0
+        if self._slicer is not None:
+            self._slicer.reset()
         began = time.perf_counter()
         try:
             piece = next(job._stream)
@@ -305,7 +366,7 @@ class Scheduler:
             self._close(job)
             self._finish(job, Failed(exc))
             return
-        took = time.perf_counter() - began
+        took = time.perf_counter() - began - self._sliced_s  # other jobs' steps between slices are theirs
         if job.steps == 0:
             self.times.observe_first(took)
             with self._lock:  # submitters read the ratios under the lock

@@ -66,8 +66,20 @@ class CodecConfig:
 
 
 # `kvrag serve`'s slice of a fusion or prefill between two rounds of the answers already streaming, in tokens' work
-# (`kvrag.fusion.slicing`); chosen in benchmarks/serve-load/README.md ("Chunked prefill")
-PREFILL_CHUNK_TOKENS = 64
+# (`kvrag.fusion.slicing`), for a model on the CPU; chosen in benchmarks/serve-load/README.md ("Chunked prefill").
+# On a GPU (not measured) a first step runs whole unless a budget is given.
+PREFILL_CHUNK_TOKENS = 32
+
+
+def prefill_chunk_tokens(asked: int | str | None, device_type: str) -> int | None:
+    """The slice budget `kvrag serve` runs with: ``asked`` (a positive int; 0 or None: a first step runs whole), or
+    for ``"auto"`` `PREFILL_CHUNK_TOKENS` on the CPU and whole on other devices.
+    """
+    if asked == "auto":
+        return PREFILL_CHUNK_TOKENS if device_type == "cpu" else None
+    if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 0):
+        raise ValueError(f"prefill_chunk_tokens must be an int >= 0, None or 'auto', got {asked!r}")
+    return asked or None
 
 
 @dataclass(frozen=True)

@@ -129,3 +129,14 @@ def test_a_history_prefilled_in_pieces_keeps_the_whole_prefills_rows(rag: KVRag)
     assert sliced.ids == whole.ids and sliced.spans == whole.spans
     torch.testing.assert_close(sliced.keys, whole.keys, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(sliced.values, whole.values, atol=1e-4, rtol=1e-4)
+
+
+def test_the_serve_budget_is_auto_on_the_cpu_and_whole_elsewhere_unless_given():
+    from kvrag.config import PREFILL_CHUNK_TOKENS, prefill_chunk_tokens
+
+    assert prefill_chunk_tokens("auto", "cpu") == PREFILL_CHUNK_TOKENS
+    assert prefill_chunk_tokens("auto", "cuda") is None
+    assert prefill_chunk_tokens(128, "cuda") == 128 and prefill_chunk_tokens(0, "cpu") is None
+    for bad in (-1, 2.5, "64"):
+        with pytest.raises(ValueError, match="prefill_chunk_tokens"):
+            prefill_chunk_tokens(bad, "cpu")

@@ -49,6 +49,11 @@ def seconds(text: str) -> float:
     return non_negative_float(text.strip().removesuffix("s"))
 
 
+def _chunk_tokens(text: str) -> int | str:
+    """An argparse type: ``auto`` or a token count, zero or more."""
+    return "auto" if text.strip().lower() == "auto" else non_negative_int(text)
+
+
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", parents=parents, help=HELP, description=HELP + " (/v1/chat/completions, "
                        "/v1/models, /health, /metrics).")
@@ -73,10 +78,10 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                    help="refuse with 429 and Retry-After a request whose expected wait for its first token, "
                         "estimated from measured service times, exceeds this (e.g. 10 or 10s; 0: no bound; "
                         "default 10)")
-    p.add_argument("--prefill-chunk-tokens", type=non_negative_int, default=PREFILL_CHUNK_TOKENS, metavar="N",
+    p.add_argument("--prefill-chunk-tokens", type=_chunk_tokens, default="auto", metavar="N",
                    help="run a long prefill or fusion in slices of N tokens' work, with the answers already "
-                        "streaming given a token between slices (0: whole, tokens wait for it; default "
-                        f"{PREFILL_CHUNK_TOKENS})")
+                        "streaming given a token between slices (0: whole, their tokens wait for it; default "
+                        f"auto: {PREFILL_CHUNK_TOKENS} on the CPU, whole on a GPU)")
     p.add_argument("--no-warmup", action="store_true",
                    help="serve at once, without answering one warm-up question first (the first service times "
                         "are then measured on the first requests)")
@@ -138,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     options = ServeOptions(model_name=args.model_name, api_key=args.api_key or None,
                            history_cache=not args.no_history_cache, k=args.k, max_tokens=args.max_tokens,
                            max_active=args.max_active, max_queue=args.max_queue,
-                           max_wait=args.max_wait or None, prefill_chunk_tokens=args.prefill_chunk_tokens or None,
+                           max_wait=args.max_wait or None, prefill_chunk_tokens=args.prefill_chunk_tokens,
                            warmup=not args.no_warmup)
     sock = bind(args.host, args.port)  # a taken port fails here, before the model loads
     try:

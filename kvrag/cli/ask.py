@@ -9,7 +9,8 @@ the chunks used; ``--json`` prints all of it on stdout instead, model load as ``
 chunk caches are read from where the index records them (``--store URL`` names them otherwise); a store
 that does not answer costs one warning, and the chunks are computed from their text. ``--ttft-slo S``
 streams the chunks (`FuseConfig.ttft_slo`): per chunk the stored level, or the text, that meets the target
-at the store's measured bandwidth; ``--json`` then shows the choices under ``load_plan``.
+at the store's measured bandwidth; ``--json`` then shows the choices under ``load_plan``. ``--timings`` prints
+on stderr where the time went from the process's start (`kvrag.cli.process_clock`) to the whole answer.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                    help="time-to-first-token target in seconds: load each chunk at the stored level (or recompute "
                         "it from its text) that meets it at the store's measured bandwidth (an index built with "
                         "--stream-levels offers several levels); implies --gate off unless --gate is given")
+    p.add_argument("--timings", action="store_true",
+                   help="print on stderr where the time went, from the process's start to the whole answer: "
+                        "starting, imports, opening the model and index, retrieval (with the embedder's first "
+                        "load), reading caches, prefill or fusion, decoding, closing")
     add_store_flags(p, building=False)
     add_embedder_flag(p)
     p.set_defaults(func=run)
@@ -110,7 +115,11 @@ def _summary(answer: Any, load_s: float, warmup: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvrag.cli.process_clock import seconds_since_start
+
+    started = seconds_since_start()  # Python, kvrag's CLI and the argument parsing, before this line
     _check(args)
+    t_import = time.perf_counter()
     from kvrag.rag import KVRag  # torch and the rest load only once the cheap checks passed
 
     t0 = time.perf_counter()
@@ -138,7 +147,12 @@ def run(args: argparse.Namespace) -> int:
             answer = rag.answer(args.question, **kwargs)
         assert answer is not None
     finally:
+        t_close = time.perf_counter()
         rag.close()
+    if args.timings:
+        phases = {"start": started, "import": t0 - t_import, "open": load_s,
+                  "warmup": warmup_s if args.warmup else None, "close": time.perf_counter() - t_close}
+        print(_timings_text(answer, phases), file=sys.stderr)
     if args.json:
         out = {**answer.to_json(), "load_model_s": load_s}
         if args.warmup:
@@ -149,6 +163,28 @@ def run(args: argparse.Namespace) -> int:
         print(answer.text)
     print(_summary(answer, load_s, args.warmup), file=sys.stderr)
     return 0
+
+
+def _timings_text(answer: Any, phases: dict[str, float | None]) -> str:
+    """``--timings``: each phase's seconds, one a line, and their sum (from the process's start where known)."""
+    t = answer.timings
+    ttft, total = float(answer.ttft_s), float(t.get("total_s", answer.ttft_s))
+    retrieve, load, fuse = (float(t.get(name, 0.0)) for name in ("retrieve_s", "load_s", "fuse_s"))
+    rows = [("start (Python, kvrag's CLI, arguments)", phases["start"]),
+            ("imports (torch, transformers, kvrag)", phases["import"]),
+            ("open (model, index, caches' store)", phases["open"]),
+            ("warm-up answers", phases["warmup"]),
+            ("retrieve (with the embedder's first load)", retrieve),
+            ("read caches", load), ("prefill or fusion", fuse),
+            ("to the first token, the rest", max(ttft - retrieve - load - fuse, 0.0)),
+            (f"decode ({len(answer.token_ids)} tokens after the first)", max(total - ttft, 0.0)),
+            ("close", phases["close"])]
+    shown = [(name, seconds) for name, seconds in rows if seconds is not None]
+    width = max(len(name) for name, _ in shown)
+    lines = [f"  {name:<{width}}  {seconds:6.2f} s" for name, seconds in shown]
+    whole = "from the process's start" if phases["start"] is not None else "after starting (start unknown here)"
+    lines.append(f"  {'total, ' + whole:<{width}}  {sum(seconds for _, seconds in shown):6.2f} s")
+    return "kvrag ask --timings:\n" + "\n".join(lines)
 
 
 _DECISIONS = {

@@ -27,6 +27,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvrag.errors import KVRagError
+from kvrag.serve.line import request_ticket
 from kvrag.serve.openai_schema import (
     ChatRequest,
     RequestError,
@@ -35,7 +36,6 @@ from kvrag.serve.openai_schema import (
     new_completion_id,
     usage_body,
 )
-from kvrag.serve.line import request_ticket
 from kvrag.serve.scheduler import Done, Event, Failed, Job, Piece, QueueFull, ServerStopping, WaitTooLong
 
 if TYPE_CHECKING:

@@ -15,8 +15,9 @@ generators and calls ``next()`` on each in turn, so concurrent conversations all
 runs the decoding steps the answers announced as one pass (`kvrag.generation.step_batch`). With
 ``prefill_chunk_tokens`` set, a job's first step (its fusion or prefill) hands the worker back after each slice
 of that many tokens' work and as its fusion begins (`kvrag.fusion.slicing`), and the worker runs one round of the
-answers already decoding before the next slice (and between two first steps in one round), so their tokens keep
-flowing; the slices compute what the whole pass would. A job waiting
+answers already decoding before the next slice, so their tokens keep flowing, and a new round begins after it
+(the others' next steps were announced between its slices: they run as one pass, not one by one); the slices
+compute what the whole pass would. A job waiting
 for a slot has had ``rag.sessions.expect(messages)`` called (its history is prefetched and kept from
 eviction), and every job, however it ends, has ``rag.sessions.release(messages)`` called once.
 
@@ -258,13 +259,11 @@ class Scheduler:
                 while self._take_arrivals():
                     self._admit()
                     self._run_batch()
-                    first_ran = False
                     for job in list(self._active):
-                        if first_ran and job.steps == 0 and self._slicer is not None:
-                            self._stepping = None  # one first step's end and the next one's start: slices apart
-                            self._slicer.boundary()
-                        first_ran = first_ran or job.steps == 0
+                        handed_back = self.prefill_slices()
                         self._step(job)
+                        if self.prefill_slices() != handed_back:
+                            break  # the others stepped between its slices: a new round batches their next steps
         except BaseException:  # a bug here must not leave requests hanging: fail them all, then stop
             log.exception("the serve worker failed")
             raise

@@ -28,6 +28,7 @@ STAGE: dict[str, int] = {
     "kvrag.lazy": _FOUNDATION,
     "kvrag.atomic_files": _FOUNDATION,
     "kvrag.embedder": _FOUNDATION,
+    "kvrag.mean_pooled": _FOUNDATION,
     "kvrag.byte_lru": _FOUNDATION,
     "kvrag.user_cache": _FOUNDATION,
     "kvrag.trusted_paths": _FOUNDATION,

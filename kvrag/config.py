@@ -69,6 +69,10 @@ class CodecConfig:
 # (`kvrag.fusion.slicing`), for a model on the CPU; chosen in benchmarks/serve-load/README.md ("Chunked prefill").
 # On a GPU (not measured) a first step runs whole unless a budget is given.
 PREFILL_CHUNK_TOKENS = 32
+# ... and a slice ends only once this many seconds passed since the streaming answers' last round (0: at every
+# budget's end): each hand-back runs a round of token steps that reads every weight, so a longer interval gives more
+# answers a second and longer gaps between tokens (same README)
+PREFILL_SLICE_INTERVAL_S = 0.0
 
 
 def prefill_chunk_tokens(asked: int | str | None, device_type: str) -> int | None:

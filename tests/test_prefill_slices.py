@@ -47,6 +47,20 @@ def test_a_slicer_hands_back_once_per_budget_and_never_inside_its_own_callback()
     assert len(calls) == 2
 
 
+def test_a_slicer_hands_back_only_once_its_interval_has_passed():
+    calls: list[int] = []
+    slicer = slicing.Slicer(1, lambda: calls.append(1), interval_s=3600.0)
+    for _ in range(10):
+        slicer.ran(100, 2)  # past the budget each time, but not past the interval
+    slicer.boundary()
+    assert calls == [] and slicer.hand_backs == 0
+    slicer.interval_s = 0.0
+    slicer.ran(100, 2)
+    assert calls == [1]
+    with pytest.raises(ValueError, match="interval_s"):
+        slicing.Slicer(1, lambda: None, interval_s=-1.0)
+
+
 @pytest.mark.parametrize("mode", ["full", "cacheblend", "probe"])
 def test_a_sliced_fusion_computes_bitwise_what_the_whole_one_does(rag: KVRag, mode: str):
     whole = rag.prepare(QUESTION, k=4, fuse_config=FuseConfig(mode=mode, ratio=0.3)).fused
@@ -72,7 +86,7 @@ def _run_two(rag: KVRag, chunk_tokens: int | None) -> tuple[dict[str, list[int]]
     """A long answer streaming, then a second conversation's first step: the answers' token ids, how many tokens the
     first answer gave while the second's first step ran, and the scheduler's hand-backs.
     """
-    scheduler = Scheduler(rag, max_active=2, prefill_chunk_tokens=chunk_tokens)
+    scheduler = Scheduler(rag, max_active=2, prefill_chunk_tokens=chunk_tokens, slice_interval_s=0.0)
     done: dict[str, list[int]] = {}
     finished = threading.Event()
     first_started = threading.Event()

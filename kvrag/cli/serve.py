@@ -30,7 +30,7 @@ from kvrag.cli.common import (
     positive_int,
     store_arg,
 )
-from kvrag.config import PREFILL_CHUNK_TOKENS, SessionConfig
+from kvrag.config import PREFILL_CHUNK_TOKENS, PREFILL_SLICE_INTERVAL_S, SessionConfig
 from kvrag.errors import IndexNotFoundError
 
 HELP = "serve an index over an OpenAI-compatible HTTP API"
@@ -82,6 +82,9 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                    help="run a long prefill or fusion in slices of N tokens' work, with the answers already "
                         "streaming given a token between slices (0: whole, their tokens wait for it; default "
                         f"auto: {PREFILL_CHUNK_TOKENS} on the CPU, whole on a GPU)")
+    p.add_argument("--slice-interval", type=seconds, default=PREFILL_SLICE_INTERVAL_S, metavar="SECONDS",
+                   help="end a slice only once this long has passed since the streaming answers' last tokens: more "
+                        "answers a second, longer gaps between tokens (default 0: at every slice's end)")
     p.add_argument("--no-warmup", action="store_true",
                    help="serve at once, without answering one warm-up question first (the first service times "
                         "are then measured on the first requests)")
@@ -144,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
                            history_cache=not args.no_history_cache, k=args.k, max_tokens=args.max_tokens,
                            max_active=args.max_active, max_queue=args.max_queue,
                            max_wait=args.max_wait or None, prefill_chunk_tokens=args.prefill_chunk_tokens,
+                           slice_interval_s=args.slice_interval,
                            warmup=not args.no_warmup)
     sock = bind(args.host, args.port)  # a taken port fails here, before the model loads
     try:

@@ -4,7 +4,9 @@ Contract: a thread that interleaves answers (`kvrag serve`'s worker) installs a 
 budget in tokens and a callback. The fusion loop (`kvrag.fusion.loop`, which also runs every plain prefill)
 reports each block of tokens it ran through one decoder layer (`ran`); once the work since the last hand-back
 reaches ``budget_tokens`` tokens through every layer of the model (``budget_tokens × n_layers`` token-layers), the
-slicer calls the callback, which runs other answers' decoding steps, before the next block runs. A fusion also
+slicer calls the callback, which runs other answers' decoding steps, before the next block runs, provided
+``interval_s`` has passed since the last hand-back: each hand-back costs a round of token steps that reads all the
+weights, so slices end only as often as the answers streaming need a token. A fusion also
 hands back as it begins (`boundary`), so the work before it (retrieval, laying the prompt out) is a slice of its
 own rather than a prefix of the first one. A plain forward pass (a conversation's history, `kvrag.chat.history`)
 runs in pieces of `budget_tokens` tokens, handing back before each; those pieces give the whole pass's rows to float
@@ -18,24 +20,30 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 _local = threading.local()
 
 
 class Slicer:
-    """Calls ``between`` each time ``budget_tokens`` tokens' worth of layer work has run (see the module docstring).
+    """Calls ``between`` each time ``budget_tokens`` tokens' worth of layer work has run, once ``interval_s`` seconds
+    have passed since the last hand-back (or `reset`): a slice ends at the first budget's end after the interval (see
+    the module docstring).
 
     Attributes:
         hand_backs: how many times ``between`` was called, over this slicer's life.
     """
 
-    def __init__(self, budget_tokens: int, between: Callable[[], None]) -> None:
+    def __init__(self, budget_tokens: int, between: Callable[[], None], interval_s: float = 0.0) -> None:
         if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int) or budget_tokens < 1:
             raise ValueError(f"budget_tokens must be a positive int, got {budget_tokens!r}")
-        self.budget_tokens, self.between = budget_tokens, between
+        if not interval_s >= 0:
+            raise ValueError(f"interval_s must be >= 0, got {interval_s!r}")
+        self.budget_tokens, self.between, self.interval_s = budget_tokens, between, interval_s
         self.hand_backs = 0
         self._done = 0  # token-layers since the last hand-back
+        self._since = time.perf_counter()  # the last hand-back or reset
         self._inside = False
 
     def ran(self, tokens: int, n_layers: int) -> None:
@@ -46,11 +54,12 @@ class Slicer:
             return
         self._done += tokens
         if self._done >= self.budget_tokens * max(n_layers, 1):
+            self._done = 0
             self.boundary()
 
     def boundary(self) -> None:
-        """Hand back now (a stage ends), and count afresh."""
-        if self._inside:
+        """A stage ends: hand back if ``interval_s`` has passed since the last hand-back."""
+        if self._inside or time.perf_counter() - self._since < self.interval_s:
             return
         self._done = 0
         self._inside = True
@@ -58,11 +67,13 @@ class Slicer:
             self.between()
         finally:
             self._inside = False
+            self._since = time.perf_counter()
         self.hand_backs += 1
 
     def reset(self) -> None:
-        """Start counting afresh (a new fusion begins)."""
+        """Start counting afresh, as if a hand-back just ended (the others were just given their tokens)."""
         self._done = 0
+        self._since = time.perf_counter()
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the import
     raise ImportError("kvrag serve needs FastAPI, uvicorn and prometheus-client: pip install 'kvrag[serve]'") from exc
 
-from kvrag.config import prefill_chunk_tokens
+from kvrag.config import PREFILL_SLICE_INTERVAL_S, prefill_chunk_tokens
 from kvrag.serve.completions import complete
 from kvrag.serve.metrics import ServeMetrics
 from kvrag.serve.openai_schema import RequestDefaults, RequestError, parse_chat_request
@@ -61,6 +61,7 @@ class ServeOptions:
         prefill_chunk_tokens: the tokens' worth of a fusion or prefill run between two rounds of the answers already
             streaming (None or 0: a first step runs whole, and their tokens wait for it; ``"auto"``:
             `kvrag.config.prefill_chunk_tokens`).
+        slice_interval_s: a slice ends only once this many seconds passed since the streaming answers' last round.
         warmup: answer one question before serving, loading what loads on first use and measuring the first
             service times.
     """
@@ -74,6 +75,7 @@ class ServeOptions:
     max_queue: int = 64
     max_wait: float | None = 10.0
     prefill_chunk_tokens: int | str | None = "auto"
+    slice_interval_s: float = PREFILL_SLICE_INTERVAL_S
     warmup: bool = True
 
 
@@ -96,7 +98,7 @@ class ServerState:
                                         history_cache=options.history_cache, modes=available_modes())
         device = getattr(getattr(getattr(rag, "lm", None), "device", None), "type", "cpu")
         self.scheduler = Scheduler(rag, options.max_active, options.max_queue, options.max_wait,
-                                   prefill_chunk_tokens(options.prefill_chunk_tokens, device))
+                                   prefill_chunk_tokens(options.prefill_chunk_tokens, device), options.slice_interval_s)
         has_sessions = getattr(rag, "sessions", None) is not None  # created here, before the worker starts
         self.metrics = ServeMetrics(self.scheduler.queue_depth, self.scheduler.active_count,
                                     (lambda: rag.sessions.stats()) if has_sessions else (lambda: None),

@@ -36,6 +36,7 @@ import time
 from collections import deque
 from typing import Any
 
+from kvrag.config import PREFILL_SLICE_INTERVAL_S
 from kvrag.fusion import slicing
 from kvrag.generation import step_batch
 from kvrag.serve.admission import Pending, ServiceTimes, admit_limit, expected_wait
@@ -58,15 +59,17 @@ class Scheduler:
             beyond it `submit` raises `WaitTooLong`.
         prefill_chunk_tokens: the tokens' worth of fusion or prefill work run between two rounds of the decoding
             answers (None: a first step runs whole).
+        slice_interval_s: a slice ends only once this many seconds passed since the decoding answers' last round.
     """
 
     def __init__(self, rag: Any, max_active: int = 8, max_queue: int = 64, max_wait: float | None = None,
-                 prefill_chunk_tokens: int | None = None) -> None:
+                 prefill_chunk_tokens: int | None = None, slice_interval_s: float = PREFILL_SLICE_INTERVAL_S) -> None:
         if max_active < 1 or max_queue < 0 or (max_wait is not None and not max_wait > 0):
             raise ValueError(f"max_active must be >= 1, max_queue >= 0 and max_wait > 0 (or None), got "
                              f"{max_active}, {max_queue}, {max_wait}")
         self.rag, self.max_active, self.max_queue, self.max_wait = rag, max_active, max_queue, max_wait
-        self._slicer = slicing.Slicer(prefill_chunk_tokens, self._between_slices) if prefill_chunk_tokens else None
+        self._slicer = (slicing.Slicer(prefill_chunk_tokens, self._between_slices, slice_interval_s)
+                        if prefill_chunk_tokens else None)
         self._stepping: Job | None = None  # the job whose next() runs now
         self._sliced_s = 0.0  # seconds the stepping job's next() spent running other jobs' steps between slices
         self.times = ServiceTimes()  # written by the worker thread, read by submitters

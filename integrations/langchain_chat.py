@@ -74,6 +74,8 @@ from kvrag.integrations.prompt_llm import (
     open_langchain_backend,
 )
 
+from kvrag.generation.trimmed import trimmed
+
 __all__ = ["ChatKVRag", "to_kvrag_messages"]
 
 _OPTIONS = ("k", "mode", "ratio", "retrieve", "max_new_tokens", "temperature", "top_p", "seed", "history_cache")
@@ -153,22 +155,6 @@ def to_kvrag_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
         else:
             out.append({"role": role, "content": content})
     return out
-
-
-def _trimmed(pieces: Iterator[str]) -> Iterator[str]:
-    """``pieces`` without leading or trailing whitespace, as kvrag's `Answer.text` is (trailing whitespace
-    is held back until more text follows it).
-    """
-    held, started = "", False
-    for piece in pieces:
-        if not started:
-            piece = piece.lstrip()
-            started = bool(piece)
-        text = held + piece
-        body = text.rstrip()
-        held = text[len(body):]
-        if body:
-            yield body
 
 
 class ChatKVRag(BaseChatModel):
@@ -285,7 +271,7 @@ class ChatKVRag(BaseChatModel):
         converted, options = to_kvrag_messages(messages), self._options(stop, kwargs)
         rag = self.rag
         with _lock(rag):  # held until the stream ends or its generator is closed
-            for piece in _trimmed(iter(rag.chat_stream(converted, **options))):
+            for piece in trimmed(rag.chat_stream(converted, **options)):
                 chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
                 if run_manager:
                     run_manager.on_llm_new_token(piece, chunk=chunk)

@@ -23,7 +23,7 @@ Installed with ``pip install 'kvrag[llamaindex]'``.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
 try:
@@ -57,6 +57,7 @@ from kvrag.integrations.prompt_llm import (
 )
 
 from kvrag.config import GenerateConfig
+from kvrag.generation.trimmed import trimmed
 from kvrag.lazy import lazy_exports
 from kvrag.query.answer import finish
 
@@ -249,26 +250,8 @@ class KVRagQueryEngine(CustomQueryEngine):
                     publish()  # the answer exists (and its TTFT is known) once the first piece is out
                 yield piece
 
-        yield from _trimmed(pieces())
+        yield from trimmed(pieces())
         publish()
-
-
-def _trimmed(pieces: Iterable[str]) -> Iterator[str]:
-    """Non-empty text pieces that join to ``"".join(pieces).strip()``, as `Answer.text` is trimmed.
-
-    Leading whitespace is dropped; trailing whitespace is held back until more text follows it.
-    """
-    pending, started = "", False
-    for piece in pieces:
-        if not started:
-            piece = piece.lstrip()
-            started = bool(piece)
-        body = piece.rstrip()
-        if body:
-            yield pending + body
-            pending = piece[len(body):]
-        else:
-            pending += piece
 
 
 # The chat classes live in `kvrag.integrations.llama_index_chat`, which imports this module.

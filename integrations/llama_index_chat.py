@@ -35,8 +35,10 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from kvrag.integrations.llama_index import KVRetriever, _node, _trimmed
+from kvrag.integrations.llama_index import KVRetriever, _node
 from kvrag.integrations.prompt_llm import MODE_HELP, RATIO_HELP
+
+from kvrag.generation.trimmed import trimmed
 
 try:
     from llama_index.core.base.llms.types import TextBlock
@@ -185,7 +187,7 @@ class KVRagChatLLM(CustomLLM):
                     yield piece
 
             text = ""
-            for delta in _trimmed(pieces()):
+            for delta in trimmed(pieces()):
                 text += delta
                 yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
             self.last_answer = answer = rag.last_answer

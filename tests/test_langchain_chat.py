@@ -16,7 +16,7 @@ from kvrag.errors import InputError
 
 pytest.importorskip("langchain_core")
 from kvrag.integrations.langchain import ChatKVRag  # noqa: E402
-from kvrag.integrations.langchain_chat import _trimmed, to_kvrag_messages  # noqa: E402
+from kvrag.integrations.langchain_chat import to_kvrag_messages  # noqa: E402
 from langchain_core.callbacks import BaseCallbackHandler  # noqa: E402
 from langchain_core.messages import (  # noqa: E402
     AIMessage,
@@ -29,6 +29,8 @@ from langchain_core.messages import (  # noqa: E402
 from langchain_core.output_parsers import StrOutputParser  # noqa: E402
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
+
+from kvrag.generation.trimmed import trimmed  # noqa: E402
 
 QUESTION = "In what year was the album Milk and Honey released?"
 GOLD = "1984"
@@ -102,9 +104,9 @@ def test_non_text_blocks_are_refused():
 
 def test_trimmed_streams_what_answer_text_holds():
     pieces = ["\n ", " Hel", "lo", " ", "\n", "world", " \n"]
-    assert list(_trimmed(iter(pieces))) == ["Hel", "lo", " \nworld"]
-    assert "".join(_trimmed(iter(pieces))) == "".join(pieces).strip()
-    assert list(_trimmed(iter([" ", "\n"]))) == []
+    assert list(trimmed(iter(pieces))) == ["Hel", "lo", " \nworld"]
+    assert "".join(trimmed(iter(pieces))) == "".join(pieces).strip()
+    assert list(trimmed(iter([" ", "\n"]))) == []
 
 
 def test_kvrag_rejects_what_it_cannot_render(tiny_rag):

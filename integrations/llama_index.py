@@ -120,6 +120,8 @@ class KVCachedLLM(CustomLLM):
     gate: Any = Field(default=None, description="A `kvrag.GateConfig`, True or False; None: kvrag's default.")
     max_new_tokens: int = Field(default=64, gt=0, description="Most tokens generated per call.")
     temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy decoding.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    seed: int | None = Field(default=None, description="Sampling seed (when temperature > 0).")
     chat_template: bool = Field(
         default=True, description="Wrap the prompt as the user turn of the model's chat template.")
     last_answer: Any = Field(default=None, exclude=True, description="The last call's `kvrag.Answer`.")
@@ -144,7 +146,8 @@ class KVCachedLLM(CustomLLM):
     def _answer(self, prompt: str, **kwargs: Any) -> Generator[str, None, Any]:
         """Yield this call's text pieces; return its `kvrag.Answer`."""
         options = {"mode": self.mode, "ratio": self.ratio, "gate": self.gate,
-                   "max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
+                   "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                   "seed": self.seed}
         answer = yield from stream_prompt_answer(self.rag, prompt, self.chat_template, options, kwargs)
         self.last_answer = answer
         return answer

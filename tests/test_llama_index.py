@@ -75,6 +75,18 @@ def test_llm_complete_stream_chat_and_metadata(rag):
     assert llm.chat([ChatMessage(role="user", content="Say hello.")]).message.content
 
 
+def test_llm_samples_with_top_p_and_seed_as_kvrag_does(rag):
+    sampled = dict(max_new_tokens=6, temperature=1.0, top_p=0.9, seed=7)
+    llm = KVCachedLLM(rag=rag, mode="full", **sampled)
+    done = llm.complete("Say hello.")
+    assert llm.complete("Say hello.").text == done.text  # the same seed, the same draw
+    nucleus_of_one = KVCachedLLM(rag=rag, mode="full", **{**sampled, "top_p": 1e-6}).complete("Say hello.")
+    greedy = KVCachedLLM(rag=rag, mode="full", max_new_tokens=6).complete("Say hello.")
+    assert nucleus_of_one.text == greedy.text  # top_p reaches the sampler: only the likeliest token is left
+    with pytest.raises(ValueError):
+        KVCachedLLM(rag=rag, top_p=0.0)
+
+
 @pytest.mark.slow
 def test_retriever_query_engine_fuses_the_retrieved_chunks(rag):
     retriever = KVRetriever(rag=rag, k=2)

@@ -31,6 +31,11 @@ def _read(path: Path) -> Any:
     return json.loads(path.read_text())
 
 
+def _read_optional(path: Path) -> Any:
+    """``path``'s JSON, or an empty dict when the folder has no such file."""
+    return _read(path) if path.is_file() else {}
+
+
 def is_mean_pooled(folder: str | Path) -> bool:
     """Whether ``folder`` is a local sentence-transformers model of a transformer, mean pooling and (optionally)
     normalisation, with no prompts or options this module does not apply.
@@ -42,9 +47,8 @@ def is_mean_pooled(folder: str | Path) -> bool:
         if types not in ([_TRANSFORMER, _POOLING], [_TRANSFORMER, _POOLING, _NORMALIZE]) or modules[0]["path"]:
             return False
         pooling = _read(root / modules[1]["path"] / "config.json")
-        settings = _read(root / "sentence_bert_config.json") if (root / "sentence_bert_config.json").is_file() else {}
-        extra = _read(root / "config_sentence_transformers.json") \
-            if (root / "config_sentence_transformers.json").is_file() else {}
+        settings = _read_optional(root / "sentence_bert_config.json")
+        extra = _read_optional(root / "config_sentence_transformers.json")
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return False
     mean_only = pooling.get("pooling_mode_mean_tokens") is True and not any(pooling.get(m) for m in _POOL_MODES)
@@ -60,7 +64,7 @@ class MeanPooledEncoder:
         from transformers import AutoModel, AutoTokenizer
 
         root = Path(folder)
-        settings = _read(root / "sentence_bert_config.json") if (root / "sentence_bert_config.json").is_file() else {}
+        settings = _read_optional(root / "sentence_bert_config.json")
         self.normalize = _NORMALIZE in [m["type"] for m in _read(root / "modules.json")]
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(root)

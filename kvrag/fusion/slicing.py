@@ -94,8 +94,7 @@ def current() -> Slicer | None:
 
 def boundary() -> None:
     """Hand back to the installed slicer between two stages (nothing when none is installed)."""
-    slicer = getattr(_local, "slicer", None)
-    if slicer is not None:
+    if (slicer := current()) is not None:
         slicer.boundary()
 
 
@@ -103,12 +102,11 @@ def budget_tokens() -> int | None:
     """The installed slicer's budget in tokens, for a plain forward pass that runs in pieces of that many tokens
     (None when no slicer is installed).
     """
-    slicer = getattr(_local, "slicer", None)
+    slicer = current()
     return None if slicer is None else slicer.budget_tokens
 
 
 def ran(tokens: int, n_layers: int) -> None:
     """Report ``tokens`` tokens run through one layer to the installed slicer (nothing when none is)."""
-    slicer = getattr(_local, "slicer", None)
-    if slicer is not None:
+    if (slicer := current()) is not None:
         slicer.ran(tokens, n_layers)

@@ -14,6 +14,7 @@ import torch
 from kvrag import KVRag, SplitConfig
 from kvrag.config import FuseConfig
 from kvrag.fusion import slicing
+from kvrag.serve.admission import ServiceTimes
 from kvrag.serve.scheduler import Done, Job, Piece, Scheduler
 
 DOCS = [f"Station {name} orbits planet {i}. Its commander is {who}, who trained pilots for {i + 3} years."
@@ -82,9 +83,9 @@ def _layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(hf_compat.cache_layers(cache))
 
 
-def _run_two(rag: KVRag, chunk_tokens: int | None) -> tuple[dict[str, list[int]], int, int]:
+def _run_two(rag: KVRag, chunk_tokens: int | None) -> tuple[dict[str, list[int]], int, int, ServiceTimes]:
     """A long answer streaming, then a second conversation's first step: the answers' token ids, how many tokens the
-    first answer gave while the second's first step ran, and the scheduler's hand-backs.
+    first answer gave while the second's first step ran, the scheduler's hand-backs and its measured times.
     """
     scheduler = Scheduler(rag, max_active=2, prefill_chunk_tokens=chunk_tokens, slice_interval_s=0.0)
     done: dict[str, list[int]] = {}
@@ -117,13 +118,16 @@ def _run_two(rag: KVRag, chunk_tokens: int | None) -> tuple[dict[str, list[int]]
         assert finished.wait(120)
     finally:
         scheduler.stop()
-    return done, during[1] - during[0], scheduler.prefill_slices()
+    return done, during[1] - during[0], scheduler.prefill_slices(), scheduler.times
 
 
 def test_answers_streaming_get_tokens_between_the_slices_of_another_first_step(rag: KVRag):
-    sliced, during, hand_backs = _run_two(rag, chunk_tokens=1)
-    whole, during_whole, none = _run_two(rag, chunk_tokens=None)
+    sliced, during, hand_backs, times = _run_two(rag, chunk_tokens=1)
+    whole, during_whole, none, times_whole = _run_two(rag, chunk_tokens=None)
     assert none == 0 and hand_backs >= rag.lm.spec.n_layers
+    # admission learns that the first steps ran rounds of the other answer's tokens between their slices
+    assert times.first_rounds > 0 and times_whole.first_rounds == 0
+    assert times.rounds and {answers for answers, _ in times.rounds} <= {1, 2}  # each round: the answers decoding
     assert during_whole <= 2 and during >= during_whole + 3  # a token after each slice, not only the round's one
     assert sliced == whole  # the same answers, sliced or whole
     alone = rag.chat([{"role": "user", "content": QUESTION}], k=1, max_new_tokens=60)

@@ -66,6 +66,35 @@ def test_the_expected_wait_grows_with_the_work_ahead():
     assert expected_wait(times, busy, [], 4) < full
 
 
+def test_a_round_of_tokens_costs_what_the_measured_rounds_say():
+    times = _measured()
+    assert times.round_s(0) == 0.0 and times.round_s(4) == 4 * times.step_s  # no round measured: a step each
+    for _ in range(3):
+        times.observe_round(1, 0.040)
+    assert abs(times.round_s(4) - 0.160) < 1e-9  # one size measured: proportional, as before
+    for _ in range(3):
+        times.observe_round(8, 0.103)  # the weights read once: eight tokens cost far less than eight rounds of one
+    assert abs(times.round_s(1) - 0.040) < 1e-9 and abs(times.round_s(8) - 0.103) < 1e-9
+    assert abs(times.round_s(4) - (0.040 + 3 * 0.063 / 7)) < 1e-9
+    busy = [Pending(20, True)] * 8
+    proportional = _measured()
+    batched, alone = expected_wait(times, busy, [], 8), expected_wait(proportional, busy, [], 8)
+    assert batched is not None and alone is not None and batched < alone / 2
+    noisy = ServiceTimes(step_s=0.05, first_s=0.5)
+    for n, t in ((2, 0.09), (6, 0.05)):  # bigger rounds measured faster (noise): every round costs the mean
+        noisy.observe_round(n, t)
+    assert abs(noisy.round_s(8) - 0.07) < 1e-9
+
+
+def test_answers_decoding_advance_while_a_sliced_first_step_runs():
+    ahead = [Pending(20, True)] * 3 + [Pending(20, False)]  # a slot frees once an answer decoding ends
+    whole, sliced = _measured(), _measured()
+    sliced.observe_first(0.5, rounds=10)  # each first step ran 10 rounds of the others' tokens between its slices
+    assert sliced.first_rounds > 0 == whole.first_rounds
+    waits = expected_wait(whole, ahead, [], 4), expected_wait(sliced, ahead, [], 4)
+    assert waits[0] is not None and waits[1] is not None and waits[1] < waits[0]
+
+
 def test_replayed_waits_are_scaled_by_how_admitted_waits_compared():
     times = _measured()
     top = WAIT_SCALE_RANGE[1]

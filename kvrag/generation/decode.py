@@ -14,7 +14,6 @@ import torch
 
 from kvrag.config import GenerateConfig
 from kvrag.generation import step_batch
-from kvrag.model import hf_compat
 
 
 def eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -56,7 +55,6 @@ def decode_tokens(
     if config.seed is not None:
         generator = torch.Generator(device="cpu").manual_seed(config.seed)
     logits, pos = first_logits, start_pos
-    device = first_logits.device
     batch, step = step_batch.current(), object()  # the next step, announced to an installed batch
     try:
         for _ in range(config.max_new_tokens):
@@ -70,13 +68,8 @@ def decode_tokens(
             yield token
             taken = batch.take(step) if batch is not None else None  # computed with other answers' steps
             if taken is None:
-                with torch.no_grad():
-                    out = model(
-                        input_ids=torch.tensor([[token]], device=device),
-                        position_ids=torch.tensor([[pos]], device=device),
-                        **hf_compat.with_cache(model, cache), use_cache=True,
-                    )
-                taken = out.logits[0, -1].float()
+                alone = batch.alone if batch is not None else step_batch.step_alone
+                taken = alone(model, cache, token, pos)
             logits, pos = taken, pos + 1
     finally:
         if batch is not None:  # an answer that ends at a yield never takes its announced step

@@ -8,7 +8,9 @@ from their parts (`kvrag.model.llama_layer.runs_plain`, no sliding window, cache
 pass: the projections and MLPs over all of the answers' tokens at once (the weights read once, not once per
 answer), the attention of each over its own cache. The logits equal each step's own forward to float rounding
 (`tests/test_step_batch.py`). A step whose answer ends without resuming (a stop string, a client gone) is
-withdrawn, so no cache grows by a token its answer never took.
+withdrawn, so no cache grows by a token its answer never took. A step `run` did not compute is computed alone
+(`StepBatch.alone`). Every pass, together or alone, is recorded as ``(steps, seconds)`` in ``rounds`` until taken
+(`take_rounds`): what a round of ``n`` answers' tokens costs (the weights are read once whatever ``n``).
 
 Layout: hidden states ``[B, 1, hidden]``; heads ``[B, heads, 1, head_dim]``; logits ``[vocab]`` float32 per step.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvrag.generation.cache_room import append_rows, appendable
 from kvrag.model import hf_compat, llama_layer
 
 _local = threading.local()
@@ -45,6 +49,7 @@ class StepBatch:
         self._done: dict[object, torch.Tensor] = {}
         self.batched_steps = 0  # steps computed together, over this batch's life
         self.passes = 0  # forward passes `run` made
+        self.rounds: list[tuple[int, float]] = []  # (steps, seconds) of each pass since `take_rounds`
 
     def announce(self, key: object, model: Any, cache: Any, token: int, position: int) -> None:
         """The step ``key`` is about to take: ``token`` at ``position`` over ``cache`` (which the step extends)."""
@@ -72,8 +77,10 @@ class StepBatch:
         for group in by_model.values():
             if len(group) < 2:  # alone, it runs its own forward when taken
                 continue
+            began = time.perf_counter()
             with torch.no_grad():
                 logits = forward_steps(group[0][1].model, [step for _, step in group])
+            self.rounds.append((len(group), time.perf_counter() - began))
             for i, (key, _) in enumerate(group):
                 self._done[key] = logits[i]
                 del self._pending[key]
@@ -81,6 +88,18 @@ class StepBatch:
             self.passes += 1
         self.batched_steps += computed
         return computed
+
+    def alone(self, model: Any, cache: Any, token: int, position: int) -> torch.Tensor:
+        """`step_alone`, its pass recorded as a round of one."""
+        began = time.perf_counter()
+        logits = step_alone(model, cache, token, position)
+        self.rounds.append((1, time.perf_counter() - began))
+        return logits
+
+    def take_rounds(self) -> list[tuple[int, float]]:
+        """The ``(steps, seconds)`` of the passes made since the last call."""
+        rounds, self.rounds = self.rounds, []
+        return rounds
 
 
 @contextlib.contextmanager
@@ -111,7 +130,21 @@ def batchable(model: Any, cache: Any) -> bool:
                  and all(kind.window is None for kind in family.kinds)
                  and len({kind.rope for kind in family.kinds}) == 1)
         model._kvrag_steps_batch = known
-    return bool(known) and all(type(layer).__name__ == "DynamicLayer" for layer in getattr(cache, "layers", [None]))
+    return bool(known) and appendable(cache)
+
+
+def step_alone(model: Any, cache: Any, token: int, position: int) -> torch.Tensor:
+    """The logits ``[vocab]`` (float32) of one step computed on its own (`forward_steps` where the step is
+    `batchable`, so its rows go into the cache's room; else the model's own forward).
+    """
+    with torch.no_grad():
+        if batchable(model, cache):
+            return forward_steps(model, [_Step(model, cache, token, position)])[0]
+        device = next(model.parameters()).device
+        out = model(input_ids=torch.tensor([[token]], device=device),
+                    position_ids=torch.tensor([[position]], device=device), **hf_compat.with_cache(model, cache),
+                    use_cache=True)
+        return out.logits[0, -1].float()
 
 
 def forward_steps(model: Any, steps: list[_Step]) -> torch.Tensor:
@@ -141,7 +174,7 @@ def _attention(layer: Any, idx: int, h: torch.Tensor, rot: llama_layer.Rope, ste
     values = llama_layer.heads(attn.v_proj, None, h, d)
     outs = []
     for b, step in enumerate(steps):
-        k, v = step.cache.update(keys[b : b + 1], values[b : b + 1], idx)
+        k, v = append_rows(step.cache.layers[idx], keys[b : b + 1], values[b : b + 1])
         outs.append(llama_layer.attend(queries[b : b + 1], k, v, None, attn.scaling))
     out = torch.cat(outs).transpose(1, 2).reshape(h.shape[0], 1, -1)
     return F.linear(out, attn.o_proj.weight, attn.o_proj.bias)

@@ -3,16 +3,21 @@ service times.
 
 Contract: `ServiceTimes` keeps moving averages of what the worker thread measured: the seconds of a job's first
 step (retrieval, fusion, prefill and the first token) and their mean deviation, of one later step (a token), and
-the tokens a finished job generated. First steps vary (a short prompt is prefilled in full, a long one fused), and
-the bound is on the slow ones, so a first step counts as its mean plus twice its deviation (`first_high`).
-`expected_wait(times, active, queued, max_active)` replays the worker's round-robin over the
-jobs ahead (processor sharing: with ``n`` jobs active each gets ``1/n`` of the worker) and returns the seconds
-until the new job's first token, or None while nothing has been measured. Each job is given as the tokens it may
-still generate and whether its first step is done. The replay misses what it does not model (later turns' longer
-prompts, batched steps' shared time, the event loop), so `ServiceTimes` also keeps the ratios of admitted jobs'
-measured waits to their replayed ones (`observe_wait`), and `calibrated` scales a replayed wait by a high
-quantile of them (`WAIT_QUANTILE` of the last `WAIT_SAMPLES`; the range's top before any were measured): the bound
-is on the slow waits, not the mean. `admit_limit`: the longest such wait admitted, `ADMIT_HEADROOM` of the bound.
+the tokens a finished job generated; and the recent rounds of token steps as ``(answers, seconds)``, from which
+`ServiceTimes.round_s` fits what a round of ``n`` answers' tokens costs (``a + b·n``: the steps of a round run as
+one pass that reads the weights once, so a round of eight costs far less than eight rounds of one). A first step is
+timed from its start to its first token, rounds of the other answers run between its slices included, and how many
+such rounds it ran is kept too (`first_rounds`): the answers decoding advance that many tokens meanwhile. First steps
+vary (a short prompt is prefilled in full, a long one fused), and the bound is on the slow ones, so a first step
+counts as its mean plus twice its deviation (`first_high`). `expected_wait(times, active, queued, max_active)`
+replays the worker over the jobs ahead (their first steps one after another, the others advancing between their
+slices, then rounds of a token each until a slot frees) and returns the seconds until the new job's first token,
+or None while nothing has been measured. Each job is given as the tokens it may still generate and whether its first
+step is done. The replay misses what it does not model (later turns' longer prompts, the event loop), so
+`ServiceTimes` also keeps the ratios of admitted jobs' measured waits to their replayed ones (`observe_wait`), and
+`calibrated` scales a replayed wait by a high quantile of them (`WAIT_QUANTILE` of the last `WAIT_SAMPLES`; the
+range's top before any were measured): the bound is on the slow waits, not the mean. `admit_limit`: the longest
+such wait admitted, `ADMIT_HEADROOM` of the bound.
 Nothing here touches the model, FastAPI or a clock.
 """
 
@@ -23,10 +28,13 @@ from dataclasses import dataclass, field
 
 SMOOTHING = 0.2  # the weight of each new measurement in the moving averages
 WAIT_SAMPLES = 40  # the admitted jobs' wait ratios kept for `ServiceTimes.calibrated`
-WAIT_QUANTILE = 0.99  # the quantile of those ratios a replayed wait is scaled by: the bound is on the p99 wait
+# the quantile of those ratios a replayed wait is scaled by: high, since the bound is on the slow waits, but not the
+# top of 40, which is the one odd wait (at 0.99, three cold-start turns held the scale near 2.5 for a whole level)
+WAIT_QUANTILE = 0.9
 WAIT_MIN_SAMPLES = 4  # fewer ratios than this: replayed waits are scaled by the range's top (a cold start's burst)
 WAIT_MIN_REPLAYED_S = 0.5  # a replayed wait shorter than this gives no ratio (noise over a near-zero)
 WAIT_SCALE_RANGE = (0.5, 4.0)  # the scale stays within this, whatever a few odd waits say
+ROUND_SAMPLES = 64  # the recent rounds `ServiceTimes.round_s` fits
 # a job is admitted when its calibrated wait is within this fraction of the bound: measured waits scatter about the
 # calibration, and the bound is on the slowest admitted (at 64 clients with the whole bound, 1 of 26 turns overran)
 ADMIT_HEADROOM = 0.8
@@ -51,16 +59,20 @@ class ServiceTimes:
     Attributes:
         first_s: seconds of a job's first step (retrieval, fusion, prefill, first token); None until measured.
         first_dev: the mean absolute deviation of the first steps' seconds.
+        first_rounds: the rounds of the other answers' tokens run between a first step's slices.
         step_s: seconds of one later step (one token); None until measured.
         tokens: tokens a finished job generated; None until a job finished.
         wait_ratios: the last admitted jobs' measured waits for a first token over their replayed ones.
+        rounds: the last rounds of token steps, as ``(answers, seconds)``.
     """
 
     first_s: float | None = None
     first_dev: float = 0.0
+    first_rounds: float = 0.0
     step_s: float | None = None
     tokens: float | None = None
     wait_ratios: deque[float] = field(default_factory=lambda: deque(maxlen=WAIT_SAMPLES))
+    rounds: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=ROUND_SAMPLES))
 
     def observe_wait(self, replayed: float | None, measured: float) -> None:
         """Record an admitted job's measured wait for its first token against the wait replayed at admission."""
@@ -83,9 +95,12 @@ class ServiceTimes:
         """A replayed wait scaled by `wait_scale` (None stays None)."""
         return None if replayed is None else replayed * self.wait_scale
 
-    def observe_first(self, seconds: float) -> None:
-        """Record a first step's duration."""
+    def observe_first(self, seconds: float, rounds: int = 0) -> None:
+        """Record a first step's duration, from its start to its first token, and the rounds of the other answers'
+        tokens run between its slices meanwhile.
+        """
         seconds = max(seconds, 0.0)
+        self.first_rounds = _average(self.first_rounds if self.first_s is not None else None, float(max(rounds, 0)))
         if self.first_s is not None:
             self.first_dev = _average(self.first_dev, abs(seconds - self.first_s))
         self.first_s = _average(self.first_s, seconds)
@@ -103,11 +118,36 @@ class ServiceTimes:
         """Record how many tokens a finished job generated."""
         self.tokens = _average(self.tokens, float(max(count, 1)))
 
-    def work(self, job: Pending) -> float:
-        """The worker seconds ``job`` still needs: its first step unless done, then its expected tokens' steps."""
-        first, step = self.first_high, self.step_s if self.step_s is not None else (self.first_s or 0.0)
-        tokens = job.tokens if self.tokens is None else min(job.tokens, self.tokens)
-        return (0.0 if job.started else first) + max(tokens - (0 if job.started else 1), 0) * step
+    def observe_round(self, answers: int, seconds: float) -> None:
+        """Record a round of token steps: ``answers`` tokens computed in one pass of ``seconds``."""
+        if answers > 0:
+            self.rounds.append((answers, max(seconds, 0.0)))
+
+    def round_s(self, answers: int) -> float:
+        """Seconds of a round of ``answers`` tokens: ``a + b·answers`` fitted to the recorded rounds (least squares,
+        neither term below zero); proportional to ``answers`` while the rounds recorded all had one size; ``answers``
+        times the step before any round was recorded.
+        """
+        if answers <= 0:
+            return 0.0
+        if not self.rounds:
+            return answers * (self.step_s if self.step_s is not None else (self.first_s or 0.0))
+        sizes, secs = [n for n, _ in self.rounds], [t for _, t in self.rounds]
+        mean_n, mean_s = sum(sizes) / len(sizes), sum(secs) / len(secs)
+        spread = sum((n - mean_n) ** 2 for n in sizes)
+        if spread == 0:
+            return mean_s * answers / mean_n
+        slope = sum((n - mean_n) * (t - mean_s) for n, t in self.rounds) / spread
+        if slope < 0:  # bigger rounds measured no slower: each round costs the mean
+            return mean_s
+        base = mean_s - slope * mean_n
+        if base < 0:
+            return answers * sum(secs) / sum(sizes)
+        return base + slope * answers
+
+    def tokens_left(self, job: Pending) -> int:
+        """The tokens ``job`` is expected to generate still: its limit, or fewer as finished jobs measured."""
+        return job.tokens if self.tokens is None else max(min(job.tokens, round(self.tokens)), 1)
 
 
 def expected_wait(times: ServiceTimes, active: list[Pending], queued: list[Pending], max_active: int) -> float | None:
@@ -121,10 +161,10 @@ def expected_wait(times: ServiceTimes, active: list[Pending], queued: list[Pendi
     """
     if times.first_s is None:
         return None
-    first, step = times.first_high, times.step_s if times.step_s is not None else times.first_s
-    # each job as [work left, first-step work left]: a job's next step is its first (seconds) until that is done
-    running = [[times.work(job), 0.0 if job.started else first] for job in active]
-    waiting = [[times.work(job), 0.0 if job.started else first] for job in queued]
+    first = times.first_high
+    # each job as [tokens left, first step pending]; a first step gives the job's first token
+    running = [[times.tokens_left(job), not job.started] for job in active]
+    waiting = [[times.tokens_left(job), not job.started] for job in queued]
 
     def fill() -> None:
         while waiting and len(running) < max_active:
@@ -132,14 +172,25 @@ def expected_wait(times: ServiceTimes, active: list[Pending], queued: list[Pendi
 
     fill()
     clock = 0.0
-    while len(running) >= max_active:  # the new job waits for a slot: replay processor sharing until one frees
-        least = min(left for left, _ in running)
-        clock += least * len(running)
-        running = [[left - least, max(head - least, 0.0)] for left, head in running if left > least]
+    while len(running) >= max_active:  # the new job waits for a slot: replay the worker until one frees
+        for job in running:
+            if job[1]:  # its first step, the answers already decoding given a token between its slices
+                clock += first
+                for other in running:
+                    if not other[1]:
+                        other[0] = max(other[0] - round(times.first_rounds), 0)
+                job[0], job[1] = job[0] - 1, False
+        live = [job for job in running if job[0] > 0]
+        if len(live) == len(running):  # rounds of a token each until the shortest answer ends
+            least = min(tokens for tokens, _ in live)
+            clock += least * times.round_s(len(live))
+            live = [[tokens - least, False] for tokens, _ in live if tokens > least]
+        running = live
         fill()
-    # the worker admits it after the round under way, then steps every job ahead of it once more before its first
-    # step: the next step of each other job (a first step for those just begun), then a token each
-    return clock + first + sum(head if head > 0 else step for _, head in running) + len(running) * step
+    # the worker admits it after the round under way, then runs the first steps just begun and a round of the others'
+    # tokens before its own first step
+    pending = sum(first for _, starting in running if starting)
+    return clock + pending + times.round_s(sum(not starting for _, starting in running)) + first
 
 
 def admit_limit(max_wait: float) -> float:

@@ -188,6 +188,8 @@ class Scheduler:
                 while self._take_arrivals():
                     self._admit()
                     self._run_batch()
+                    if self._slicer is not None:  # the decoding answers get their tokens now: slices count from here
+                        self._slicer.reset()
                     for job in list(self._active):
                         handed_back = self.prefill_slices()
                         self._step(job)
@@ -206,6 +208,15 @@ class Scheduler:
         began = time.perf_counter()
         computed = self._batch.run()
         self._batch_share = (time.perf_counter() - began) / computed if computed else 0.0
+        self._record_rounds()
+
+    def _record_rounds(self) -> None:
+        """The token rounds run since the last call (together or alone), for admission's cost of a round."""
+        rounds = self._batch.take_rounds()
+        if rounds:
+            with self._lock:  # submitters read the rounds under the lock
+                for answers, seconds in rounds:
+                    self.times.observe_round(answers, seconds)
 
     def prefill_slices(self) -> int:
         """How many times a fusion or prefill handed the worker back to the decoding answers, since it started."""
@@ -276,8 +287,7 @@ class Scheduler:
             return
         before = getattr(self.rag, "last_answer", None)
         self._stepping, self._sliced_s = job, 0.0
-        if self._slicer is not None:
-            self._slicer.reset()
+        handed_back = self.prefill_slices()
         began = time.perf_counter()
         try:
             piece = next(job._stream)
@@ -295,8 +305,9 @@ class Scheduler:
             self._finish(job, Failed(exc))
             return
         took = time.perf_counter() - began - self._sliced_s  # other jobs' steps between slices are theirs
-        if job.steps == 0:
-            self.times.observe_first(took)
+        self._record_rounds()
+        if job.steps == 0:  # its wait: the rounds run between its slices count
+            self.times.observe_first(took + self._sliced_s, self.prefill_slices() - handed_back)
             with self._lock:  # submitters read the ratios under the lock
                 self.times.observe_wait(job.replayed_wait, time.perf_counter() - job.submitted)
         else:

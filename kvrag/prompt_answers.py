@@ -1,4 +1,5 @@
-"""`PromptAnswers`: the facade's answers to a flat prompt string, as LangChain or LlamaIndex hand one to an LLM.
+"""`PromptAnswers`: the facade's answers to a flat prompt string, as LangChain or LlamaIndex hand one to an LLM, and
+the rest of what makes `KVRag` an `kvrag.backend.AnswerBackend` for the adapters (`describe`, `warm`).
 
 `KVRag` inherits these methods. The prompt's passages are located (`kvrag.query.locate`) and the answer is then
 planned, fused under the correctness gate and generated exactly as `KVRag.answer` does it for a question
@@ -8,7 +9,8 @@ planned, fused under the correctness gate and generated exactly as `KVRag.answer
 from __future__ import annotations
 
 import threading
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvrag.config import FuseConfig, GateConfig, GenerateConfig
@@ -19,13 +21,27 @@ from kvrag.query.pipeline import FusedPrompt, QueryContext, resolve_chunks
 
 if TYPE_CHECKING:
     from kvrag.fusion import Selector
+    from kvrag.model import LoadedModel
 
 
 class PromptAnswers:
     """Answers to flat prompt strings over an opened index (mixed into `KVRag`, which sets the attributes)."""
 
+    path: Path
+    lm: LoadedModel
     last_answer: Answer | None
     _lock: threading.RLock
+
+    def describe(self) -> dict[str, str]:
+        """The index's folder and model, for an adapter's identifying parameters."""
+        return {"index": str(self.path), "model": str(self.lm.source)}
+
+    def warm(self, texts: Iterable[str], show_progress: bool = True) -> int:
+        """Refused: an index stores its chunks' caches when they are added (`KVRag.add`); warming is for a passage
+        cache (`kvrag.passages.PassageCache`).
+        """
+        raise TypeError("warm() is for a passage cache (model= with cache=, no index); an index stores its chunks' "
+                        "caches when they are added")
 
     @property
     def context(self) -> QueryContext:
@@ -50,12 +66,14 @@ class PromptAnswers:
                       candidates: Sequence[str | RetrievedChunk] | None = None, max_new_tokens: int = 64,
                       temperature: float = 0.0, top_p: float = 1.0, stop: Sequence[str] = (),
                       seed: int | None = None, fuse_config: FuseConfig | None = None,
-                      selector: Selector | None = None, gate: GateConfig | bool | None = None
-                      ) -> Generator[str, None, Answer]:
+                      selector: Selector | None = None, gate: GateConfig | bool | None = None,
+                      written: str | None = None) -> Generator[str, None, Answer]:
         """Yield the answer to a flat ``prompt`` as it is generated and return its own `Answer`.
 
-        Args mirror `answer_prompt`. Fusion runs one call at a time; the pieces are decoded as the generator is
-        stepped, holding no lock, so it may be stepped from any thread (frameworks step streams from executors).
+        Args mirror `answer_prompt`; ``written`` (the prompt before a chat template) is not needed here: the
+        index's chunks are found in ``prompt`` itself. Fusion runs one call at a time; the pieces are decoded as
+        the generator is stepped, holding no lock, so it may be stepped from any thread (frameworks step streams
+        from executors).
         """
         generate = GenerateConfig(max_new_tokens, temperature, top_p, tuple(stop), seed)
         fused = self.prepare_prompt(prompt, mode, ratio, candidates=candidates, fuse_config=fuse_config,

@@ -11,9 +11,6 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-out/gpu}"; shift || true
 mkdir -p "$out"
-if ! python3 -c "import kvrag.kernels" 2>/dev/null && [ ! -e kvrag/kernels ]; then
-    ln -s ../kernels kvrag/kernels && trap 'rm -f kvrag/kernels' EXIT  # what installing maps kvrag.kernels to
-fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 step() {  # step NAME SECONDS COMMAND...: run under a time limit, log to OUT/NAME.log, show the end

@@ -9,6 +9,6 @@ python -m pip install -q "triton==3.9.0"
 # the Redis chunk store's tests run a real redis-server (tests/conftest.py starts one on a free loopback port)
 command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-python -m ruff check kvrag integrations kernels tests benchmarks/experiments
+python -m ruff check kvrag tests benchmarks/experiments
 python -m mypy kvrag
 python -m pytest -q --timeout=900 "$@"

@@ -8,12 +8,12 @@ import struct
 import numpy as np
 import pytest
 import torch
-from kvrag.kernels import rans_decode
 from test_codec import D, H, L, synthetic_kv
 
 from kvrag.codec import cachegen_region as region
 from kvrag.codec import rans
 from kvrag.codec.cachegen import CacheGenCodec
+from kvrag.kernels import rans_decode
 
 LENGTHS = [37, 0, 3, 1, 70]
 # where the Triton decoder runs: CUDA, or the CPU in Triton's interpreter (conftest sets it up without CUDA)

@@ -31,7 +31,7 @@ MEMBER = re.compile(r"``?([A-Z]\w+)\.([a-z_]\w*)(?:\(\))?``?")
 def _texts() -> list[tuple[str, str]]:
     """(where, text) of every docstring in the package's sources and of every doc."""
     found = []
-    for folder in ("kvrag", "integrations", "kernels"):
+    for folder in ("kvrag",):
         for path in sorted((ROOT / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):

@@ -133,8 +133,9 @@ def _llama_index_engine_reads_the_stored_caches(rag: KVRag) -> None:
     """LlamaIndex's default query engine over kvrag's retriever: the passages' caches are read under the gate, and
     its answer is the full prefill's."""
     pytest.importorskip("llama_index.core")
-    from kvrag.integrations.llama_index import KVCachedLLM, KVRetriever
     from llama_index.core.query_engine import RetrieverQueryEngine
+
+    from kvrag.integrations.llama_index import KVCachedLLM, KVRetriever
 
     default, full = KVCachedLLM(rag=rag, max_new_tokens=3), KVCachedLLM(rag=rag, mode="full", max_new_tokens=3)
     engines = [RetrieverQueryEngine.from_args(KVRetriever(rag=rag, k=2), llm=llm) for llm in (default, full)]
@@ -145,9 +146,10 @@ def _llama_index_engine_reads_the_stored_caches(rag: KVRag) -> None:
 
 def _stuff_chain(rag: KVRag, llm, k: int):
     """A LangChain stuff chain over kvrag's retriever: ``k`` passages in `TEMPLATE`, answered by ``llm``."""
-    from kvrag.integrations.langchain import KVRetriever, format_docs
     from langchain_core.prompts import PromptTemplate
     from langchain_core.runnables import RunnablePassthrough
+
+    from kvrag.integrations.langchain import KVRetriever, format_docs
 
     return ({"context": KVRetriever(rag=rag, k=k) | format_docs, "question": RunnablePassthrough()}
             | PromptTemplate.from_template(TEMPLATE) | llm)

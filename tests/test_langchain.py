@@ -17,11 +17,12 @@ import pytest
 from kvrag import KVRag
 
 pytest.importorskip("langchain_core")
-from kvrag.integrations.langchain import KVCachedLLM, KVRetriever, format_docs  # noqa: E402
 from langchain_core.callbacks import BaseCallbackHandler  # noqa: E402
 from langchain_core.documents import Document  # noqa: E402
 from langchain_core.prompts import PromptTemplate  # noqa: E402
 from langchain_core.runnables import RunnablePassthrough  # noqa: E402
+
+from kvrag.integrations.langchain import KVCachedLLM, KVRetriever, format_docs  # noqa: E402
 
 QUESTION = "In what year was the album Milk and Honey released?"
 GOLD = "1984"
@@ -203,10 +204,9 @@ def test_a_concurrent_batch_gives_each_prompt_its_own_answer_and_metadata(rag):
 
 
 def test_the_mode_and_ratio_fields_describe_the_registered_modes():
-    from kvrag.integrations.langchain import ChatKVRag, KVCachedLLM
-    from kvrag.integrations.prompt_llm import MODE_HELP, RATIO_HELP
-
     from kvrag.fusion import available_modes, selector_class
+    from kvrag.integrations.fields import MODE_HELP, RATIO_HELP
+    from kvrag.integrations.langchain import ChatKVRag, KVCachedLLM
 
     for model in (KVCachedLLM, ChatKVRag):
         assert model.model_fields["mode"].description == MODE_HELP

@@ -15,8 +15,6 @@ from kvrag import KVRag, SplitConfig
 from kvrag.errors import InputError
 
 pytest.importorskip("langchain_core")
-from kvrag.integrations.langchain import ChatKVRag  # noqa: E402
-from kvrag.integrations.langchain_chat import to_kvrag_messages  # noqa: E402
 from langchain_core.callbacks import BaseCallbackHandler  # noqa: E402
 from langchain_core.messages import (  # noqa: E402
     AIMessage,
@@ -31,6 +29,8 @@ from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 
 from kvrag.generation.trimmed import trimmed  # noqa: E402
+from kvrag.integrations.langchain import ChatKVRag  # noqa: E402
+from kvrag.integrations.langchain_chat import to_kvrag_messages  # noqa: E402
 
 QUESTION = "In what year was the album Milk and Honey released?"
 GOLD = "1984"

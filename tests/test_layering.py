@@ -1,11 +1,10 @@
 """Stages import downward only: no module of kvrag imports a package of a later stage.
 
-Every module of the ``kvrag`` package (``kvrag/`` and the packages pyproject maps into it, ``kernels/`` and
-``integrations/``) is parsed with `ast`, nothing imported, and every ``import``/``from ... import`` is
-checked: at module level, inside functions and under ``if TYPE_CHECKING:`` alike. An import of a package's
-``__init__`` (``from kvrag.fusion import Selector``) counts as that package; ``from kvrag import X`` counts as
-the submodule ``kvrag.X`` where there is one and as the root package (the facade) otherwise. The stage order
-follows docs/architecture.md; imports within one stage are allowed.
+Every module of the ``kvrag`` package (``kvrag/``, whose folders are its subpackages) is parsed with `ast`, nothing
+imported, and every ``import``/``from ... import`` is checked: at module level, inside functions and under ``if
+TYPE_CHECKING:`` alike. An import of a package's ``__init__`` (``from kvrag.fusion import Selector``) counts as
+that package; ``from kvrag import X`` counts as the submodule ``kvrag.X`` where there is one and as the root
+package (the facade) otherwise. The stage order follows docs/architecture.md; imports within one stage are allowed.
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ STAGE: dict[str, int] = {
     # the facade: `KVRag` (with its flat-prompt answers), index repair, and the root package that re-exports them
     "kvrag": _FACADE,
     "kvrag.rag": _FACADE,
+    "kvrag.backend": _FACADE,  # the interface the adapters and the server take: `KVRag` or a passage cache
     "kvrag.prompt_answers": _FACADE,
     "kvrag.repair": _FACADE,
     "kvrag.passages": _FACADE,  # answers without an index, over a passage cache
@@ -63,11 +63,10 @@ QUESTION_TIME = ("kvrag.loading", "kvrag.fusion", "kvrag.generation", "kvrag.que
 
 
 def _package_dirs() -> dict[str, Path]:
-    """``kvrag`` and every package pyproject maps into it from elsewhere (``kvrag.kernels`` -> ``kernels/``)."""
+    """``kvrag``'s folder: every subpackage is a folder in it (pyproject maps none in from elsewhere)."""
     mapped = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"].get("package-dir", {})
-    dirs = {"kvrag": ROOT / "kvrag"}
-    dirs.update({name: ROOT / folder for name, folder in mapped.items() if name.startswith("kvrag.")})
-    return dirs
+    assert not mapped, f"packages mapped in from other folders: {mapped}; keep the folder the import path"
+    return {"kvrag": ROOT / "kvrag"}
 
 
 @functools.cache

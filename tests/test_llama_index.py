@@ -14,11 +14,12 @@ import pytest
 from kvrag import KVRag
 
 pytest.importorskip("llama_index.core")
-from kvrag.integrations.llama_index import KVCachedLLM, KVRagQueryEngine, KVRetriever  # noqa: E402
 from llama_index.core.base.response.schema import Response, StreamingResponse  # noqa: E402
 from llama_index.core.llms import ChatMessage  # noqa: E402
 from llama_index.core.query_engine import RetrieverQueryEngine  # noqa: E402
 from llama_index.core.schema import NodeWithScore  # noqa: E402
+
+from kvrag.integrations.llama_index import KVCachedLLM, KVRagQueryEngine, KVRetriever  # noqa: E402
 
 QUESTION = "In what year was the album Milk and Honey released?"
 GOLD = "1984"

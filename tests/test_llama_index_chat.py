@@ -12,12 +12,13 @@ import pytest
 from kvrag import InputError, KVRag
 
 pytest.importorskip("llama_index.core")
-from kvrag.integrations.llama_index import KVRagChatEngine, KVRagChatLLM, KVRetriever  # noqa: E402
-from kvrag.integrations.llama_index_chat import to_kvrag_messages  # noqa: E402
 from llama_index.core.base.llms.types import ImageBlock, TextBlock  # noqa: E402
 from llama_index.core.chat_engine import CondensePlusContextChatEngine  # noqa: E402
 from llama_index.core.chat_engine.types import AgentChatResponse, StreamingAgentChatResponse  # noqa: E402
 from llama_index.core.llms import ChatMessage, MessageRole  # noqa: E402
+
+from kvrag.integrations.llama_index import KVRagChatEngine, KVRagChatLLM, KVRetriever  # noqa: E402
+from kvrag.integrations.llama_index_chat import to_kvrag_messages  # noqa: E402
 
 QUESTION = "In what year was the album Milk and Honey released?"
 FOLLOW_UP = "Who recorded it?"

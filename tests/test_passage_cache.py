@@ -145,13 +145,14 @@ def test_a_second_process_reads_what_the_first_stored(tiny_lm, tiny_model_dir: P
 
 def test_langchain_tutorial_chain_over_faiss_swaps_only_the_llm(tiny_model_dir: Path, tmp_path: Path):
     pytest.importorskip("langchain_core")
-    from kvrag.integrations.langchain import KVCachedLLM
     from langchain_community.vectorstores import FAISS
     from langchain_core.documents import Document
     from langchain_core.embeddings import DeterministicFakeEmbedding
     from langchain_core.output_parsers import StrOutputParser
     from langchain_core.prompts import PromptTemplate
     from langchain_core.runnables import RunnablePassthrough
+
+    from kvrag.integrations.langchain import KVCachedLLM
 
     store = FAISS.from_documents([Document(page_content=p) for p in PASSAGES], DeterministicFakeEmbedding(size=16))
     retriever = store.as_retriever(search_kwargs={"k": 3})
@@ -197,9 +198,10 @@ def test_langchain_tutorial_chain_over_faiss_swaps_only_the_llm(tiny_model_dir: 
 
 def test_llama_index_default_query_engine_reads_the_warmed_nodes(tiny_model_dir: Path, tmp_path: Path):
     pytest.importorskip("llama_index.core")
-    from kvrag.integrations.llama_index import KVCachedLLM, KVCacheWarmer
     from llama_index.core import Document, VectorStoreIndex
     from llama_index.core.embeddings import MockEmbedding
+
+    from kvrag.integrations.llama_index import KVCachedLLM, KVCacheWarmer
 
     llm = KVCachedLLM(model=str(tiny_model_dir), cache=f"file://{tmp_path}/li?max_bytes=20MB", max_new_tokens=3,
                       gate=FUSE)
@@ -225,8 +227,9 @@ def test_recompute_everything_matches_a_plain_forward(cache: PassageCache):
 
 def test_the_chat_model_without_an_index_reads_passages_from_its_messages(tiny_model_dir: Path, tmp_path: Path):
     pytest.importorskip("langchain_core")
-    from kvrag.integrations.langchain import ChatKVRag
     from langchain_core.messages import HumanMessage, SystemMessage
+
+    from kvrag.integrations.langchain import ChatKVRag
 
     chat = ChatKVRag(model=str(tiny_model_dir), cache=f"file://{tmp_path}/chat?max_bytes=20MB", max_tokens=3,
                      mode="probe")

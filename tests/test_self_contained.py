@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS, DATA = ROOT / "tests", ROOT / "tests" / "data"
-CHECKED = ("kvrag", "integrations", "kernels", "tests", "notebooks", "examples", "scripts")
+CHECKED = ("kvrag", "tests", "notebooks", "examples", "scripts")
 SKIPPED_DIRS = {"__pycache__", ".ipynb_checkpoints", ".hypothesis", ".pytest_cache"}
 
 # Assembled from pieces, so that this file does not match them itself.

@@ -167,6 +167,10 @@ class PassageCache:
                                          heads=self.heads)
         return self._context
 
+    def describe(self) -> dict[str, str]:
+        """The cache's store and model, for an adapter's identifying parameters."""
+        return {"cache": f"{type(self.store).__name__} {getattr(self.store, 'root', '')}", "model": str(self.lm.source)}
+
     def passages_in(self, prompt: str) -> list[str]:
         """The passages found in a flat prompt (`kvrag.passages.finder.find_passages`)."""
         return find_passages(prompt, self.min_chars)
@@ -223,20 +227,22 @@ class PassageCache:
                       passages: Sequence[str] | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
                       top_p: float = 1.0, stop: Sequence[str] = (), seed: int | None = None,
                       fuse_config: FuseConfig | None = None, gate: GateConfig | bool | None = None,
-                      **ignored: Any) -> Generator[str, None, Answer]:
+                      written: str | None = None, **ignored: Any) -> Generator[str, None, Answer]:
         """Yield the answer to ``prompt`` as it is generated and return its `Answer`; then store missing passages.
 
         Args:
             prompt: the exact prompt string (the adapters add the model's chat template).
             mode, ratio, fuse_config, gate: as in `kvrag.KVRag.answer` (default: under the correctness gate).
-            passages: the passage texts in the prompt (default: found in it, `passages_in`).
+            passages: the passage texts in the prompt (default: found in ``written``, `passages_in`).
+            written: the prompt as the framework wrote it, before a chat template was put around it (default:
+                ``prompt``): its passages are found there.
             max_new_tokens, temperature, top_p, stop, seed: decoding (greedy by default).
         """
         generate = GenerateConfig(max_new_tokens, temperature, top_p, tuple(stop), seed)
         config, gate_config = answering.settings(mode, ratio, fuse_config, None, None, gate)
         plain = selector_class(config.mode).recomputes_all  # a full prefill: the prompt as one text, nothing stored
         with self._lock:
-            texts = [] if plain else self.passages_in(prompt) if passages is None else passages
+            texts = [] if plain else self.passages_in(written or prompt) if passages is None else passages
             found, missing = self._lookup(prompt, texts)
             recovered = self.recovered
             fused = answering.prepare_prompt(self.context, prompt, found, config, gate_config)

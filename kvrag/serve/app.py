@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 try:
     from fastapi import APIRouter, Depends, FastAPI, Request
@@ -40,6 +40,9 @@ from kvrag.serve.completions import complete
 from kvrag.serve.metrics import ServeMetrics
 from kvrag.serve.openai_schema import RequestDefaults, RequestError, parse_chat_request
 from kvrag.serve.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from kvrag.rag import KVRag
 
 WARMUP_QUESTION = "What are these passages about?"
 
@@ -79,16 +82,16 @@ class ServeOptions:
     warmup: bool = True
 
 
-def default_model_name(rag: Any) -> str:
+def default_model_name(rag: KVRag) -> str:
     """The index's model as a short name: its hub id or alias, or a local model folder's or file's name."""
-    source = str(getattr(getattr(rag, "lm", None), "source", "") or rag.manifest["model"]["source"])
+    source = str(rag.lm.source or rag.manifest["model"]["source"])
     return Path(source).name if ("/" in source and Path(source).exists()) else source
 
 
 class ServerState:
     """What the routes share: the options, the scheduler that owns ``rag``, the metrics."""
 
-    def __init__(self, rag: Any, options: ServeOptions) -> None:
+    def __init__(self, rag: KVRag, options: ServeOptions) -> None:
         from kvrag.fusion import available_modes
 
         self.options = options
@@ -96,15 +99,12 @@ class ServerState:
         self.created = int(time.time())
         self.defaults = RequestDefaults(k=options.k, max_tokens=options.max_tokens,
                                         history_cache=options.history_cache, modes=available_modes())
-        device = getattr(getattr(getattr(rag, "lm", None), "device", None), "type", "cpu")
+        device = rag.lm.device.type
         self.scheduler = Scheduler(rag, options.max_active, options.max_queue, options.max_wait,
                                    prefill_chunk_tokens(options.prefill_chunk_tokens, device), options.slice_interval_s)
-        has_sessions = getattr(rag, "sessions", None) is not None  # created here, before the worker starts
-        self.metrics = ServeMetrics(self.scheduler.queue_depth, self.scheduler.active_count,
-                                    (lambda: rag.sessions.stats()) if has_sessions else (lambda: None),
-                                    self.scheduler.expected_wait,
-                                    (lambda: rag.kvstore.stats()) if hasattr(rag, "kvstore") else (lambda: None),
-                                    self.scheduler.batched_steps)
+        sessions = rag.sessions  # created here, before the worker starts
+        self.metrics = ServeMetrics(self.scheduler.queue_depth, self.scheduler.active_count, sessions.stats,
+                                    self.scheduler.expected_wait, rag.kvstore.stats, self.scheduler.batched_steps)
 
     def check_key(self, request: Request) -> None:
         """Raise a 401 `RequestError` unless the request carries the API key (when one is set)."""
@@ -146,7 +146,7 @@ def _v1_routes(state: ServerState) -> APIRouter:
     return router
 
 
-def create_app(rag: Any, options: ServeOptions | None = None) -> FastAPI:
+def create_app(rag: KVRag, options: ServeOptions | None = None) -> FastAPI:
     """An OpenAI-compatible FastAPI app over the opened index ``rag`` (see the module docstring)."""
     state = ServerState(rag, options or ServeOptions())
 
@@ -202,7 +202,7 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(rag: Any, options: ServeOptions, host: str = "127.0.0.1", port: int = 8000,
+def run_server(rag: KVRag, options: ServeOptions, host: str = "127.0.0.1", port: int = 8000,
                log_level: str = "warning", on_ready: Callable[[str], None] | None = None,
                sock: socket.socket | None = None) -> None:
     """Serve ``rag`` over HTTP at ``host:port`` (or on the listening socket ``sock``, from `bind`, which

@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvrag.config import PREFILL_SLICE_INTERVAL_S
 from kvrag.fusion import slicing
@@ -42,6 +42,10 @@ from kvrag.generation import step_batch
 from kvrag.serve.admission import Pending, ServiceTimes, admit_limit, expected_wait
 from kvrag.serve.jobs import Done, Event, Failed, Job, Piece, QueueFull, ServerStopping, WaitTooLong
 from kvrag.serve.line import GRACE_S, WaitingLine
+
+if TYPE_CHECKING:
+    from kvrag.query.answer import Answer
+    from kvrag.rag import KVRag
 
 __all__ = ["Done", "Event", "Failed", "Job", "Piece", "QueueFull", "Scheduler", "ServerStopping", "WaitTooLong"]
 
@@ -62,7 +66,7 @@ class Scheduler:
         slice_interval_s: a slice ends only once this many seconds passed since the decoding answers' last round.
     """
 
-    def __init__(self, rag: Any, max_active: int = 8, max_queue: int = 64, max_wait: float | None = None,
+    def __init__(self, rag: KVRag, max_active: int = 8, max_queue: int = 64, max_wait: float | None = None,
                  prefill_chunk_tokens: int | None = None, slice_interval_s: float = PREFILL_SLICE_INTERVAL_S) -> None:
         if max_active < 1 or max_queue < 0 or (max_wait is not None and not max_wait > 0):
             raise ValueError(f"max_active must be >= 1, max_queue >= 0 and max_wait > 0 (or None), got "
@@ -227,15 +231,14 @@ class Scheduler:
         batched steps, then a token each), with ``rag.last_answer`` as the stepping job left it.
         """
         began = time.perf_counter()
-        stepping, sliced, had = self._stepping, self._sliced_s, getattr(self.rag, "last_answer", None)
+        stepping, sliced, had = self._stepping, self._sliced_s, self.rag.last_answer
         try:
             self._run_batch()
             for job in list(self._active):
                 if job is not stepping and job.steps > 0:
                     self._step(job)
         finally:
-            if hasattr(self.rag, "last_answer"):
-                self.rag.last_answer = had
+            self.rag.last_answer = had
             self._stepping = stepping  # the steps above set their own
             self._sliced_s = sliced + time.perf_counter() - began
 
@@ -285,7 +288,7 @@ class Scheduler:
             self._close(job)
             self._finish(job, None)
             return
-        before = getattr(self.rag, "last_answer", None)
+        before = self.rag.last_answer
         self._stepping, self._sliced_s = job, 0.0
         handed_back = self.prefill_slices()
         began = time.perf_counter()
@@ -317,9 +320,9 @@ class Scheduler:
         if piece:
             job.emit(Piece(piece))
 
-    def _note_answer(self, job: Job, before: Any) -> None:
+    def _note_answer(self, job: Job, before: Answer | None) -> None:
         """``rag.last_answer`` is shared by the interleaved generators: keep it for the job whose step set it."""
-        after = getattr(self.rag, "last_answer", None)
+        after = self.rag.last_answer
         if after is not None and after is not before:
             job.answer = after
 
@@ -329,8 +332,8 @@ class Scheduler:
         if answer is None or limit is None or len(answer.token_ids) < limit:
             return "stop"  # EOS ends an answer before the limit (it is not among the token ids)
         stops = job.kwargs.get("stop") or ()
-        tokenizer = getattr(getattr(self.rag, "lm", None), "tokenizer", None)
-        if stops and tokenizer is not None:
+        tokenizer = self.rag.lm.tokenizer
+        if stops:
             text = tokenizer.decode(answer.token_ids, skip_special_tokens=True)
             if any(stop in text for stop in stops):  # the last token completed a stop string
                 return "stop"
@@ -354,11 +357,9 @@ class Scheduler:
 
     def _sessions(self, method: str, job: Job) -> None:
         """``rag.sessions.expect``/``release`` for ``job``'s messages; a failure there only costs the prefetch."""
-        sessions = getattr(self.rag, "sessions", None)
-        if sessions is None:
-            return
+        sessions = self.rag.sessions
         try:
-            getattr(sessions, method)(job.messages)
+            (sessions.expect if method == "expect" else sessions.release)(job.messages)
         except Exception as exc:  # e.g. messages the chat call will refuse itself, with the reason
             log.warning("rag.sessions.%s failed: %s", method, exc)
 

@@ -51,26 +51,17 @@ try:
     from langchain_core.language_models.llms import LLM
     from langchain_core.outputs import Generation, GenerationChunk, LLMResult
     from langchain_core.retrievers import BaseRetriever
-    from pydantic import ConfigDict, Field, model_validator
+    from pydantic import ConfigDict, Field
 except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the import
     raise ImportError(
         "kvrag.integrations.langchain needs langchain-core: pip install 'kvrag[langchain]'"
     ) from exc
 
+from kvrag.integrations.fields import PromptFields
 from kvrag.integrations.langchain_chat import ChatKVRag
-from kvrag.integrations.prompt_llm import (
-    CACHE_HELP,
-    MODE_HELP,
-    MODEL_HELP,
-    RAG_HELP,
-    RATIO_HELP,
-    answer_metadata,
-    describe_backend,
-    open_langchain_backend,
-    stream_prompt_answer,
-)
-
+from kvrag.integrations.prompt_llm import answer_metadata, stream_prompt_answer
 from kvrag.query.answer import finish
+from kvrag.rag import KVRag
 
 __all__ = ["ChatKVRag", "KVCachedLLM", "KVRetriever", "format_docs"]
 
@@ -96,7 +87,7 @@ class KVRetriever(BaseRetriever):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    rag: Any = Field(description="An opened `kvrag.KVRag`.")
+    rag: KVRag = Field(description="An opened `kvrag.KVRag`.")
     k: int = Field(default=4, gt=0, description="How many chunks to retrieve.")
 
     def _get_relevant_documents(
@@ -110,7 +101,7 @@ class KVRetriever(BaseRetriever):
         ]
 
 
-class KVCachedLLM(LLM):
+class KVCachedLLM(PromptFields, LLM):
     r"""A LangChain LLM over a kvrag index's model that reuses the caches of the chunks in its prompt.
 
     By default each answer is made as `KVRag.answer` makes it: under the correctness gate, which gives the full
@@ -125,39 +116,13 @@ class KVCachedLLM(LLM):
         >>> llm.invoke("Context:\n" + format_docs(docs) + "Question: Who?")  # doctest: +SKIP
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
-
-    rag: Any = Field(default=None, description=RAG_HELP)
-    model: Any = Field(default=None, exclude=True, description=MODEL_HELP)
-    cache: Any = Field(default=None, description=CACHE_HELP + " A LangChain BaseCache or bool keeps its meaning there.")
-    max_cache_bytes: int | str | None = Field(default=None, description="The cache's bound, overriding cache='s.")
-    mode: str | None = Field(default=None, description=MODE_HELP)
-    ratio: float | None = Field(default=None, gt=0.0, le=1.0, description=RATIO_HELP)
-    gate: Any = Field(default=None, description="A `kvrag.GateConfig`, True or False; None: kvrag's default.")
-    max_new_tokens: int = Field(default=64, gt=0, description="Most tokens generated per call.")
-    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy decoding.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    seed: int | None = Field(default=None, description="Sampling seed (when temperature > 0).")
-    chat_template: bool = Field(
-        default=True, description="Wrap the prompt as the user turn of the model's chat template.")
-    last_answer: Any = Field(default=None, exclude=True, description="The last call's `kvrag.Answer`.")
-
-    @model_validator(mode="after")
-    def _open(self) -> KVCachedLLM:
-        self.rag, self.cache = open_langchain_backend(self.rag, self.model, self.cache, self.max_cache_bytes)
-        self.model = None
-        return self
-
     def warm(self, documents: Sequence[Document | str], show_progress: bool = True) -> int:
         """Compute and store now the caches of ``documents`` (LangChain `Document`s or texts), as a vector store's
         ``add_documents`` takes them: later prompts that hold them read their caches from the first call. Needs
         the passage cache (``model=``); returns how many caches were stored.
         """
-        if not hasattr(self.rag, "warm"):
-            raise TypeError("warm() is for a passage cache (KVCachedLLM(model=..., cache=...)); an index stores "
-                            "its chunks' caches when they are added")
         texts = [d if isinstance(d, str) else d.page_content for d in documents]
-        return int(self.rag.warm(texts, show_progress=show_progress))
+        return int(self.backend.warm(texts, show_progress=show_progress))
 
     def warm_on_add(self, store: Any) -> Any:
         """Have ``store`` (any LangChain ``VectorStore``) warm what it is given from now on: after each
@@ -165,8 +130,7 @@ class KVCachedLLM(LLM):
         first prompt that holds them reads their caches. Returns ``store``; calling it twice changes nothing.
         Needs the passage cache (``model=``).
         """
-        if not hasattr(self.rag, "warm"):
-            raise TypeError("warm_on_add() is for a passage cache (KVCachedLLM(model=..., cache=...))")
+        self.backend.warm([], show_progress=False)  # an index refuses here, in one line, before the store is changed
         if getattr(store, "_kvrag_warms", None) is not None:
             return store
         adding = threading.local()  # add_documents may call add_texts: warm once, at the outer call
@@ -196,15 +160,13 @@ class KVCachedLLM(LLM):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {**describe_backend(self.rag), "mode": self.mode,
+        return {**self.backend.describe(), "mode": self.mode,
                 "ratio": self.ratio, "gate": repr(self.gate), "max_new_tokens": self.max_new_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "chat_template": self.chat_template}
 
     def _answer(self, prompt: str, stop: list[str] | None, **kwargs: Any) -> Generator[str, None, Any]:
         """Yield this call's text pieces; return its `kvrag.Answer`."""
-        options = {"mode": self.mode, "ratio": self.ratio, "gate": self.gate, "max_new_tokens": self.max_new_tokens,
-                   "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
-        answer = yield from stream_prompt_answer(self.rag, prompt, self.chat_template, options,
+        answer = yield from stream_prompt_answer(self.backend, prompt, self.chat_template, self.answer_options(),
                                                  {**kwargs, "stop": stop})
         self.last_answer = answer
         return answer

@@ -39,27 +39,19 @@ try:
     from llama_index.core.query_engine import CustomQueryEngine
     from llama_index.core.retrievers import BaseRetriever
     from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle, TextNode, TransformComponent
-    from pydantic import Field, model_validator
+    from pydantic import Field
 except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the import
     raise ImportError(
         "kvrag.integrations.llama_index needs llama-index-core: pip install 'kvrag[llamaindex]'"
     ) from exc
 
-from kvrag.integrations.prompt_llm import (
-    CACHE_HELP,
-    MODE_HELP,
-    MODEL_HELP,
-    RAG_HELP,
-    RATIO_HELP,
-    answer_metadata,
-    open_backend,
-    stream_prompt_answer,
-)
-
 from kvrag.config import GenerateConfig
 from kvrag.generation.trimmed import trimmed
+from kvrag.integrations.fields import PromptFields
+from kvrag.integrations.prompt_llm import answer_metadata, stream_prompt_answer
 from kvrag.lazy import lazy_exports
 from kvrag.query.answer import finish
+from kvrag.rag import KVRag
 
 # The chat classes are defined in `kvrag.integrations.llama_index_chat` and loaded on first use (`__getattr__`).
 __all__ = ["KVCacheWarmer", "KVCachedLLM", "KVRagChatEngine", "KVRagChatLLM", "KVRagQueryEngine", "KVRetriever"]  # noqa: F822
@@ -85,7 +77,7 @@ class KVRetriever(BaseRetriever):
         >>> KVRetriever(rag=KVRag.open("./idx"), k=4).retrieve("Who?")  # doctest: +SKIP
     """
 
-    def __init__(self, rag: Any, k: int = 4, callback_manager: CallbackManager | None = None,
+    def __init__(self, rag: KVRag, k: int = 4, callback_manager: CallbackManager | None = None,
                  verbose: bool = False) -> None:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be a positive int, got {k!r}")
@@ -96,7 +88,7 @@ class KVRetriever(BaseRetriever):
         return [_node(c) for c in self.rag.retrieve(query_bundle.query_str, k=self.k)]
 
 
-class KVCachedLLM(CustomLLM):
+class KVCachedLLM(PromptFields, CustomLLM):
     """A LlamaIndex LLM over a kvrag index's model that reuses the caches of the chunks in its prompt.
 
     By default each answer is made as `KVRag.answer` makes it: under the correctness gate, the full prefill's answer
@@ -111,27 +103,6 @@ class KVCachedLLM(CustomLLM):
         >>> RetrieverQueryEngine.from_args(KVRetriever(rag=llm.rag), llm=llm).query("Who?")  # doctest: +SKIP
     """
 
-    rag: Any = Field(default=None, description=RAG_HELP)
-    model: Any = Field(default=None, exclude=True, description=MODEL_HELP)
-    cache: str | None = Field(default=None, description=CACHE_HELP)
-    max_cache_bytes: int | str | None = Field(default=None, description="The cache's bound, overriding cache='s.")
-    mode: str | None = Field(default=None, description=MODE_HELP)
-    ratio: float | None = Field(default=None, gt=0.0, le=1.0, description=RATIO_HELP)
-    gate: Any = Field(default=None, description="A `kvrag.GateConfig`, True or False; None: kvrag's default.")
-    max_new_tokens: int = Field(default=64, gt=0, description="Most tokens generated per call.")
-    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy decoding.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    seed: int | None = Field(default=None, description="Sampling seed (when temperature > 0).")
-    chat_template: bool = Field(
-        default=True, description="Wrap the prompt as the user turn of the model's chat template.")
-    last_answer: Any = Field(default=None, exclude=True, description="The last call's `kvrag.Answer`.")
-
-    @model_validator(mode="after")
-    def _open(self) -> KVCachedLLM:
-        self.rag = open_backend(self.rag, self.model, self.cache, self.max_cache_bytes)
-        self.model = self.cache = None  # what they named is open now
-        return self
-
     @classmethod
     def class_name(cls) -> str:
         """LlamaIndex's name for this class (used when serialising)."""
@@ -140,15 +111,14 @@ class KVCachedLLM(CustomLLM):
     @property
     def metadata(self) -> LLMMetadata:
         """The model's context window and this LLM's output budget, as LlamaIndex's synthesizers read them."""
-        return LLMMetadata(context_window=self.rag.lm.spec.max_position, num_output=self.max_new_tokens,
-                           is_chat_model=False, model_name=self.rag.lm.source)
+        lm = self.backend.lm
+        return LLMMetadata(context_window=lm.spec.max_position, num_output=self.max_new_tokens,
+                           is_chat_model=False, model_name=lm.source)
 
     def _answer(self, prompt: str, **kwargs: Any) -> Generator[str, None, Any]:
         """Yield this call's text pieces; return its `kvrag.Answer`."""
-        options = {"mode": self.mode, "ratio": self.ratio, "gate": self.gate,
-                   "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                   "seed": self.seed}
-        answer = yield from stream_prompt_answer(self.rag, prompt, self.chat_template, options, kwargs)
+        answer = yield from stream_prompt_answer(self.backend, prompt, self.chat_template, self.answer_options(),
+                                                 kwargs)
         self.last_answer = answer
         return answer
 
@@ -191,11 +161,7 @@ class KVCacheWarmer(TransformComponent):
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         """Store the nodes' caches; return the nodes unchanged."""
-        rag = self.llm.rag
-        if not hasattr(rag, "warm"):
-            raise TypeError("KVCacheWarmer needs a KVCachedLLM made with model= (a passage cache); an index stores "
-                            "its chunks' caches when they are added")
-        rag.warm([node.get_content(metadata_mode=MetadataMode.LLM) for node in nodes],
+        self.llm.backend.warm([node.get_content(metadata_mode=MetadataMode.LLM) for node in nodes],
                  show_progress=self.show_progress or bool(kwargs.get("show_progress")))
         return nodes
 
@@ -217,7 +183,7 @@ class KVRagQueryEngine(CustomQueryEngine):
     """
 
     retriever: Any = Field(description="A `KVRetriever`.")
-    llm: Any = Field(description="A `KVCachedLLM` (its mode, ratio, max_new_tokens and temperature are used).")
+    llm: Any = Field(description="A `KVCachedLLM` (its mode, ratio, gate and decoding settings are used).")
     streaming: bool = Field(default=False, description="Return a `StreamingResponse` that yields text pieces.")
 
     def _options(self, keys: list[str]) -> dict[str, Any]:
@@ -225,7 +191,9 @@ class KVRagQueryEngine(CustomQueryEngine):
         return {"chunks": keys, "mode": llm.mode, "ratio": llm.ratio, "gate": llm.gate}
 
     def _generate(self) -> GenerateConfig:
-        return GenerateConfig(max_new_tokens=self.llm.max_new_tokens, temperature=self.llm.temperature)
+        llm = self.llm
+        return GenerateConfig(max_new_tokens=llm.max_new_tokens, temperature=llm.temperature, top_p=llm.top_p,
+                              seed=llm.seed)
 
     def custom_query(self, query_str: str) -> Response | StreamingResponse:
         """Retrieve, then answer from the retrieved chunks' caches (streamed with ``streaming=True``)."""
@@ -235,13 +203,13 @@ class KVRagQueryEngine(CustomQueryEngine):
             info: dict[str, Any] = {}
             return StreamingResponse(response_gen=self._stream(query_str, keys, info), source_nodes=nodes,
                                      metadata=info)
-        answer = self.llm.rag.prepare(query_str, **self._options(keys)).generate(self._generate())
+        answer = self.retriever.rag.prepare(query_str, **self._options(keys)).generate(self._generate())
         self.llm.last_answer = answer
         return Response(response=answer.text, source_nodes=nodes, metadata=answer_metadata(answer))
 
     def _stream(self, query_str: str, keys: list[str], info: dict[str, Any]) -> Generator[str, None, None]:
         """Yield kvrag's text pieces, trimmed as `Answer.text` is (no leading or trailing whitespace)."""
-        fused = self.llm.rag.prepare(query_str, **self._options(keys))
+        fused = self.retriever.rag.prepare(query_str, **self._options(keys))
 
         def publish() -> None:
             self.llm.last_answer = fused.answer

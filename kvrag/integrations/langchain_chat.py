@@ -42,7 +42,7 @@ import asyncio
 import contextvars
 import threading
 import weakref
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Generator, Sequence
 from typing import Any
 
 try:
@@ -58,28 +58,21 @@ try:
     )
     from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
     from langchain_core.runnables.config import run_in_executor
-    from pydantic import ConfigDict, Field, model_validator
+    from pydantic import ConfigDict, Field
 except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the import
     raise ImportError(
         "kvrag.integrations.langchain_chat needs langchain-core: pip install 'kvrag[langchain]'"
     ) from exc
 
-from kvrag.integrations.prompt_llm import (
-    CACHE_HELP,
-    MODE_HELP,
-    MODEL_HELP,
-    RAG_HELP,
-    RATIO_HELP,
-    describe_backend,
-    open_langchain_backend,
-)
-
+from kvrag.backend import AnswerBackend
 from kvrag.generation.trimmed import trimmed
+from kvrag.integrations.fields import ChatFields
 
 __all__ = ["ChatKVRag", "to_kvrag_messages"]
 
-_OPTIONS = ("k", "mode", "ratio", "retrieve", "max_new_tokens", "temperature", "top_p", "seed", "history_cache")
-_PASSED = ("gate", "chunks")  # per call only, handed to `KVRag.chat` as they are
+_OPTIONS = ("k", "mode", "ratio", "gate", "retrieve", "max_new_tokens", "temperature", "top_p", "seed",
+            "history_cache")
+_PASSED = ("chunks",)  # per call only, handed to `KVRag.chat` as it is
 _ROLES = {"human": "user", "ai": "assistant", "developer": "system"}
 _SKIPPED_BLOCKS = ("reasoning", "thinking")
 
@@ -111,7 +104,7 @@ _locks_guard = threading.Lock()
 _shared_lock = _IndexLock()
 
 
-def _lock(rag: Any) -> _IndexLock:
+def _lock(rag: AnswerBackend) -> _IndexLock:
     """The lock of ``rag`` (one per index object)."""
     with _locks_guard:
         try:
@@ -157,7 +150,7 @@ def to_kvrag_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
     return out
 
 
-class ChatKVRag(BaseChatModel):
+class ChatKVRag(ChatFields, BaseChatModel):
     """A LangChain chat model over a kvrag index: retrieved chunks' caches fused, the conversation's KV reused.
 
     Example:
@@ -172,30 +165,7 @@ class ChatKVRag(BaseChatModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
-    rag: Any = Field(default=None, description=RAG_HELP)
-    model: Any = Field(default=None, exclude=True, description=MODEL_HELP)
-    cache: Any = Field(default=None, description=CACHE_HELP + " A LangChain BaseCache or bool keeps its meaning there.")
-    max_cache_bytes: int | str | None = Field(default=None, description="The cache's bound, overriding cache='s.")
-    k: int = Field(default=4, ge=0, description="Chunks retrieved for the last user message (0: none).")
-    mode: str | None = Field(default=None, description=MODE_HELP)
-    ratio: float | None = Field(default=None, gt=0.0, le=1.0, description=RATIO_HELP)
-    retrieve: bool = Field(default=True, description="Fuse the chunks retrieved for the last user message.")
-    max_new_tokens: int = Field(default=256, gt=0, alias="max_tokens", description="Most tokens per answer.")
-    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy decoding.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling's probability mass.")
-    seed: int | None = Field(default=None, description="Sampling seed (when temperature > 0).")
-    history_cache: bool = Field(default=True, description="Reuse the conversation's KV (False: prefill it).")
-    stop: list[str] | None = Field(default=None, description="Strings that end the answer.")
     streaming: bool = Field(default=False, description="Generate through the stream even on invoke.")
-    last_answer: Any = Field(default=None, exclude=True, description="The last call's `kvrag.Answer`.")
-
-    @model_validator(mode="after")
-    def _open(self) -> ChatKVRag:
-        self.rag, self.cache = open_langchain_backend(self.rag, self.model, self.cache, self.max_cache_bytes)
-        self.model = None
-        if not callable(getattr(self.rag, "chat_stream", None)):
-            raise ValueError(f"rag must be an opened kvrag.KVRag (KVRag.open(path)), got {type(self.rag).__name__}")
-        return self
 
     @property
     def _llm_type(self) -> str:
@@ -204,14 +174,11 @@ class ChatKVRag(BaseChatModel):
     @property
     def model_name(self) -> str:
         """The index's model (as it was named when loaded)."""
-        return str(self.rag.lm.source)
+        return str(self.backend.lm.source)
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {**describe_backend(self.rag), "k": self.k, "mode": self.mode,
-                "ratio": self.ratio, "retrieve": self.retrieve, "max_new_tokens": self.max_new_tokens,
-                "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
-                "history_cache": self.history_cache}
+        return {**self.backend.describe(), **self.chat_options(), "gate": repr(self.gate)}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(ls_provider="kvrag", ls_model_name=kwargs.get("model") or self.model_name,
@@ -228,7 +195,7 @@ class ChatKVRag(BaseChatModel):
         if model is not None and model != self.model_name:
             raise ValueError(f"ChatKVRag answers with its index's model {self.model_name!r}, not {model!r}: "
                              "the stored caches belong to that model")
-        options = {name: getattr(self, name) for name in _OPTIONS}
+        options = self.chat_options()
         if "max_tokens" in kwargs:
             options["max_new_tokens"] = kwargs["max_tokens"]
         options.update((name, value) for name, value in kwargs.items() if name in _OPTIONS + _PASSED)
@@ -238,7 +205,7 @@ class ChatKVRag(BaseChatModel):
     def _message(self, answer: Any, options: dict[str, Any], chunk: bool = False) -> AIMessage | AIMessageChunk:
         """The answer's text, usage and report as a message (an empty last chunk with ``chunk``)."""
         history = answer.history
-        usage: dict[str, Any] = {"input_tokens": answer.n_prompt_tokens, "output_tokens": len(answer.token_ids),
+        usage: Any = {"input_tokens": answer.n_prompt_tokens, "output_tokens": len(answer.token_ids),
                                  "total_tokens": answer.n_prompt_tokens + len(answer.token_ids)}
         if history is not None:
             usage["input_token_details"] = {"cache_read": history.reused_tokens}
@@ -257,8 +224,8 @@ class ChatKVRag(BaseChatModel):
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         converted, options = to_kvrag_messages(messages), self._options(stop, kwargs)
-        with _lock(self.rag):
-            answer = self.rag.chat(converted, **options)
+        with _lock(self.backend):
+            answer = self.backend.chat(converted, **options)
         self.last_answer = answer
         return ChatResult(generations=[ChatGeneration(message=self._message(answer, options))])
 
@@ -267,9 +234,10 @@ class ChatKVRag(BaseChatModel):
         return await run_in_executor(None, self._generate, messages, stop, None, **kwargs)
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+                run_manager: CallbackManagerForLLMRun | None = None,
+                **kwargs: Any) -> Generator[ChatGenerationChunk, None, None]:
         converted, options = to_kvrag_messages(messages), self._options(stop, kwargs)
-        rag = self.rag
+        rag = self.backend
         with _lock(rag):  # held until the stream ends or its generator is closed
             for piece in trimmed(rag.chat_stream(converted, **options)):
                 chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
@@ -278,7 +246,9 @@ class ChatKVRag(BaseChatModel):
                 yield chunk
             answer = rag.last_answer
         self.last_answer = answer
-        yield ChatGenerationChunk(message=self._message(answer, options, chunk=True))
+        last = self._message(answer, options, chunk=True)
+        assert isinstance(last, AIMessageChunk)
+        yield ChatGenerationChunk(message=last)
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,

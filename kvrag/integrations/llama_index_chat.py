@@ -31,14 +31,14 @@ import asyncio
 import contextvars
 import itertools
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from kvrag.integrations.llama_index import KVRetriever, _node
-from kvrag.integrations.prompt_llm import MODE_HELP, RATIO_HELP
-
+from kvrag.backend import AnswerBackend
 from kvrag.generation.trimmed import trimmed
+from kvrag.integrations.fields import ChatFields
+from kvrag.integrations.llama_index import KVRetriever, _node
 
 try:
     from llama_index.core.base.llms.types import TextBlock
@@ -70,7 +70,7 @@ __all__ = ["KVRagChatEngine", "KVRagChatLLM", "to_kvrag_messages"]
 
 T = TypeVar("T")
 _OPTIONS = ("retrieve", "k", "mode", "ratio", "max_new_tokens", "temperature", "top_p", "stop", "seed",
-            "history_cache", "gate", "chunks")  # the last two are per-call only
+            "history_cache", "gate", "chunks")  # chunks: per call only
 _ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant"}
 _worker: ThreadPoolExecutor | None = None
 _worker_lock = threading.Lock()
@@ -119,14 +119,14 @@ async def _in_worker(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(_executor(), context.run, fn, *args)
 
 
-async def _aiter(items: Iterator[T]) -> AsyncIterator[T]:
+async def _aiter(items: Iterator[T]) -> AsyncGenerator[T, None]:
     """An async view of a generator whose every step runs on the worker thread."""
     done = object()
     while (item := await _in_worker(next, items, done)) is not done:
         yield item  # type: ignore[misc]
 
 
-class KVRagChatLLM(CustomLLM):
+class KVRagChatLLM(ChatFields, CustomLLM):
     """A LlamaIndex chat LLM over `KVRag.chat`: the model's chat template, history KV reused across turns.
 
     Example:
@@ -135,18 +135,7 @@ class KVRagChatLLM(CustomLLM):
         >>> KVRagChatLLM(rag=rag, retrieve=True, k=4).complete("Who designed the reactor?")  # doctest: +SKIP
     """
 
-    rag: Any = Field(description="An opened `kvrag.KVRag`.")
     retrieve: bool = Field(default=False, description="Fuse the chunks retrieved for the last user message.")
-    k: int = Field(default=4, ge=0, description="Chunks retrieved when `retrieve` is True (0: none).")
-    mode: str | None = Field(default=None, description=MODE_HELP)
-    ratio: float | None = Field(default=None, gt=0.0, le=1.0, description=RATIO_HELP)
-    max_new_tokens: int = Field(default=256, gt=0, description="Most tokens generated per call.")
-    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy decoding.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling's probability mass.")
-    stop: list[str] = Field(default_factory=list, description="Strings that end the answer.")
-    seed: int | None = Field(default=None, description="Sampling seed.")
-    history_cache: bool = Field(default=True, description="Reuse the conversation's KV (False: prefill it).")
-    last_answer: Any = Field(default=None, exclude=True, description="The last call's `kvrag.Answer`.")
 
     @classmethod
     def class_name(cls) -> str:
@@ -156,17 +145,18 @@ class KVRagChatLLM(CustomLLM):
     @property
     def metadata(self) -> LLMMetadata:
         """The model's context window; a chat model whose system role is ``system``."""
-        return LLMMetadata(context_window=self.rag.lm.spec.max_position, num_output=self.max_new_tokens,
-                           is_chat_model=True, model_name=self.rag.lm.source, system_role=MessageRole.SYSTEM)
+        lm = self.backend.lm
+        return LLMMetadata(context_window=lm.spec.max_position, num_output=self.max_new_tokens,
+                           is_chat_model=True, model_name=lm.source, system_role=MessageRole.SYSTEM)
 
     def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        options = {name: getattr(self, name) for name in _OPTIONS[:-2]}
+        options = {**self.chat_options(), "stop": self.stop}
         options.update((name, value) for name, value in kwargs.items() if name in _OPTIONS)
         options["stop"] = tuple(options["stop"] or ())
         return options
 
     def _answer(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
-        self.last_answer = answer = self.rag.chat(to_kvrag_messages(messages), **self._options(kwargs))
+        self.last_answer = answer = self.backend.chat(to_kvrag_messages(messages), **self._options(kwargs))
         return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=answer.text),
                             raw=answer.to_json(), additional_kwargs=_info(answer))
 
@@ -175,7 +165,7 @@ class KVRagChatLLM(CustomLLM):
 
         ``last_answer`` is set as soon as kvrag has the answer (with the first piece) and again at the end.
         """
-        rag, options, converted = self.rag, self._options(kwargs), to_kvrag_messages(messages)
+        rag, options, converted = self.backend, self._options(kwargs), to_kvrag_messages(messages)
 
         def gen() -> ChatResponseGen:
             before = rag.last_answer
@@ -191,6 +181,7 @@ class KVRagChatLLM(CustomLLM):
                 text += delta
                 yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
             self.last_answer = answer = rag.last_answer
+            assert answer is not None  # the stream ended: its answer exists
             yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=answer.text), delta="",
                                raw=answer.to_json(), additional_kwargs=_info(answer))
 
@@ -247,7 +238,7 @@ class KVRagChatLLM(CustomLLM):
         return _aiter(self._completion(r) for r in self._stream(self._user(prompt), kwargs))
 
 
-def _model_tokens(rag: Any) -> Callable[[str], list[int]]:
+def _model_tokens(rag: AnswerBackend) -> Callable[[str], list[int]]:
     tokenizer = rag.lm.tokenizer
     return lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -273,11 +264,12 @@ class KVRagChatEngine(BaseChatEngine):
             raise ValueError(f"k must be an int >= 0, got {k!r}")
         self._llm, self._k, self._system_prompt = llm, k, system_prompt
         self._memory = memory if memory is not None else ChatMemoryBuffer.from_defaults(
-            token_limit=llm.metadata.context_window, tokenizer_fn=_model_tokens(llm.rag))
+            token_limit=llm.metadata.context_window, tokenizer_fn=_model_tokens(llm.backend))
         self.callback_manager = callback_manager or CallbackManager([])
 
     @classmethod
-    def from_defaults(cls, rag: Any = None, *, retriever: KVRetriever | None = None, llm: KVRagChatLLM | None = None,
+    def from_defaults(cls, rag: AnswerBackend | None = None, *, retriever: KVRetriever | None = None,
+                      llm: KVRagChatLLM | None = None,
                       k: int | None = None, chat_history: list[ChatMessage] | None = None,
                       memory: BaseMemory | None = None, system_prompt: str | None = None,
                       token_limit: int | None = None, **llm_options: Any) -> KVRagChatEngine:
@@ -288,17 +280,19 @@ class KVRagChatEngine(BaseChatEngine):
         """
         if retriever is not None and not isinstance(retriever, KVRetriever):
             raise ValueError(f"retriever must be a KVRetriever, got {type(retriever).__name__}")
-        indexes = {id(x): x for x in (rag, getattr(retriever, "rag", None), getattr(llm, "rag", None)) if x is not None}
+        given: tuple[AnswerBackend | None, ...] = (rag, None if retriever is None else retriever.rag,
+                                                   None if llm is None else llm.backend)
+        indexes = {id(x): x for x in given if x is not None}
         if len(indexes) != 1:
             raise ValueError("give one kvrag index: rag, a KVRetriever or a KVRagChatLLM over the same KVRag")
-        rag = next(iter(indexes.values()))
+        backend = next(iter(indexes.values()))
         if llm is None:
-            llm = KVRagChatLLM(rag=rag, **llm_options)
+            llm = KVRagChatLLM(rag=backend, **llm_options)
         elif llm_options:
             raise ValueError(f"options {sorted(llm_options)} are for a new LLM; set them on the llm given")
         if memory is None:
             memory = ChatMemoryBuffer.from_defaults(token_limit=token_limit or llm.metadata.context_window,
-                                                    tokenizer_fn=_model_tokens(rag))
+                                                    tokenizer_fn=_model_tokens(backend))
         if chat_history is not None:
             memory.set(chat_history)
         k = k if k is not None else (retriever.k if retriever is not None else 4)
@@ -345,7 +339,8 @@ class KVRagChatEngine(BaseChatEngine):
                                  metadata=_info(answer))
 
     def _start(self, message: str,
-               chat_history: list[ChatMessage] | None) -> tuple[StreamingAgentChatResponse, Iterator[ChatResponse]]:
+               chat_history: list[ChatMessage] | None
+               ) -> tuple[StreamingAgentChatResponse, Generator[ChatResponse, None, None]]:
         """Run the turn up to its first piece; the response and the generator of the remaining pieces."""
         llm = self._llm
         before = llm.last_answer
@@ -363,7 +358,7 @@ class KVRagChatEngine(BaseChatEngine):
                 response.sources.extend(self._sources(message, response.source_nodes))
             response.metadata.update(_info(answer))  # type: ignore[attr-defined]
 
-        def rest() -> Iterator[ChatResponse]:
+        def rest() -> Generator[ChatResponse, None, None]:
             for item in itertools.chain([first], stream):
                 if item.delta:
                     yield item

@@ -86,15 +86,6 @@ def test_a_round_of_tokens_costs_what_the_measured_rounds_say():
     assert abs(noisy.round_s(8) - 0.07) < 1e-9
 
 
-def test_answers_decoding_advance_while_a_sliced_first_step_runs():
-    ahead = [Pending(20, True)] * 3 + [Pending(20, False)]  # a slot frees once an answer decoding ends
-    whole, sliced = _measured(), _measured()
-    sliced.observe_first(0.5, rounds=10)  # each first step ran 10 rounds of the others' tokens between its slices
-    assert sliced.first_rounds > 0 == whole.first_rounds
-    waits = expected_wait(whole, ahead, [], 4), expected_wait(sliced, ahead, [], 4)
-    assert waits[0] is not None and waits[1] is not None and waits[1] < waits[0]
-
-
 def test_replayed_waits_are_scaled_by_how_admitted_waits_compared():
     times = _measured()
     top = WAIT_SCALE_RANGE[1]

@@ -1,23 +1,21 @@
 """Admission by expected wait: how long a request submitted now would wait for its first token, from measured
 service times.
 
-Contract: `ServiceTimes` keeps moving averages of what the worker thread measured: the seconds of a job's first
-step (retrieval, fusion, prefill and the first token) and their mean deviation, of one later step (a token), and
-the tokens a finished job generated; and the recent rounds of token steps as ``(answers, seconds)``, from which
+Contract: `ServiceTimes` keeps moving averages of what the worker thread measured: the seconds of a job's first step
+(retrieval, fusion, prefill and the first token) and their mean deviation, of one later step (a token), and the
+tokens a finished job generated; and the recent rounds of token steps as ``(answers, seconds)``, from which
 `ServiceTimes.round_s` fits what a round of ``n`` answers' tokens costs (``a + b·n``: the steps of a round run as
-one pass that reads the weights once, so a round of eight costs far less than eight rounds of one). A first step is
-timed from its start to its first token, rounds of the other answers run between its slices included, and how many
-such rounds it ran is kept too (`first_rounds`): the answers decoding advance that many tokens meanwhile. First steps
-vary (a short prompt is prefilled in full, a long one fused), and the bound is on the slow ones, so a first step
-counts as its mean plus twice its deviation (`first_high`). `expected_wait(times, active, queued, max_active)`
-replays the worker over the jobs ahead (their first steps one after another, the others advancing between their
-slices, then rounds of a token each until a slot frees) and returns the seconds until the new job's first token,
-or None while nothing has been measured. Each job is given as the tokens it may still generate and whether its first
-step is done. The replay misses what it does not model (later turns' longer prompts, the event loop), so
-`ServiceTimes` also keeps the ratios of admitted jobs' measured waits to their replayed ones (`observe_wait`), and
-`calibrated` scales a replayed wait by a high quantile of them (`WAIT_QUANTILE` of the last `WAIT_SAMPLES`; the
-range's top before any were measured): the bound is on the slow waits, not the mean. `admit_limit`: the longest
-such wait admitted, `ADMIT_HEADROOM` of the bound.
+one pass that reads the weights once, so a round of eight costs far less than eight rounds of one). First steps vary
+(a short prompt is prefilled in full, a long one fused), and the bound is on the slow ones, so a first step counts
+as its mean plus twice its deviation (`first_high`). `expected_wait(times, active, queued, max_active)` replays the
+worker over the jobs ahead (their first steps one after another, then rounds of a token each until a slot frees) and
+returns the seconds until the new job's first token, or None while nothing has been measured. Each job is given as
+the tokens it may still generate and whether its first step is done. The replay misses what it does not model (later
+turns' longer prompts, first steps sliced between rounds, the event loop), so `ServiceTimes` also keeps the ratios
+of admitted jobs' measured waits to their replayed ones (`observe_wait`), and `calibrated` scales a replayed wait by
+a high quantile of them (`WAIT_QUANTILE` of the last `WAIT_SAMPLES`; the range's top before any were measured): the
+bound is on the slow waits, not the mean. `admit_limit`: the longest such wait admitted, `ADMIT_HEADROOM` of the
+bound.
 Nothing here touches the model, FastAPI or a clock.
 """
 
@@ -59,7 +57,6 @@ class ServiceTimes:
     Attributes:
         first_s: seconds of a job's first step (retrieval, fusion, prefill, first token); None until measured.
         first_dev: the mean absolute deviation of the first steps' seconds.
-        first_rounds: the rounds of the other answers' tokens run between a first step's slices.
         step_s: seconds of one later step (one token); None until measured.
         tokens: tokens a finished job generated; None until a job finished.
         wait_ratios: the last admitted jobs' measured waits for a first token over their replayed ones.
@@ -68,7 +65,6 @@ class ServiceTimes:
 
     first_s: float | None = None
     first_dev: float = 0.0
-    first_rounds: float = 0.0
     step_s: float | None = None
     tokens: float | None = None
     wait_ratios: deque[float] = field(default_factory=lambda: deque(maxlen=WAIT_SAMPLES))
@@ -95,12 +91,9 @@ class ServiceTimes:
         """A replayed wait scaled by `wait_scale` (None stays None)."""
         return None if replayed is None else replayed * self.wait_scale
 
-    def observe_first(self, seconds: float, rounds: int = 0) -> None:
-        """Record a first step's duration, from its start to its first token, and the rounds of the other answers'
-        tokens run between its slices meanwhile.
-        """
+    def observe_first(self, seconds: float) -> None:
+        """Record a first step's duration (without the other answers' steps run between its slices)."""
         seconds = max(seconds, 0.0)
-        self.first_rounds = _average(self.first_rounds if self.first_s is not None else None, float(max(rounds, 0)))
         if self.first_s is not None:
             self.first_dev = _average(self.first_dev, abs(seconds - self.first_s))
         self.first_s = _average(self.first_s, seconds)
@@ -174,11 +167,8 @@ def expected_wait(times: ServiceTimes, active: list[Pending], queued: list[Pendi
     clock = 0.0
     while len(running) >= max_active:  # the new job waits for a slot: replay the worker until one frees
         for job in running:
-            if job[1]:  # its first step, the answers already decoding given a token between its slices
+            if job[1]:  # its first step
                 clock += first
-                for other in running:
-                    if not other[1]:
-                        other[0] = max(other[0] - round(times.first_rounds), 0)
                 job[0], job[1] = job[0] - 1, False
         live = [job for job in running if job[0] > 0]
         if len(live) == len(running):  # rounds of a token each until the shortest answer ends

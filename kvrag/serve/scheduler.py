@@ -290,7 +290,6 @@ class Scheduler:
             return
         before = self.rag.last_answer
         self._stepping, self._sliced_s = job, 0.0
-        handed_back = self.prefill_slices()
         began = time.perf_counter()
         try:
             piece = next(job._stream)
@@ -309,8 +308,8 @@ class Scheduler:
             return
         took = time.perf_counter() - began - self._sliced_s  # other jobs' steps between slices are theirs
         self._record_rounds()
-        if job.steps == 0:  # its wait: the rounds run between its slices count
-            self.times.observe_first(took + self._sliced_s, self.prefill_slices() - handed_back)
+        if job.steps == 0:
+            self.times.observe_first(took)
             with self._lock:  # submitters read the ratios under the lock
                 self.times.observe_wait(job.replayed_wait, time.perf_counter() - job.submitted)
         else:

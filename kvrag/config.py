@@ -5,10 +5,13 @@ What the user chooses lives here; what the model dictates lives in `kvrag.model.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal
+
+from kvrag.sizes import parse_bytes
 
 SplitMode = Literal["semantic", "fixed", "document"]
 ATTENTION_KERNELS: tuple[str, ...] = ("auto", "blocks", "flex", "tiles")
@@ -124,16 +127,17 @@ class StoreConfig:
             the recorded one (the same caches at another URL): ``file:///abs/path``, or a shared Redis or
             Valkey ``redis://[[USER]:PASSWORD@]HOST:PORT/DB`` (``rediss://`` with TLS).
         fsync: whether a file store flushes each write to stable storage before it returns.
-        cache_mb: the bound, in MiB, of the in-memory LRU cache of hot chunk caches kept in front of a
-            remote store (0 turns it off).
+        cache_bytes: the bound of the in-memory LRU cache of hot chunk caches kept in front of a remote store, in
+            bytes or a size such as ``"256MiB"`` (`kvrag.sizes.parse_bytes`; 0 turns it off).
         connect_timeout_s, timeout_s: a remote store's connect timeout and its timeout per command.
         retries: how many times a remote command is tried again (with exponential backoff) after a
             connection error (a timeout is not tried again).
         retry_after_s: after a remote store failed, for how long it is taken as away without asking it
             again (chunks are then computed from their text).
-        decoded_mb: the bound, in MiB, of the process's tier of hot chunk caches kept decoded in memory
-            (`kvrag.storage.decoded_tier`, on the CPU): a chunk read again is fused from there, neither read nor
-            decoded (0 turns it off).
+        decoded_bytes: the bound of the process's tier of hot chunk caches kept decoded in memory
+            (`kvrag.storage.decoded_tier`, on the CPU), in bytes or a size: a chunk read again is fused from there,
+            neither read nor decoded (0 turns it off).
+        cache_mb, decoded_mb: deprecated, in MiB: ``cache_bytes`` and ``decoded_bytes`` (a DeprecationWarning).
         max_bytes: a bound on the chunk caches' bytes in the store (None: none), least recently used evicted
             (`kvrag.storage.stores.LRUDiskStore`, `LRURedisStore`); an evicted cache is computed again from its
             text when a prompt needs it. Given to a new index, it is recorded and kept.
@@ -141,29 +145,38 @@ class StoreConfig:
 
     backend: str = "disk"
     fsync: bool = True
-    cache_mb: float = 256.0
+    cache_bytes: int | str = 256 << 20
     connect_timeout_s: float = 1.0
     timeout_s: float = 5.0
     retries: int = 2
     retry_after_s: float = 5.0
     max_bytes: int | None = None
-    decoded_mb: float = 512.0
+    decoded_bytes: int | str = 512 << 20
+    cache_mb: float | None = None
+    decoded_mb: float | None = None
 
     @staticmethod
     def decoded_bytes_of(store: str | StoreConfig | None) -> int:
-        """The decoded tier's bound in bytes for ``store`` (a `KVRag` ``store=`` argument): its ``decoded_mb``, else
+        """The decoded tier's bound in bytes for ``store`` (a `KVRag` ``store=`` argument): its ``decoded_bytes``, else
         the default.
         """
-        return int((store if isinstance(store, StoreConfig) else StoreConfig()).decoded_mb * (1 << 20))
+        return int((store if isinstance(store, StoreConfig) else StoreConfig()).decoded_bytes)
 
     def __post_init__(self) -> None:
         if self.max_bytes is not None and not self.max_bytes > 0:
             raise ValueError(f"StoreConfig.max_bytes must be > 0 (or None), got {self.max_bytes!r}")
         if not self.backend:
             raise ValueError("StoreConfig.backend must name a store, got an empty string")
-        if not (self.cache_mb >= 0 and self.decoded_mb >= 0):
-            raise ValueError(f"StoreConfig.cache_mb and decoded_mb must be >= 0, got {self.cache_mb!r}, "
-                             f"{self.decoded_mb!r}")
+        for old, new in (("cache_mb", "cache_bytes"), ("decoded_mb", "decoded_bytes")):
+            value = getattr(self, old)
+            if value is not None:  # the sizes in MiB these bounds had before
+                warnings.warn(f"StoreConfig.{old} is deprecated; give {new} (bytes, or a size such as '256MiB')",
+                              DeprecationWarning, stacklevel=3)
+                if not value >= 0:
+                    raise ValueError(f"StoreConfig.{old} must be >= 0, got {value!r}")
+                object.__setattr__(self, new, int(value * (1 << 20)))
+                object.__setattr__(self, old, None)
+            object.__setattr__(self, new, parse_bytes(getattr(self, new), f"StoreConfig.{new}", zero=True))
         if not (self.connect_timeout_s > 0 and self.timeout_s > 0):
             raise ValueError(f"StoreConfig timeouts must be > 0, got {self.connect_timeout_s!r}, {self.timeout_s!r}")
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:

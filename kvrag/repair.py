@@ -247,7 +247,7 @@ def _damaged_caches(path: Path, manifest: dict[str, Any], found: VerifyReport, r
     if url is None and not files.chunks.is_dir():
         return set()
     where = str(files.chunks) if url is None else public_url(url)
-    store = open_index_store(path, manifest, StoreConfig(cache_mb=0))
+    store = open_index_store(path, manifest, StoreConfig(cache_bytes=0))
     try:
         if codec_damaged:
             stored = list(store.keys())  # every blob of the index: all coded with the damaged state

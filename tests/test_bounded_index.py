@@ -60,7 +60,7 @@ def test_the_command_line_records_and_shows_the_bound(tiny_model_dir: Path, tmp_
     assert main(["info", str(index), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["max_cache_bytes"] == 200_000
     assert main(["index", str(docs), "--index", str(tmp_path / "x"), "--max-cache-bytes", "lots"]) == 2
-    assert "max_bytes must be a size" in capsys.readouterr().err
+    assert "--max-cache-bytes: the value must be a size such as" in capsys.readouterr().err
 
 
 def test_metrics_report_the_chunk_store():

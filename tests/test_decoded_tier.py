@@ -66,9 +66,14 @@ def test_a_cache_url_bounds_the_tier_and_keeps_the_option_from_redis(tmp_path):
         memory_bound(f"file://{tmp_path}/c?prompt_bytes=-1", "prompt_bytes")
     assert open_cache_store(f"file://{tmp_path}/c?decoded_bytes=1MB").root == tmp_path / "c"
     assert StoreConfig.decoded_bytes_of(None) == StoreConfig.decoded_bytes_of("disk") == DEFAULT_DECODED_BYTES
-    assert StoreConfig.decoded_bytes_of(StoreConfig(decoded_mb=0)) == 0  # an index's tier, off
-    with pytest.raises(ValueError, match="decoded_mb must be >= 0"):
-        StoreConfig(decoded_mb=-1)
+    assert StoreConfig.decoded_bytes_of(StoreConfig(decoded_bytes=0)) == 0  # an index's tier, off
+    assert StoreConfig.decoded_bytes_of(StoreConfig(decoded_bytes="64MiB")) == 64 << 20
+    with pytest.raises(ValueError, match="StoreConfig.decoded_bytes must be >= 0"):
+        StoreConfig(decoded_bytes=-1)
+    with pytest.raises(ValueError, match="StoreConfig.cache_bytes must be a size such as"):
+        StoreConfig(cache_bytes="lots")
+    with pytest.warns(DeprecationWarning, match="decoded_mb is deprecated; give decoded_bytes"):  # MiB, as before
+        assert StoreConfig(decoded_mb=2, cache_mb=0.5) == StoreConfig(decoded_bytes="2MiB", cache_bytes=1 << 19)
 
 
 @pytest.mark.parametrize("codec", ["raw", "cachegen"])

@@ -195,6 +195,28 @@ def test_a_shared_codec_state_lost_or_damaged_is_named_and_refitted_by_repair(ti
         assert verify_index(tmp_path / "other").ok  # the other index reads the refitted state too
 
 
+def test_a_shared_state_reference_that_leaves_the_states_folder_is_refused(tmp_path, monkeypatch):
+    import json
+
+    from kvrag.storage import shared_state
+
+    monkeypatch.setenv("KVRAG_CACHE_DIR", str(tmp_path / "user-cache"))
+    monkeypatch.setattr(shared_state, "RETRY_S", 0.0)
+    digest = "0" * 24
+    outside = shared_state.states_root() / ".." / "elsewhere" / digest  # a folder an index must not reach
+    outside.mkdir(parents=True)
+    codec = tmp_path / "idx" / "codec"
+    codec.mkdir(parents=True)
+    for name in ("../elsewhere", "..", "a/b", ".hidden", ""):
+        (codec / shared_state.REF).write_text(json.dumps({"name": name, "digest": digest}))
+        with pytest.raises(shared_state.SharedStateError, match="is damaged: .* not a codec state name"):
+            shared_state.read_ref(codec)
+        with pytest.raises(shared_state.SharedStateError, match="not a codec state name"):
+            shared_state.load(object(), name, digest)
+    (codec / shared_state.REF).write_text(json.dumps({"name": "cachegen-abc.1_x", "digest": digest}))
+    assert shared_state.read_ref(codec) == ("cachegen-abc.1_x", digest)
+
+
 def test_a_changed_text_in_the_database_is_an_error_and_repair_names_it(clean, tiny_lm, tmp_path):
     path, expected = clean["raw"]
     work = _copy(path, tmp_path / "text")

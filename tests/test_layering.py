@@ -29,6 +29,7 @@ STAGE: dict[str, int] = {
     "kvrag.embedder": _FOUNDATION,
     "kvrag.mean_pooled": _FOUNDATION,
     "kvrag.byte_lru": _FOUNDATION,
+    "kvrag.sizes": _FOUNDATION,
     "kvrag.user_cache": _FOUNDATION,
     "kvrag.trusted_paths": _FOUNDATION,
     "kvrag.model": _FOUNDATION,

@@ -106,7 +106,7 @@ def test_the_url_is_recorded_and_can_be_overridden(built, redis_server, tiny_lm,
         assert _answers(opened) == expected
         assert store.misses > 0 and not store.pending
     assert not _warnings(caplog)  # every cache was found there: nothing computed from text
-    recorded = open_index_store(path, rag.manifest, StoreConfig(cache_mb=1))  # backend "disk": the index's own
+    recorded = open_index_store(path, rag.manifest, StoreConfig(cache_bytes=1 << 20))  # backend "disk": the index's own
     assert isinstance(recorded, CachedStore) and recorded.label == redis_server.url()
     assert recorded.max_bytes == 1 << 20
     recorded.close()
@@ -224,7 +224,7 @@ def test_a_server_killed_or_hung_midway_then_back(redis_server, tiny_lm, tmp_pat
         rag = _build(DOCS[:4], tmp_path / "idx", tiny_lm, store=server.url())
         expected = {q: rag.answer(q, k=2, mode="reuse", max_new_tokens=4).token_ids for q in QUESTIONS}
         rag.close()
-        config = StoreConfig(cache_mb=0, retry_after_s=0.2, timeout_s=0.5, connect_timeout_s=0.5, decoded_mb=0)
+        config = StoreConfig(cache_bytes=0, retry_after_s=0.2, timeout_s=0.5, connect_timeout_s=0.5, decoded_bytes=0)
         caplog.set_level(logging.INFO)
         with KVRag.open(tmp_path / "idx", model=tiny_lm, store=config) as rag:
             store = rag.kvstore.store
@@ -301,7 +301,7 @@ def test_a_password_is_used_but_never_recorded_or_shown(redis_server, tiny_lm, t
             caplog.clear()
             monkeypatch.setenv("KVRAG_REDIS_PASSWORD", SECRET)  # the recorded URL, the password from here
             rag.kvstore.store.close()
-            rag.kvstore.store = open_index_store(tmp_path / "idx", rag.manifest, StoreConfig(cache_mb=0))
+            rag.kvstore.store = open_index_store(tmp_path / "idx", rag.manifest, StoreConfig(cache_bytes=0))
             assert rag.answer(QUESTIONS[0], k=2, mode="reuse", max_new_tokens=4).token_ids == expected
             assert not _warnings(caplog) and rag.kvstore.store.misses > 0
         with pytest.raises(StoreUnavailableError) as exc:
@@ -335,11 +335,13 @@ def test_the_commands_take_the_store_url(redis_server, tiny_model_dir, tmp_path,
     assert json.loads(captured.out)["answer"] is not None
     assert "missing" not in captured.err and "unreachable" not in captured.err  # found through the manifest
     other = f"redis://localhost:{redis_server.port}/3"
-    args = build_parser().parse_args(["ask", str(idx), "q", "--store", other, "--store-cache-mb", "8"])
-    assert store_arg(args) == StoreConfig(backend=other, cache_mb=8.0)
+    args = build_parser().parse_args(["ask", str(idx), "q", "--store", other, "--store-cache-bytes", "8MiB"])
+    assert store_arg(args) == StoreConfig(backend=other, cache_bytes=8 << 20)
+    args = build_parser().parse_args(["ask", str(idx), "q", "--store", other, "--store-cache-mb", "8"])  # as before
+    assert store_arg(args) == StoreConfig(backend=other, cache_bytes=8 << 20)
     assert store_arg(build_parser().parse_args(["ask", str(idx), "q", "--store", other])) == other
-    assert store_arg(build_parser().parse_args(["ask", str(idx), "q", "--decoded-mb", "0"])) == StoreConfig(
-        decoded_mb=0.0)
+    assert store_arg(build_parser().parse_args(["ask", str(idx), "q", "--decoded-bytes", "0"])) == StoreConfig(
+        decoded_bytes=0)
 
 
 def test_without_redis_py_the_error_names_the_extra(monkeypatch, tmp_path):

@@ -86,7 +86,7 @@ def test_redis_killed_mid_answer_down_hung_and_back(redis, docs_dir: Path, tiny_
     assert _index(docs_dir, index, tiny_model_dir, redis.url()).returncode == 0
     # no wait bound: a hung store slows the first steps, and this test is about answers, not admission
     # and no decoded tier: every answer reads the store, through its faults
-    with ServeProcess(index, "--store-cache-mb", "0", "--decoded-mb", "0", "--max-active", "4", "--max-wait", "0",
+    with ServeProcess(index, "--store-cache-bytes", "0", "--decoded-bytes", "0", "--max-active", "4", "--max-wait", "0",
                       "--no-warmup") as server:
         expected = {q: _text(_chat(server.url, q)) for q in QUESTIONS}
         answers: list[tuple[str, httpx.Response]] = []
@@ -127,7 +127,7 @@ def test_redis_unreachable_for_30_seconds(redis, docs_dir: Path, tiny_model_dir:
     index = tmp_path / "idx"
     assert _index(docs_dir, index, tiny_model_dir, redis.url(db=5)).returncode == 0
     # and no decoded tier: every answer reads the store, through its faults
-    with ServeProcess(index, "--store-cache-mb", "0", "--decoded-mb", "0", "--max-active", "4", "--max-wait", "0",
+    with ServeProcess(index, "--store-cache-bytes", "0", "--decoded-bytes", "0", "--max-active", "4", "--max-wait", "0",
                       "--no-warmup") as server:
         expected = {q: _text(_chat(server.url, q)) for q in QUESTIONS}
         answers: list[tuple[str, httpx.Response, float]] = []
@@ -240,8 +240,8 @@ def test_full_disk_tier_and_tiny_host_tier_under_64_clients_degrade(redis, docs_
     folder, limit = full_disk
     index = tmp_path / "idx"
     assert _index(docs_dir, index, tiny_model_dir, None).returncode == 0
-    with ServeProcess(index, "--session-host-mb", "0.02", "--session-disk-mb", "64", "--session-dir", str(folder),
-                      "--max-wait", "60", "--no-warmup", preexec=limit) as server:
+    with ServeProcess(index, "--session-host-bytes", "20KiB", "--session-disk-bytes", "64MiB", "--session-dir",
+                      str(folder), "--max-wait", "60", "--no-warmup", preexec=limit) as server:
         outcome: dict[int, Any] = {}
         clients = [threading.Thread(target=_conversation, args=(server.url, i, outcome)) for i in range(64)]
         for t in clients:
@@ -266,7 +266,7 @@ def test_kill_9_then_restart_finds_the_kept_conversations_on_disk(docs_dir: Path
                                                                   tmp_path: Path):
     index, sessions = tmp_path / "idx", tmp_path / "sessions"
     assert _index(docs_dir, index, tiny_model_dir, None).returncode == 0
-    flags = ("--session-host-mb", "0", "--session-dir", str(sessions), "--no-warmup")
+    flags = ("--session-host-bytes", "0", "--session-dir", str(sessions), "--no-warmup")
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
     with ServeProcess(index, *flags) as server:
         for messages in conversations:

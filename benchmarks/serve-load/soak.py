@@ -8,7 +8,7 @@ Prepares as `run.py` does (the same index, conversations and settings), starts o
 ``--clients`` concurrent clients without a pause for ``--minutes``, in windows of ``--window`` seconds. For each
 window it records the answers, 429s, 5xx and other errors, the TTFT p50 and p99, the server's resident memory
 at the window's end and at its peak, and the bytes its conversations' host tier holds (bounded by
-``--session-host-mb``, 1 GiB by default). Writes ``soak.json`` and ``soak.md`` to ``--out``; the memory is flat when the
+``--session-host-bytes``, 1 GiB by default). Writes ``soak.json`` and ``soak.md`` to ``--out``; the memory is flat when the
 later windows' end values stay within a few percent of the first window's after warm-up.
 """
 

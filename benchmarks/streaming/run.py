@@ -7,7 +7,7 @@ questions (one passage = one chunk), its caches at every ``cachegen`` level (the
 ``--stream-levels``). Then, for each rate of ``--rates`` (Mbit/s), it shapes ``lo`` with
 ``tc qdisc replace dev lo root tbf rate R burst B latency L`` and answers every question, modes interleaved
 (the starting one rotated per question): ``full`` (no cache loaded: the reference), the stored caches at each
-fixed level, and the adaptive loader (``FuseConfig.ttft_slo``). The local cache is off (``cache_mb=0``), so every
+fixed level, and the adaptive loader (``FuseConfig.ttft_slo``). The local cache is off (``cache_bytes=0``), so every
 chunk crosses the link. Before each rate's questions one untimed answer measures the link (the loader plans
 with the throughput of the store's recent reads).
 
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> None:
             KVRag.build(passage_documents(items), Path(tmp) / "idx", model=args.model, split=SplitConfig(
                 mode="document", max_tokens=512), store=url, stream_levels=(0, 1, 3), show_progress=False).close()
             build_s = time.perf_counter() - t0
-            store = StoreConfig(cache_mb=0, timeout_s=60.0)
+            store = StoreConfig(cache_bytes=0, timeout_s=60.0)
             with KVRag.open(Path(tmp) / "idx", store=store) as rag:
                 keys = list(rag.index.keys())
                 sizes = rag.kvstore.level_sizes(keys)

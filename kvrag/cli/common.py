@@ -1,13 +1,13 @@
 """What every ``kvrag`` subcommand shares: the parser class, the global flags, argument types.
 
-Contract: `Parser` reports a usage error as one line ``kvrag: error: …`` on stderr and exits 2
-(no usage dump). `add_global_flags` puts ``-v/--verbose`` (count), ``-q/--quiet``, ``--progress``
-and ``--debug`` on the top-level parser (with defaults) and on each subcommand (without, so that a
-flag given before the subcommand survives); they work in either place. `add_store_flags` adds
-``--store URL``, ``--store-cache-mb N`` and ``--decoded-mb N`` (where the chunk caches live, and the in-memory
-tiers; `store_arg` turns them into ``KVRag``'s ``store=``); `add_embedder_flag` adds ``--embedder PATH`` (the
-index's embedder, named by the user when the manifest names a path outside the index). Argument types name the
-argument's problem and the value given. Nothing here imports torch.
+Contract: `Parser` reports a usage error as one line ``kvrag: error: …`` on stderr and exits 2 (no usage dump).
+`add_global_flags` puts ``-v/--verbose`` (count), ``-q/--quiet``, ``--progress`` and ``--debug`` on the top-level
+parser (with defaults) and on each subcommand (without, so that a flag given before the subcommand survives); they
+work in either place. `add_store_flags` adds ``--store URL``, ``--store-cache-bytes SIZE`` and
+``--decoded-bytes SIZE`` (where the chunk caches live, and the in-memory tiers; `store_arg` turns them into
+``KVRag``'s ``store=``); `add_embedder_flag` adds ``--embedder PATH`` (the index's embedder, named by the user when
+the manifest names a path outside the index). Argument types name the argument's problem and the value given.
+Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def add_global_flags(parser: argparse.ArgumentParser, top: bool) -> None:
 
 
 def add_store_flags(parser: argparse.ArgumentParser, building: bool) -> None:
-    """``--store``, ``--store-cache-mb`` and ``--decoded-mb``; ``building``: for ``kvrag index`` (the URL is recorded in
-    a new index).
+    """``--store``, ``--store-cache-bytes`` and ``--decoded-bytes``; ``building``: for ``kvrag index`` (the URL is
+    recorded in a new index). ``--store-cache-mb`` and ``--decoded-mb`` (MiB, deprecated) are still read.
     """
     where = ("where the chunk caches go: file:///abs/path, or a shared Redis or Valkey "
              "redis://[:PASSWORD@]HOST:PORT/DB, recorded in a new index (without the password) so that 'kvrag ask' "
@@ -52,12 +52,20 @@ def add_store_flags(parser: argparse.ArgumentParser, building: bool) -> None:
              if building else "where the index's chunk caches are, when not where the index records them (e.g. "
              "redis://[:PASSWORD@]HOST:PORT/DB: another URL for the same server, or the password)")
     parser.add_argument("--store", default=None, metavar="URL", help=where)
-    parser.add_argument("--store-cache-mb", type=non_negative_float, default=None, metavar="MB",
-                        help=f"size of the in-memory cache of hot chunk caches in front of a Redis store "
-                             f"(default {StoreConfig.cache_mb:g}; 0: none)")
-    parser.add_argument("--decoded-mb", type=non_negative_float, default=None, metavar="MB",
-                        help=f"size of the in-memory tier of hot chunk caches kept decoded, on the CPU "
-                             f"(default {StoreConfig.decoded_mb:g}; 0: none)")
+    add_size_flag(parser, "--store-cache-bytes", "size of the in-memory cache of hot chunk caches in front of a "
+                  f"Redis store, e.g. 256MiB (default {int(StoreConfig.cache_bytes) >> 20} MiB; 0: none)")
+    add_size_flag(parser, "--decoded-bytes", "size of the in-memory tier of hot chunk caches kept decoded, on the CPU, "
+                  f"e.g. 512MiB (default {int(StoreConfig.decoded_bytes) >> 20} MiB; 0: none)")
+
+
+def add_size_flag(parser: argparse.ArgumentParser, flag: str, help: str) -> None:
+    """``flag`` (``--…-bytes SIZE``: bytes, or a size such as ``512MiB``; 0 allowed), and beside it the deprecated
+    ``--…-mb MB`` it replaces (a number of MiB), both into ``flag``'s destination.
+    """
+    dest = flag[2:].replace("-", "_")
+    parser.add_argument(flag, type=byte_size_or_zero, default=None, metavar="SIZE", help=help)
+    parser.add_argument(flag.removesuffix("-bytes") + "-mb", type=mib_size, default=None, dest=dest, metavar="MB",
+                        help=f"deprecated: {flag} in MiB")
 
 
 def add_embedder_flag(parser: argparse.ArgumentParser) -> None:
@@ -68,23 +76,38 @@ def add_embedder_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def store_arg(args: argparse.Namespace) -> str | StoreConfig | None:
-    """``--store`` / ``--store-cache-mb`` / ``--decoded-mb`` / ``--max-cache-bytes`` as ``KVRag``'s ``store=`` (None:
-    the index's own store).
+    """``--store`` / ``--store-cache-bytes`` / ``--decoded-bytes`` / ``--max-cache-bytes`` as ``KVRag``'s ``store=``
+    (None: the index's own store).
     """
-    bound, decoded = getattr(args, "max_cache_bytes", None), getattr(args, "decoded_mb", None)
-    if args.store_cache_mb is not None or bound is not None or decoded is not None:
-        cache_mb = StoreConfig.cache_mb if args.store_cache_mb is None else args.store_cache_mb
-        return StoreConfig(backend=args.store or "disk", cache_mb=cache_mb, max_bytes=bound,
-                           decoded_mb=StoreConfig.decoded_mb if decoded is None else decoded)
+    bound, decoded, cache = getattr(args, "max_cache_bytes", None), args.decoded_bytes, args.store_cache_bytes
+    if cache is not None or bound is not None or decoded is not None:
+        default = StoreConfig()
+        return StoreConfig(backend=args.store or "disk", max_bytes=bound,
+                           cache_bytes=default.cache_bytes if cache is None else cache,
+                           decoded_bytes=default.decoded_bytes if decoded is None else decoded)
     return args.store
 
 
 def byte_size(text: str) -> int:
-    """An argparse type: a size in bytes, ``5000000`` or with a unit (``500MB``, ``5GiB``)."""
-    from kvrag.passages.cache_url import parse_bytes
+    """An argparse type: a positive size in bytes, ``5000000`` or with a unit (``500MB``, ``5GiB``)."""
+    return _size(text, zero=False)
+
+
+def byte_size_or_zero(text: str) -> int:
+    """An argparse type: a size in bytes as `byte_size` takes it, or 0 (the bound's store or tier off)."""
+    return _size(text, zero=True)
+
+
+def mib_size(text: str) -> int:
+    """An argparse type: a size in MiB (a number), in bytes: what the ``--*-mb`` flags took before ``--*-bytes``."""
+    return int(non_negative_float(text) * (1 << 20))
+
+
+def _size(text: str, zero: bool) -> int:
+    from kvrag.sizes import parse_bytes
 
     try:
-        return parse_bytes(text)
+        return parse_bytes(text, "the value", zero=zero)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from kvrag.cli.common import (
     add_embedder_flag,
+    add_size_flag,
     add_store_flags,
     non_negative_float,
     non_negative_int,
@@ -95,11 +96,10 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                         "it is the same model")
     p.add_argument("--device", default=None,
                    help="torch device for the model and the embedder, e.g. cpu or cuda (default: cuda if available)")
-    p.add_argument("--session-host-mb", type=non_negative_float, default=None, metavar="MB",
-                   help=f"host memory for conversations' kept KV (default {SessionConfig.host_bytes >> 20})")
-    p.add_argument("--session-disk-mb", type=non_negative_float, default=None, metavar="MB",
-                   help=f"disk for conversations' kept KV, below host memory "
-                        f"(default {SessionConfig.disk_bytes >> 20}; 0: none)")
+    add_size_flag(p, "--session-host-bytes", "host memory for conversations' kept KV, e.g. 1GiB "
+                  f"(default {SessionConfig.host_bytes >> 20} MiB)")
+    add_size_flag(p, "--session-disk-bytes", "disk for conversations' kept KV, below host memory, e.g. 8GiB "
+                  f"(default {SessionConfig.disk_bytes >> 20} MiB; 0: none)")
     p.add_argument("--session-dir", default=None, metavar="DIR",
                    help="the disk tier's folder; its conversations are found again after a restart (default: a "
                         "temporary folder, removed on exit)")
@@ -126,13 +126,12 @@ def _ready(args: argparse.Namespace, api_key: str | None) -> Callable[[str], Non
 
 def session_config(args: argparse.Namespace) -> SessionConfig | None:
     """The conversations' tiers the flags ask for (None: the defaults)."""
-    if args.session_host_mb is None and args.session_disk_mb is None and args.session_dir is None:
+    if args.session_host_bytes is None and args.session_disk_bytes is None and args.session_dir is None:
         return None
     default = SessionConfig()
-    host, disk = args.session_host_mb, args.session_disk_mb
-    return SessionConfig(host_bytes=default.host_bytes if host is None else int(host * (1 << 20)),
-                         disk_bytes=default.disk_bytes if disk is None else int(disk * (1 << 20)),
-                         disk_dir=args.session_dir)
+    host, disk = args.session_host_bytes, args.session_disk_bytes
+    return SessionConfig(host_bytes=default.host_bytes if host is None else host,
+                         disk_bytes=default.disk_bytes if disk is None else disk, disk_dir=args.session_dir)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -77,7 +77,7 @@ def store_cache_bytes(path: Path, manifest: Mapping[str, Any]) -> int | None:
     url = (manifest.get("store") or {}).get("url")
     if url is None or not is_remote_url(url):
         return None
-    store = open_index_store(Path(path), manifest, StoreConfig(cache_mb=0))
+    store = open_index_store(Path(path), manifest, StoreConfig(cache_bytes=0))
     try:
         return sum(store.sizes(list(store.keys())))
     finally:

@@ -10,8 +10,8 @@ Contract: `open_cache_store(url)` builds the store a ``cache=`` argument names:
   other query options go to redis-py.
 
 ``max_bytes`` takes bytes or a size with a unit (``kB``, ``MB``, ``GB``, ``TB``: powers of 1000; ``KiB``, ``MiB``,
-``GiB``, ``TiB``: of 1024), `parse_bytes`; the ``max_bytes`` argument, when given, overrides the URL's. A bad
-URL or size raises ValueError in one line, before anything is created.
+``GiB``, ``TiB``: of 1024), `kvrag.sizes.parse_bytes`; the ``max_bytes`` argument, when given, overrides the URL's.
+A bad URL or size raises ValueError in one line, before anything is created.
 
 Two more options (any scheme) bound what the process keeps in memory, not the store (`memory_bound`; 0 turns each
 off): ``decoded_bytes`` (e.g. ``file:///path?decoded_bytes=1GiB``) the tier of hot passage caches kept decoded
@@ -23,40 +23,18 @@ off): ``decoded_bytes`` (e.g. ``file:///path?decoded_bytes=1GiB``) the tier of h
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from urllib.request import url2pathname
 
 from kvrag.query.head_cache import DEFAULT_PROMPT_BYTES
+from kvrag.sizes import parse_bytes
 from kvrag.storage.decoded_tier import DEFAULT_DECODED_BYTES
 from kvrag.storage.stores import ByteStore, LRUDiskStore, LRURedisStore, public_url
 from kvrag.user_cache import default_cache_dir
 
 DEFAULT_MAX_BYTES = 5 * 10**9
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _OURS = ("max_bytes", "decoded_bytes", "prompt_bytes", "codec")  # kvrag's; a redis:// URL's others go to redis-py
-
-
-def parse_bytes(text: str | int, name: str = "max_bytes", zero: bool = False) -> int:
-    """A size in bytes from ``5000000``, ``"5GB"`` or ``"1.5 GiB"``; ValueError for anything else or <= 0 (< 0 with
-    ``zero``). ``name`` is the option named in the error.
-    """
-    if isinstance(text, int) and not isinstance(text, bool):
-        size = text
-    else:
-        match = _SIZE.match(str(text))
-        unit = match.group(2).lower() if match else None
-        if match is None or unit not in _UNITS:
-            raise ValueError(f"{name} must be a size such as 5000000, '500MB' or '5GiB', got {text!r}")
-        size = int(float(match.group(1)) * _UNITS[unit])
-    if size < 0 or (size == 0 and not zero):
-        raise ValueError(f"{name} must be {'>= 0' if zero else 'positive'}, got {text!r}")
-    return size
-
-
 _MEMORY_DEFAULTS = {"decoded_bytes": DEFAULT_DECODED_BYTES, "prompt_bytes": DEFAULT_PROMPT_BYTES}
 
 

@@ -56,7 +56,15 @@ def files_digest(folder: Path) -> str:
     return h.hexdigest()[:24]
 
 
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,119}")  # what `state_name` makes: never '..', never a separator
+
+
 def _folder(name: str, digest: str) -> Path:
+    """The folder of state ``name``/``digest``: both read from an index, so both are checked to name one folder
+    under `states_root` (a name such as ``../x`` is refused, as every other path read from an index is).
+    """
+    if not _NAME.fullmatch(name):
+        raise SharedStateError(f"{name!r} is not a codec state name")
     if not re.fullmatch(r"[0-9a-f]{24}", digest):
         raise SharedStateError(f"{digest!r} is not a codec state digest")
     return states_root() / name / digest
@@ -120,6 +128,8 @@ def read_ref(state_dir: Path) -> tuple[str, str] | None:
         return None
     try:
         ref = read_json(path)
-        return str(ref["name"]), str(ref["digest"])
+        name, digest = str(ref["name"]), str(ref["digest"])
+        _folder(name, digest)  # a name or digest that would leave the states' folder: damaged
+        return name, digest
     except (ValueError, KeyError, TypeError, OSError) as exc:
         raise SharedStateError(f"{path} is damaged: {exc}") from None

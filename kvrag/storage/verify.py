@@ -220,7 +220,7 @@ def _check_caches(path: Path, report: VerifyReport, codec: Any, keys: list[str])
         report.caches_missing = len(keys) * (1 + with_leads + len(levels))
         return
     where = IndexLayout(path).chunks if url is None else public_url(url)
-    store = open_index_store(path, manifest, StoreConfig(cache_mb=0, fsync=False))
+    store = open_index_store(path, manifest, StoreConfig(cache_bytes=0, fsync=False))
     try:
         held = set(store.keys())
         kvstore = KVStore(store, codec, manifest["model"]["fingerprint"], decoded_bytes=0)

@@ -21,7 +21,6 @@ from kvrag.storage.index_layout import IndexLayout
 from kvrag.storage.stores.base import ByteStore, available_stores, make_store, network_class
 from kvrag.storage.stores.lru_disk import LRUDiskStore
 
-MB = 1 << 20
 _LOCAL = ("", "localhost")  # URL hosts of stores on this machine (``file://``, ``memory://``)
 _OWN = ("disk", "file")  # StoreConfig.backend values that mean "the index's own store"
 
@@ -93,7 +92,7 @@ def _namespace(manifest: Mapping[str, Any]) -> str:
 def open_index_store(path: Path, manifest: Mapping[str, Any], store: str | StoreConfig | None = None) -> ByteStore:
     """The chunk store of the index at ``path``: ``store`` when given (a URL, path or `StoreConfig`; its
     default backend ``disk`` means the index's own), else the one its manifest records, else ``path/chunks``.
-    A remote store comes behind a `CachedStore` of ``StoreConfig.cache_mb``.
+    A remote store comes behind a `CachedStore` of ``StoreConfig.cache_bytes``.
     """
     config = store if isinstance(store, StoreConfig) else StoreConfig(backend=store or "disk")
     url = config.backend if config.backend.lower() not in _OWN else (manifest.get("store") or {}).get("url")
@@ -110,4 +109,4 @@ def open_index_store(path: Path, manifest: Mapping[str, Any], store: str | Store
     from kvrag.storage.stores.lru_redis import LRURedisStore  # (it imports this module)
 
     inner = LRURedisStore(url, int(bound), **options) if bound else make_store(url, **options)
-    return CachedStore(inner, int(config.cache_mb * MB), public_url(url))
+    return CachedStore(inner, int(config.cache_bytes), public_url(url))

@@ -1,7 +1,8 @@
 """`AnswerBackend`: what answers a framework's prompts and conversations, with an index or without one.
 
-Contract: two classes implement it, and the adapters (`kvrag.integrations`) and the server take either through it
-alone, never telling them apart by probing for attributes:
+Contract: two classes implement it, and the framework adapters (`kvrag.integrations`) take either through it alone,
+never telling them apart by probing for attributes (the server, and the adapters' retrievers, are over an index and
+take `KVRag` itself):
 
 - `kvrag.KVRag`, over an index: a prompt reads the caches of the index's chunks found in it; a chat turn retrieves
   its passages;

@@ -36,6 +36,7 @@ CACHE_HELP = ("Without rag=: where passage caches are kept, file:///path?max_byt
 # the answering options each call passes on, and those a call may override through its keyword arguments
 ANSWER_OPTIONS = ("mode", "ratio", "gate", "max_new_tokens", "temperature", "top_p", "seed")
 CALL_OPTIONS = (*ANSWER_OPTIONS, "stop")
+CHAT_OPTIONS = (*ANSWER_OPTIONS, "k", "retrieve", "history_cache")  # the fields a chat call passes on
 
 
 def open_backend(rag: AnswerBackend | None, model: Any, cache: Any,
@@ -95,9 +96,9 @@ class AnswerFields(BaseModel):
         assert self.rag is not None
         return self.rag
 
-    def answer_options(self) -> dict[str, Any]:
-        """The fields every call passes on (`ANSWER_OPTIONS`)."""
-        return {name: getattr(self, name) for name in ANSWER_OPTIONS}
+    def answer_options(self, names: tuple[str, ...] = ANSWER_OPTIONS) -> dict[str, Any]:
+        """The fields every call passes on (`ANSWER_OPTIONS`), or those ``names``."""
+        return {name: getattr(self, name) for name in names}
 
 
 class PromptFields(AnswerFields):
@@ -117,5 +118,5 @@ class ChatFields(AnswerFields):
     stop: list[str] | None = Field(default=None, description="Strings that end the answer.")
 
     def chat_options(self) -> dict[str, Any]:
-        """The fields a chat call passes on: `answer_options` with ``k``, ``retrieve`` and ``history_cache``."""
-        return {**self.answer_options(), "k": self.k, "retrieve": self.retrieve, "history_cache": self.history_cache}
+        """The fields a chat call passes on (`CHAT_OPTIONS`)."""
+        return self.answer_options(CHAT_OPTIONS)

@@ -66,12 +66,10 @@ except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the
 
 from kvrag.backend import AnswerBackend
 from kvrag.generation.trimmed import trimmed
-from kvrag.integrations.fields import ChatFields
+from kvrag.integrations.fields import CHAT_OPTIONS, ChatFields
 
 __all__ = ["ChatKVRag", "to_kvrag_messages"]
 
-_OPTIONS = ("k", "mode", "ratio", "gate", "retrieve", "max_new_tokens", "temperature", "top_p", "seed",
-            "history_cache")
 _PASSED = ("chunks",)  # per call only, handed to `KVRag.chat` as it is
 _ROLES = {"human": "user", "ai": "assistant", "developer": "system"}
 _SKIPPED_BLOCKS = ("reasoning", "thinking")
@@ -198,7 +196,7 @@ class ChatKVRag(ChatFields, BaseChatModel):
         options = self.chat_options()
         if "max_tokens" in kwargs:
             options["max_new_tokens"] = kwargs["max_tokens"]
-        options.update((name, value) for name, value in kwargs.items() if name in _OPTIONS + _PASSED)
+        options.update((name, value) for name, value in kwargs.items() if name in CHAT_OPTIONS + _PASSED)
         options["stop"] = tuple(stop if stop is not None else self.stop or ())
         return options
 

@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 from kvrag.backend import AnswerBackend
 from kvrag.generation.trimmed import trimmed
-from kvrag.integrations.fields import ChatFields
+from kvrag.integrations.fields import CHAT_OPTIONS, ChatFields
 from kvrag.integrations.llama_index import KVRetriever, _node
 
 try:
@@ -69,8 +69,7 @@ except ImportError as exc:  # pragma: no cover - the import above already names 
 __all__ = ["KVRagChatEngine", "KVRagChatLLM", "to_kvrag_messages"]
 
 T = TypeVar("T")
-_OPTIONS = ("retrieve", "k", "mode", "ratio", "max_new_tokens", "temperature", "top_p", "stop", "seed",
-            "history_cache", "gate", "chunks")  # chunks: per call only
+_OPTIONS = (*CHAT_OPTIONS, "stop", "chunks")  # what a call may override; chunks: per call only
 _ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant"}
 _worker: ThreadPoolExecutor | None = None
 _worker_lock = threading.Lock()

@@ -69,6 +69,7 @@ class ServiceTimes:
     tokens: float | None = None
     wait_ratios: deque[float] = field(default_factory=lambda: deque(maxlen=WAIT_SAMPLES))
     rounds: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=ROUND_SAMPLES))
+    _round_fit: tuple[float, float] = field(default=(0.0, 0.0), init=False, repr=False)  # (a, b) of `round_s`
 
     def observe_wait(self, replayed: float | None, measured: float) -> None:
         """Record an admitted job's measured wait for its first token against the wait replayed at admission."""
@@ -112,9 +113,24 @@ class ServiceTimes:
         self.tokens = _average(self.tokens, float(max(count, 1)))
 
     def observe_round(self, answers: int, seconds: float) -> None:
-        """Record a round of token steps: ``answers`` tokens computed in one pass of ``seconds``."""
-        if answers > 0:
-            self.rounds.append((answers, max(seconds, 0.0)))
+        """Record a round of token steps: ``answers`` tokens computed in one pass of ``seconds``; refit `round_s`
+        (here, on the worker, not in each replay a submitter runs under the lock).
+        """
+        if answers <= 0:
+            return
+        self.rounds.append((answers, max(seconds, 0.0)))
+        sizes, secs = [n for n, _ in self.rounds], [t for _, t in self.rounds]
+        mean_n, mean_s = sum(sizes) / len(sizes), sum(secs) / len(secs)
+        spread = sum((n - mean_n) ** 2 for n in sizes)
+        slope = sum((n - mean_n) * (t - mean_s) for n, t in self.rounds) / spread if spread else 0.0
+        if spread == 0:  # one size measured: proportional
+            self._round_fit = (0.0, mean_s / mean_n)
+        elif slope < 0:  # bigger rounds measured no slower: each round costs the mean
+            self._round_fit = (mean_s, 0.0)
+        elif mean_s - slope * mean_n < 0:  # no fixed cost: proportional to the tokens
+            self._round_fit = (0.0, sum(secs) / sum(sizes))
+        else:
+            self._round_fit = (mean_s - slope * mean_n, slope)
 
     def round_s(self, answers: int) -> float:
         """Seconds of a round of ``answers`` tokens: ``a + b·answers`` fitted to the recorded rounds (least squares,
@@ -125,17 +141,7 @@ class ServiceTimes:
             return 0.0
         if not self.rounds:
             return answers * (self.step_s if self.step_s is not None else (self.first_s or 0.0))
-        sizes, secs = [n for n, _ in self.rounds], [t for _, t in self.rounds]
-        mean_n, mean_s = sum(sizes) / len(sizes), sum(secs) / len(secs)
-        spread = sum((n - mean_n) ** 2 for n in sizes)
-        if spread == 0:
-            return mean_s * answers / mean_n
-        slope = sum((n - mean_n) * (t - mean_s) for n, t in self.rounds) / spread
-        if slope < 0:  # bigger rounds measured no slower: each round costs the mean
-            return mean_s
-        base = mean_s - slope * mean_n
-        if base < 0:
-            return answers * sum(secs) / sum(sizes)
+        base, slope = self._round_fit
         return base + slope * answers
 
     def tokens_left(self, job: Pending) -> int:

@@ -64,6 +64,35 @@ def test_steps_run_together_give_each_answers_own_tokens_and_logprobs(arch: str)
     assert batch.batched_steps >= len(PROMPT_LENGTHS) * (CONFIG.max_new_tokens - 1) - 1 and batch.passes > 0
 
 
+def _model_forward(model) -> list[tuple[list[int], list[float]]]:
+    """Each answer's greedy tokens and log-probabilities from the model's own forward, step by step."""
+    results = []
+    for seed, n in enumerate(PROMPT_LENGTHS):
+        cache, logits = _prefilled(model, n, seed)
+        tokens, logprobs = [], []
+        for pos in range(n, n + CONFIG.max_new_tokens):
+            token = int(logits.argmax())
+            tokens.append(token)
+            logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
+            with torch.no_grad():
+                out = model(torch.tensor([[token]]), position_ids=torch.tensor([[pos]]), use_cache=True,
+                            **hf_compat.with_cache(model, cache))
+            cache, logits = hf_compat.returned_cache(out), out.logits[0, -1].float()
+        results.append((tokens, logprobs))
+    return results
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_step_alone_gives_the_models_own_forward(arch: str):
+    """A step alone runs kvrag's layer pass with its rows written into the cache's room: what the model's own forward
+    (transformers' cache, concatenating) gives, to float rounding."""
+    model = tiny_model(arch)
+    alone, own = _alone(model), _model_forward(model)
+    assert [tokens for tokens, _ in alone] == [tokens for tokens, _ in own]
+    for (_, got), (_, want) in zip(alone, own):
+        assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-4
+
+
 def test_an_answer_that_ends_at_a_yield_leaves_its_cache_without_the_untaken_step():
     model = tiny_model("llama")
     batch = step_batch.StepBatch()

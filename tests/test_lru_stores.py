@@ -40,6 +40,11 @@ def test_sizes_and_urls_are_parsed_or_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="cache must be") as err:
         open_cache_store("s3://bucket/x")
     assert "\n" not in str(err.value)
+    plain = open_cache_store(f"{tmp_path}/e?max_bytes=3kB&decoded_bytes=0&codec=raw")  # the cache's options aside
+    assert plain.max_bytes == 3000 and plain.root == tmp_path / "e"
+    with pytest.raises(ValueError, match="the 'file' store takes no option 'max_byte'") as err:
+        open_cache_store(f"{tmp_path}/f?max_byte=3kB")  # a misspelt option is refused, not ignored
+    assert "\n" not in str(err.value) and not (tmp_path / "f").exists()
 
 
 def test_the_disk_bound_holds_over_a_thousand_blobs_and_recent_reads_survive(tmp_path):
@@ -148,8 +153,8 @@ def test_the_redis_bound_holds_across_processes(redis_server):
     client.flushdb()
 
 
-def test_a_redis_cache_url_carries_its_bound(redis_server):
-    store = open_cache_store(redis_server.url(db=4) + "?max_bytes=1MB")
+def test_a_redis_cache_url_carries_its_bound_and_redis_py_options(redis_server):
+    store = open_cache_store(redis_server.url(db=4) + "?max_bytes=1MB&socket_keepalive=true&decoded_bytes=0")
     assert isinstance(store, LRURedisStore) and store.max_bytes == 10**6
     store.ping()
 

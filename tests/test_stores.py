@@ -12,6 +12,7 @@ from kvrag.config import StoreConfig
 from kvrag.storage.stores import (
     ByteStore,
     DiskStore,
+    LRUDiskStore,
     MemoryStore,
     ThrottledStore,
     available_stores,
@@ -66,7 +67,10 @@ def test_memory_store_by_name_and_url():
     ("memroy", None, "unknown store backend"),
     ("s3://bucket/x", None, "unknown store URL scheme"),
     ("file://otherhost/x", None, "only local"),
-    ("file:///x?y=1", None, "queries"),
+    ("file:///x?y=1", None, "the 'file' store takes no option 'y' \\(it takes max_bytes\\)"),
+    ("file:///x?max_bytes=lots", None, "max_bytes must be a size"),
+    ("memory://?max_bytes=1GB", None, "the 'memory' store takes no option 'max_bytes' \\(it takes none\\)"),
+    ("file:///x#part", None, "fragments"),
     ("file:///x", "/y", "already names its location"),
     ("disk", None, "needs a root"),
     ("throttled", "/tmp/never", "needs bytes_per_s"),
@@ -74,6 +78,29 @@ def test_memory_store_by_name_and_url():
 def test_make_store_refuses(backend: str, root: str | None, match: str):
     with pytest.raises(ValueError, match=match):
         make_store(backend, root)
+
+
+def test_a_url_option_opens_a_bounded_store_and_a_keyword_overrides_it(tmp_path: Path):
+    store = make_store(tmp_path.as_uri() + "?max_bytes=2MB", fsync=False)
+    assert isinstance(store, LRUDiskStore) and store.max_bytes == 2 * 10**6 and store.root == tmp_path
+    assert make_store(tmp_path.as_uri() + "?max_bytes=2MB", max_bytes="1kB").max_bytes == 1000
+    assert make_store(tmp_path.as_uri() + "?max_bytes=2MB", max_bytes=None).max_bytes == 2 * 10**6  # None: the URL's
+    assert make_store("disk", tmp_path, max_bytes=5000).max_bytes == 5000  # a bound by keyword, the same kind
+    assert type(make_store(tmp_path.as_uri())) is DiskStore
+    with pytest.raises(ValueError, match="'memory' store has no bound in bytes"):
+        make_store("memory", max_bytes=10)
+
+
+def test_throttled_store_takes_its_options_from_its_url(tmp_path: Path):
+    store = make_store(f"throttled://{tmp_path}?bytes_per_s=2e9&inner=file", fsync=False)
+    assert isinstance(store, ThrottledStore) and store.bytes_per_s == 2e9 and isinstance(store.inner, DiskStore)
+
+
+def test_a_redis_url_refuses_an_option_before_connecting():
+    pytest.importorskip("redis")
+    with pytest.raises(ValueError, match="takes no option 'bogus' \\(it takes max_bytes and its client's") as err:
+        make_store("redis://:secret@127.0.0.1:1/0?bogus=1")
+    assert "secret" not in str(err.value)
 
 
 def test_throttled_store_by_name_wraps_an_inner_store(tmp_path: Path):
@@ -110,3 +137,13 @@ def test_register_store_adds_a_name_and_refuses_a_taken_one(monkeypatch):
         register_store("memory")(NullStore)
     with pytest.raises(ValueError, match="URL scheme"):
         register_store("no_underscores")(NullStore)
+
+
+def test_an_index_store_url_takes_the_same_options_and_refuses_others_before_the_index_exists(tmp_path: Path):
+    from kvrag.storage.stores import open_index_store, store_record
+
+    with pytest.raises(ValueError, match="the 'file' store takes no option 'bogus'"):
+        store_record(StoreConfig(backend=(tmp_path / "c").as_uri() + "?bogus=1"), "f" * 16)
+    record = store_record(StoreConfig(backend=(tmp_path / "c").as_uri() + "?max_bytes=1MB"), "f" * 16)
+    store = open_index_store(tmp_path / "idx", {"store": record})
+    assert isinstance(store, LRUDiskStore) and store.max_bytes == 10**6 and store.root == tmp_path / "c"

@@ -7,7 +7,10 @@ Contract: `open_cache_store(url)` builds the store a ``cache=`` argument names:
 - ``file:///abs/path?max_bytes=5GB`` or a plain path (absolute, or starting with ``~`` or ``.``): an
   `LRUDiskStore` there;
 - ``redis://[[USER]:PASSWORD@]HOST:PORT/DB?max_bytes=1GB`` (``rediss://`` over TLS): an `LRURedisStore`; its
-  other query options go to redis-py.
+  other query options are redis-py's connection options.
+
+The store is opened by `kvrag.storage.stores.make_store`, with ``max_bytes`` and the store's own query options; an
+option neither the cache nor the store takes is refused in one line.
 
 ``max_bytes`` takes bytes or a size with a unit (``kB``, ``MB``, ``GB``, ``TB``: powers of 1000; ``KiB``, ``MiB``,
 ``GiB``, ``TiB``: of 1024), `kvrag.sizes.parse_bytes`; the ``max_bytes`` argument, when given, overrides the URL's.
@@ -25,16 +28,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
-from urllib.request import url2pathname
 
 from kvrag.query.head_cache import DEFAULT_PROMPT_BYTES
 from kvrag.sizes import parse_bytes
 from kvrag.storage.decoded_tier import DEFAULT_DECODED_BYTES
-from kvrag.storage.stores import ByteStore, LRUDiskStore, LRURedisStore, public_url
+from kvrag.storage.stores import ByteStore, make_store, public_url
 from kvrag.user_cache import default_cache_dir
 
 DEFAULT_MAX_BYTES = 5 * 10**9
-_OURS = ("max_bytes", "decoded_bytes", "prompt_bytes", "codec")  # kvrag's; a redis:// URL's others go to redis-py
+_CACHE_OPTIONS = ("decoded_bytes", "prompt_bytes", "codec")  # the cache's own; the store takes the rest
 _MEMORY_DEFAULTS = {"decoded_bytes": DEFAULT_DECODED_BYTES, "prompt_bytes": DEFAULT_PROMPT_BYTES}
 
 
@@ -44,6 +46,13 @@ def _option(url: str | os.PathLike[str] | None, name: str) -> str | None:
         return None
     given = [v for k, v in parse_qsl(urlsplit(os.fspath(url)).query, keep_blank_values=True) if k == name]
     return given[-1] if given else None
+
+
+def _without(url: str, names: tuple[str, ...]) -> str:
+    """``url`` (``file://`` or ``redis://``) without the query options ``names``."""
+    parts = urlsplit(url)
+    kept = urlencode([(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k not in names])
+    return urlunsplit(parts._replace(query=kept))
 
 
 def memory_bound(url: str | os.PathLike[str] | None, name: str) -> int:
@@ -65,22 +74,20 @@ def url_codec(url: str | os.PathLike[str] | None) -> str | None:
 
 
 def open_cache_store(url: str | os.PathLike[str] | None = None, max_bytes: int | str | None = None) -> ByteStore:
-    """The bounded store ``url`` names (see the module contract)."""
+    """The bounded store ``url`` names (see the module contract), opened by `kvrag.storage.stores.make_store`."""
     if url is None:
-        return LRUDiskStore(default_cache_dir() / "passages", parse_bytes(max_bytes or DEFAULT_MAX_BYTES))
+        return make_store(default_cache_dir() / "passages", max_bytes=max_bytes or DEFAULT_MAX_BYTES)
     text = os.fspath(url)
     parts = urlsplit(text)
     scheme = parts.scheme.lower() if "://" in text else ""
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    given = _option(text, "max_bytes")
-    bound = parse_bytes(max_bytes if max_bytes is not None else given if given is not None else DEFAULT_MAX_BYTES)
-    if scheme in ("redis", "rediss"):
-        rest = urlencode([(k, v) for k, v in query if k not in _OURS])
-        return LRURedisStore(urlunsplit(parts._replace(query=rest)), bound)
-    if scheme == "file":
-        if parts.netloc not in ("", "localhost"):
-            raise ValueError(f"a file:// cache URL names a local folder (file:///abs/path), got {public_url(text)}")
-        return LRUDiskStore(Path(url2pathname(parts.path)).expanduser(), bound)
-    if not scheme and (text.startswith(("/", "~", ".")) or os.sep in text):
-        return LRUDiskStore(Path(text.split("?", 1)[0]).expanduser(), bound)
-    raise ValueError(f"cache must be file:///path, redis://host:port/db or a folder path, got {public_url(text)!r}")
+    if scheme == "file" and parts.netloc not in ("", "localhost"):
+        raise ValueError(f"a file:// cache URL names a local folder (file:///abs/path), got {public_url(text)}")
+    if not scheme and (text.startswith(("/", "~", ".")) or os.sep in text):  # a path, perhaps with a query
+        folder, _, query = text.partition("?")
+        text = urlunsplit(("file", "", Path(folder).expanduser().absolute().as_posix(), query, ""))
+    elif scheme not in ("file", "redis", "rediss"):
+        raise ValueError(f"cache must be file:///path, redis://host:port/db or a folder path, got "
+                         f"{public_url(text)!r}")
+    store_url = _without(text, _CACHE_OPTIONS)
+    given = max_bytes if max_bytes is not None or _option(text, "max_bytes") is not None else DEFAULT_MAX_BYTES
+    return make_store(store_url, max_bytes=given)  # (None: the URL's own)

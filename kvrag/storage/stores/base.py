@@ -8,10 +8,14 @@ Contract:
 - ``open`` raises `kvrag.errors.StoreUnavailableError` when the store cannot be reached (a network
   store): "absent because unreachable" is never answered as "absent".
 - Store classes register under a name and any aliases with `register_store`; `make_store` builds one
-  by name, by ``name://location`` URL or from a plain filesystem path (the ``file`` store), taking the
-  fields of `kvrag.config.StoreConfig`: ``make_store(config.backend, root, fsync=config.fsync)``. A
-  class that sets ``network = True`` takes a network location: ``make_store("redis://host:6379/0")``
+  by name, by ``name://location?option=value`` URL or from a plain filesystem path (the ``file`` store),
+  taking the fields of `kvrag.config.StoreConfig`: ``make_store(config.backend, root, fsync=config.fsync)``.
+  A class that sets ``network = True`` takes a network location: ``make_store("redis://host:6379/0")``
   builds it with the whole URL as its ``url`` option; other stores take only local locations.
+- A URL's query options are the store class's own (`ByteStore.url_options`, `kvrag.storage.stores.store_url`):
+  one it does not take is refused in one line. ``max_bytes`` (in the URL or as a keyword) bounds a store that
+  has a bounded kind (`ByteStore.bounded`: ``file`` → ``lru-file``, ``redis`` → ``lru-redis``), least recently
+  used evicted first.
 - `available_stores` lists every name `make_store` accepts; `store_class` looks one up; `network_class`
   says whether a URL names a network store. The stores shipped with kvrag register when
   `kvrag.storage.stores` is imported.
@@ -27,11 +31,14 @@ import os
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, ClassVar, TypeVar
 from urllib.parse import unquote, urlsplit
 from urllib.request import url2pathname
+
+from kvrag.sizes import parse_bytes
+from kvrag.storage.stores.store_url import split_url_options
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +90,21 @@ class ByteStore(ABC):
         network: whether the store lives at a network location named by its URL (``redis://host:port/db``);
             `make_store` then hands it the whole URL as ``url=``.
         meter: the `LinkMeter` of a store read over a link, None for local stores.
+        url_options: the query options the store's URL may carry, each with its parser (`store_url`).
+        bounded: the registered name of the store a ``max_bytes`` bound opens instead (its least recently used
+            blobs evicted), empty when the store has no bounded kind.
     """
 
     name: str = ""
     network: bool = False
     meter: LinkMeter | None = None
+    url_options: ClassVar[Mapping[str, Callable[[str], Any]]] = {}
+    bounded: ClassVar[str] = ""
+
+    @classmethod
+    def client_url_options(cls) -> Collection[str]:
+        """The URL query options left in the URL for the store's client library (none by default)."""
+        return ()
 
     @classmethod
     def create(cls, root: Path | None, fsync: bool = True, **options: Any) -> ByteStore:
@@ -209,13 +226,13 @@ def _looks_like_path(text: str) -> bool:
 
 
 def _from_url(url: str) -> tuple[str, Path | None]:
-    """``(store name, root)`` of a ``name://location`` URL; ``file:///abs/path`` names the path."""
+    """``(store name, root)`` of a ``name://location`` URL (its query already taken out); ``file:///abs/path``
+    names the path.
+    """
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
-    if scheme not in _REGISTRY:
-        raise ValueError(f"unknown store URL scheme {parts.scheme!r} in {url!r}; available: {available_stores()}")
-    if parts.query or parts.fragment:
-        raise ValueError(f"store URL {url!r}: queries and fragments are not supported")
+    if parts.fragment:
+        raise ValueError(f"store URL {url!r}: fragments are not supported")
     if parts.netloc not in ("", "localhost"):
         raise ValueError(f"store URL {url!r} names host {parts.netloc!r}; the {scheme!r} store takes only local "
                          "locations")
@@ -225,6 +242,25 @@ def _from_url(url: str) -> tuple[str, Path | None]:
     if not path.is_absolute():
         raise ValueError(f"store URL {url!r} must hold an absolute path (file:///abs/path)")
     return scheme, path
+
+
+def _url_class(url: str) -> type[ByteStore]:
+    """The store class a ``scheme://...`` URL names."""
+    cls = _REGISTRY.get(urlsplit(url).scheme.lower())
+    if cls is None:
+        raise ValueError(f"unknown store URL scheme {urlsplit(url).scheme!r} in {url!r}; available: "
+                         f"{available_stores()}")
+    return cls
+
+
+def _bounded(cls: type[ByteStore], max_bytes: int | str | None) -> tuple[type[ByteStore], dict[str, int]]:
+    """The class to build and its ``max_bytes`` option: ``cls`` unbounded, or its bounded kind."""
+    if max_bytes is None:
+        return cls, {}
+    if not cls.bounded:
+        raise ValueError(f"the {cls.name!r} store has no bound in bytes (max_bytes); stores that have one: "
+                         f"{sorted(n for n, c in _REGISTRY.items() if c.bounded)}")
+    return _REGISTRY[cls.bounded], {"max_bytes": parse_bytes(max_bytes)}
 
 
 def _resolve(backend: str | os.PathLike[str], root: str | os.PathLike[str] | None) -> tuple[str, Path | None]:
@@ -264,27 +300,33 @@ def make_store(backend: str | os.PathLike[str], root: str | os.PathLike[str] | N
         root: the store's directory, for a backend given by name.
         fsync: whether writes are flushed to stable storage before they return.
         **options: store-specific settings (``throttled``: ``bytes_per_s``, ``inner``; ``redis``:
-            ``namespace``, timeouts).
+            ``namespace``, timeouts); they override the URL's options of the same name. ``max_bytes``
+            (bytes or a size such as ``"5GB"``; None: none) opens the store's bounded kind (`ByteStore.bounded`).
 
     Returns:
         The new store.
 
     Raises:
-        ValueError: an unknown name or scheme, a location given twice, or a store that needs a root
-            given none.
+        ValueError: an unknown name or scheme, a URL option the store does not take, a bound on a store that
+            has none, a location given twice, or a store that needs a root given none.
 
     Example:
         >>> make_store("memory").contains("ab")
         False
     """
+    if isinstance(backend, str) and "://" in backend:  # its query options are the store class's own
+        backend, given = split_url_options(backend, _url_class(backend))
+        options = {**given, **{k: v for k, v in options.items() if not (k == "max_bytes" and v is None)}}
     network = network_class(backend) if isinstance(backend, str) else None
     if network is not None:  # the whole URL is its location (host, port, database, credentials)
         if root is not None:
             raise ValueError(f"the {network.name!r} store is located by its URL; got root={str(root)!r} as well")
-        store = network.create(None, fsync=fsync, url=backend, **options)
-        log.debug("opened %s store", network.name)
+        cls, bound = _bounded(network, options.pop("max_bytes", None))
+        store = cls.create(None, fsync=fsync, url=backend, **options, **bound)
+        log.debug("opened %s store", cls.name)
         return store
     name, located = _resolve(backend, root)
-    store = _REGISTRY[name].create(located, fsync=fsync, **options)
-    log.debug("opened %s store at %s", name, located)
+    cls, bound = _bounded(_REGISTRY[name], options.pop("max_bytes", None))
+    store = cls.create(located, fsync=fsync, **options, **bound)
+    log.debug("opened %s store at %s", cls.name, located)
     return store

@@ -10,18 +10,24 @@ link, not its target), and a ``put`` into a folder that is a link raises `IndexC
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, ClassVar
 
 from kvrag.errors import IndexCorruptError
+from kvrag.sizes import parse_bytes
 from kvrag.storage.atomic import atomic_write_bytes
 from kvrag.storage.stores.base import ByteStore, register_store
 
 
 @register_store("file", "disk")
 class DiskStore(ByteStore):
-    """One file per chunk under ``root/ab/abcdef….kvc``, written atomically."""
+    """One file per chunk under ``root/ab/abcdef….kvc``, written atomically; ``?max_bytes=`` (a size) opens
+    the bounded kind, ``lru-file`` (`kvrag.storage.stores.lru_disk.LRUDiskStore`).
+    """
+
+    url_options: ClassVar[Mapping[str, Callable[[str], Any]]] = {"max_bytes": parse_bytes}
+    bounded: ClassVar[str] = "lru-file"
 
     def __init__(self, root: str | os.PathLike[str], fsync: bool = True) -> None:
         self.root = Path(root)

@@ -1,11 +1,12 @@
-"""Which chunk store an index uses, and URLs as kvrag shows them.
+"""Which chunk store an index uses.
 
 Contract: `open_index_store` opens an index's chunk store: its ``chunks/`` folder by default
 (`kvrag.storage.index_layout`), or the URL its manifest records (`store_record`, written at build time), or one
 given to override it; a remote one comes behind a `kvrag.storage.stores.cached.CachedStore`, its keys under the
 index's own namespace, so that indexes share one Redis database. A bound in bytes (``StoreConfig.max_bytes``,
-recorded as the record's ``max_bytes``) makes it an `LRUDiskStore` or `LRURedisStore`. `public_url` is a URL as
-messages and manifests show it: without its password. `is_remote_url` tells a network store's URL from a local one.
+recorded as the record's ``max_bytes``, or ``?max_bytes=`` in its URL) opens its bounded kind (`LRUDiskStore`,
+`LRURedisStore`; `kvrag.storage.stores.base.make_store`). `is_remote_url` tells a network store's URL from a
+local one.
 """
 
 from __future__ import annotations
@@ -14,35 +15,16 @@ import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from kvrag.config import StoreConfig
 from kvrag.storage.index_layout import IndexLayout
-from kvrag.storage.stores.base import ByteStore, available_stores, make_store, network_class
-from kvrag.storage.stores.lru_disk import LRUDiskStore
+from kvrag.storage.stores.base import ByteStore, available_stores, make_store, network_class, store_class
+from kvrag.storage.stores.cached import CachedStore
+from kvrag.storage.stores.store_url import public_url, split_url_options
 
 _LOCAL = ("", "localhost")  # URL hosts of stores on this machine (``file://``, ``memory://``)
 _OWN = ("disk", "file")  # StoreConfig.backend values that mean "the index's own store"
-
-
-def public_url(url: str, mask: str = "***") -> str:
-    """``url`` with its password (in the user part or a ``password=`` query field) replaced by ``mask``;
-    with ``mask=""`` the password is left out altogether.
-    """
-    if "://" not in url:
-        return url
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    userinfo, at, hostport = netloc.rpartition("@")
-    if at and ":" in userinfo:
-        user = userinfo.split(":", 1)[0]
-        netloc = f"{user}:{mask}@{hostport}" if mask else (f"{user}@{hostport}" if user else hostport)
-    query = parts.query
-    if "password" in query:
-        fields = [(k, mask if k == "password" else v) for k, v in parse_qsl(query, keep_blank_values=True)
-                  if mask or k != "password"]
-        query = urlencode(fields, safe="*")
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 def is_remote_url(url: str) -> bool:
@@ -56,7 +38,8 @@ def store_record(store: str | StoreConfig | None, fingerprint: str) -> dict[str,
     model's fingerprint and a new index id, so that indexes can share one database).
 
     Raises:
-        ValueError: ``store`` names no registered store (checked before the index is created).
+        ValueError: ``store`` names no registered store, or its URL an option the store does not take (checked
+            before the index is created).
     """
     backend = store.backend if isinstance(store, StoreConfig) else store
     url = None if backend is None or backend.lower() in _OWN else backend
@@ -65,11 +48,13 @@ def store_record(store: str | StoreConfig | None, fingerprint: str) -> dict[str,
             urlsplit(url).port  # noqa: B018 - a port that is no number raises ValueError
         except ValueError as exc:
             raise ValueError(f"store URL {public_url(url)}: {exc}") from None
+        split_url_options(url, network_class(url) or ByteStore)  # an option the store does not take: refused now
         url = public_url(url, mask="")
     elif url is not None and "://" in url:
         parts = urlsplit(url)
         if parts.netloc not in _LOCAL or parts.scheme.lower() not in available_stores():
             make_store(public_url(url))  # the registry's own error: an unknown scheme, a host for a local store
+        split_url_options(url, store_class(parts.scheme))  # an option the store does not take: refused now
     elif url is not None and url.lower() not in available_stores():
         url = Path(url).expanduser().resolve().as_uri()  # a path: recorded absolute
     bound = store.max_bytes if isinstance(store, StoreConfig) else None
@@ -97,16 +82,12 @@ def open_index_store(path: Path, manifest: Mapping[str, Any], store: str | Store
     config = store if isinstance(store, StoreConfig) else StoreConfig(backend=store or "disk")
     url = config.backend if config.backend.lower() not in _OWN else (manifest.get("store") or {}).get("url")
     bound = config.max_bytes or (manifest.get("store") or {}).get("max_bytes")
+    bound = int(bound) if bound else None
     if url is None or not is_remote_url(url):  # (a local store has no password: its errors need not hide one)
-        local = make_store("disk", IndexLayout.of(path).chunks, fsync=config.fsync) if url is None else \
-            make_store(public_url(url), fsync=config.fsync)
-        root = getattr(local, "root", None)
-        return local if not bound or root is None else LRUDiskStore(root, int(bound), fsync=config.fsync)
+        if url is None:
+            return make_store("disk", IndexLayout.of(path).chunks, fsync=config.fsync, max_bytes=bound)
+        return make_store(public_url(url), fsync=config.fsync, max_bytes=bound)
     options: dict[str, Any] = {
         "namespace": _namespace(manifest), "connect_timeout_s": config.connect_timeout_s, "timeout_s": config.timeout_s,
         "retries": config.retries, "retry_after_s": config.retry_after_s}
-    from kvrag.storage.stores.cached import CachedStore
-    from kvrag.storage.stores.lru_redis import LRURedisStore  # (it imports this module)
-
-    inner = LRURedisStore(url, int(bound), **options) if bound else make_store(url, **options)
-    return CachedStore(inner, int(config.cache_bytes), public_url(url))
+    return CachedStore(make_store(url, max_bytes=bound, **options), int(config.cache_bytes), public_url(url))

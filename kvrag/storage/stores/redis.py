@@ -25,18 +25,21 @@ Contract:
 
 from __future__ import annotations
 
+import functools
+import inspect
 import io
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, ClassVar, TypeVar
 from urllib.parse import unquote
 
 from kvrag.errors import StoreUnavailableError
+from kvrag.sizes import parse_bytes
 from kvrag.storage.stores.base import ByteStore, register_store
-from kvrag.storage.stores.index_store import public_url
+from kvrag.storage.stores.store_url import public_url
 
 T = TypeVar("T")
 PASSWORD_ENV = "KVRAG_REDIS_PASSWORD"
@@ -52,6 +55,16 @@ def _redis() -> Any:
     return redis
 
 
+@functools.cache
+def _client_options() -> frozenset[str]:
+    """The query options redis-py reads from a URL: those it parses, and its connections' keyword arguments."""
+    connection = _redis().connection
+    names = set(getattr(connection, "URL_QUERY_ARGUMENT_PARSERS", {}))
+    for kind in (connection.AbstractConnection, connection.Connection, connection.SSLConnection):
+        names.update(inspect.signature(kind.__init__).parameters)
+    return frozenset(names - {"self", "args", "kwargs"})
+
+
 @register_store("redis", "rediss")
 class RedisStore(ByteStore):
     """Blobs in a Redis (or Valkey) database under ``namespace + key``; see the module's contract.
@@ -65,6 +78,13 @@ class RedisStore(ByteStore):
     """
 
     network = True  # located by its URL: make_store("redis://host:port/db") builds it
+    url_options: ClassVar[Mapping[str, Callable[[str], Any]]] = {"max_bytes": parse_bytes}
+    bounded: ClassVar[str] = "lru-redis"
+
+    @classmethod
+    def client_url_options(cls) -> frozenset[str]:
+        """redis-py's connection options, which a ``redis://`` URL's query may carry (``?socket_keepalive=1``)."""
+        return _client_options()
 
     def __init__(self, url: str, namespace: str = "kvrag:", *, connect_timeout_s: float = 1.0, timeout_s: float = 5.0,
                  retries: int = 2, retry_after_s: float = 5.0) -> None:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import io
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import Any, BinaryIO, ClassVar, cast
 
 from kvrag.storage.stores.base import ByteStore, LinkMeter, make_store, register_store
 
@@ -26,6 +26,8 @@ class ThrottledStore(ByteStore):
     file system) in benchmarks and tests; its files have no descriptor, so readers take the
     buffered path. Writes go straight through.
     """
+
+    url_options: ClassVar[Mapping[str, Callable[[str], Any]]] = {"bytes_per_s": float, "inner": str}
 
     def __init__(self, inner: ByteStore, bytes_per_s: float) -> None:
         if not bytes_per_s > 0:

@@ -8,6 +8,7 @@ import pytest
 
 from kvrag import GateConfig, KVRag, SplitConfig
 from kvrag.config import DEFAULT_MODE, FuseConfig
+from kvrag.query.attempt import Attempt
 
 DOCS = [
     ("alpha", "The alpha reactor was designed by Mira Okafor in 1987. It runs on molten salt. " * 3),
@@ -155,6 +156,28 @@ def test_a_gated_answer_tokenises_each_passage_once(rag: KVRag, monkeypatch):
     assert texts and len(texts) == len(set(texts))  # the gate's count and the prompt share one tokenisation
 
 
+def test_each_mode_an_answer_runs_is_looked_up_once(rag: KVRag, monkeypatch):
+    from kvrag.fusion.selectors import base
+
+    class Counting(dict):
+        looked_up: list[str] = []
+
+        def __getitem__(self, mode):
+            self.looked_up.append(mode)
+            return super().__getitem__(mode)
+
+    monkeypatch.setattr(base, "_REGISTRY", Counting(base._REGISTRY))
+    never = GateConfig(fuse=True, full_below_tokens=0, min_margin=1e9, ladder=(0.5,))
+    for gate in (False, never, GateConfig()):
+        Counting.looked_up = []
+        answer = rag.answer(Q, k=3, gate=gate, max_new_tokens=2)
+        ran = [DEFAULT_MODE] if answer.gate is None else [a["mode"] for a in answer.gate.attempts]
+        assert Counting.looked_up == [DEFAULT_MODE, *sorted(set(ran) - {DEFAULT_MODE})]  # (at most one other mode)
+    assert len(answer.gate.attempts) == 1 and answer.mode != DEFAULT_MODE  # the default: a short prompt's mode
+    assert [a["mode"] for a in rag.answer(Q, k=3, gate=never, max_new_tokens=2).gate.attempts] == [
+        DEFAULT_MODE, DEFAULT_MODE, "full"]  # the ladder's attempt kept its class: three attempts, two lookups
+
+
 def test_strict_skips_the_ladder(rag: KVRag):
     strict = GateConfig(fuse=True, full_below_tokens=0, min_margin=1e9, ladder=(0.5,), strict=True)
     gated = rag.answer(Q, k=3, gate=strict, max_new_tokens=3)
@@ -207,10 +230,10 @@ def test_a_prompt_mostly_of_uncached_text_is_prefilled_in_full(rag: KVRag):
     laid = lay_out_prompt(rag.context, prompt, chunks[:1])  # one passage read, the others text
     assert laid.text_share > 0.25
     gate = GateConfig(fuse=True, full_below_tokens=0)
-    plan = answering.plan_answer(laid, FuseConfig(mode=DEFAULT_MODE), gate)
+    plan = answering.plan_answer(laid, Attempt.of(FuseConfig(mode=DEFAULT_MODE)), gate)
     assert plan.decision == "text" and [a.mode for a in plan.attempts] == ["full"]
     laid_all = lay_out_prompt(rag.context, prompt, chunks)
-    assert answering.plan_answer(laid_all, FuseConfig(mode=DEFAULT_MODE), gate).decision == "fused"
+    assert answering.plan_answer(laid_all, Attempt.of(FuseConfig(mode=DEFAULT_MODE)), gate).decision == "fused"
     with pytest.raises(ValueError, match="fuse_max_text_share"):
         GateConfig(fuse_max_text_share=1.5)
 

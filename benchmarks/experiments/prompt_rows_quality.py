@@ -60,6 +60,7 @@ def main() -> None:
     from kvrag.embedder import resolve_embedder
     from kvrag.indexing.kvgen import chunk_caches
     from kvrag.passages import PassageCache
+    from kvrag.query.attempt import Attempt
     from kvrag.query.gate import execute, plan_answer
     from kvrag.query.locate import chat_prompt, lay_out_prompt
 
@@ -70,7 +71,7 @@ def main() -> None:
                                  HuggingFaceEmbeddings(model_name=resolve_embedder(None)))
     rng = random.Random(0)
     generate = GenerateConfig(args.max_new_tokens)
-    fuse = FuseConfig(mode="probe", ratio=args.ratio)
+    asked = Attempt.of(FuseConfig(mode="probe", ratio=args.ratio))
 
     def prompt(question: str, passages: list[str]) -> str:
         context = "\n\n".join(passages)
@@ -107,8 +108,8 @@ def main() -> None:
                 caches[j] = alone[n]
             row = {"id": item["id"], "golds": item["answers"], "passages_read": len(read),
                    "full": cache.answer_prompt(target, "full", max_new_tokens=args.max_new_tokens).text,
-                   "rows": execute(ctx, laid, plan_answer(laid, fuse, None)).generate(generate).text,
-                   "alone": execute(ctx, laid, plan_answer(laid, fuse, None), caches).generate(generate).text}
+                   "rows": execute(ctx, laid, plan_answer(laid, asked, None)).generate(generate).text,
+                   "alone": execute(ctx, laid, plan_answer(laid, asked, None), caches).generate(generate).text}
             for run in ("full", "rows", "alone"):
                 row[f"{run}_right"] = metrics.is_right(row[run], item["answers"])
             rows.append(row)

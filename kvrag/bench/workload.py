@@ -75,6 +75,7 @@ class Workload:
         import torch
 
         from kvrag.fusion import FusionInput, fuse
+        from kvrag.query.attempt import Attempt
         from kvrag.query.shape import prompt_shape
 
         device = lm.device
@@ -84,8 +85,10 @@ class Workload:
         shape = prompt_shape(lm, [int(c.numel()) for c in self.chunk_ids], int(self.suffix_ids.numel()),
                              self.prefix.length)
         plan = None
+        attempt = Attempt.of(config)
         if from_disk:
-            config, plan = self.controller.adapt(config, shape)
+            attempt, plan = self.controller.adapt(attempt, shape)
+            config = attempt.config
         from_text = plan.from_text if plan is not None else ()
         kv = [None] * len(self.keys) if config.mode == "full" else self.feed(lm, tier, from_text)
         t1 = time.perf_counter()
@@ -95,7 +98,7 @@ class Workload:
         common.cuda_sync(device)
         t2 = time.perf_counter()
         if from_disk:
-            self.controller.observe(config, shape, from_text, result.n_selected, t2 - t1 - result.load_wait_s, busy)
+            self.controller.observe(attempt, shape, from_text, result.n_selected, t2 - t1 - result.load_wait_s, busy)
         return {
             "ratio": config.ratio,
             "text_chunks": len(from_text),

@@ -44,7 +44,6 @@ from tqdm.auto import tqdm
 
 from kvrag.codec import Codec, make_codec
 from kvrag.config import FuseConfig, GateConfig, GenerateConfig
-from kvrag.fusion import selector_class
 from kvrag.indexing.kvgen import chunk_caches
 from kvrag.loading.tiered_feed import TIERED_DEVICES
 from kvrag.model import LoadedModel, hf_compat, load_model
@@ -239,16 +238,16 @@ class PassageCache:
             max_new_tokens, temperature, top_p, stop, seed: decoding (greedy by default).
         """
         generate = GenerateConfig(max_new_tokens, temperature, top_p, tuple(stop), seed)
-        config, gate_config = answering.settings(mode, ratio, fuse_config, None, None, gate)
-        plain = selector_class(config.mode).recomputes_all  # a full prefill: the prompt as one text, nothing stored
+        asked, gate_config = answering.settings(mode, ratio, fuse_config, None, None, gate)
+        plain = asked.kind.recomputes_all  # a full prefill: the prompt as one text, nothing stored
         with self._lock:
             texts = [] if plain else self.passages_in(written or prompt) if passages is None else passages
             found, missing = self._lookup(prompt, texts)
             recovered = self.recovered
-            fused = answering.prepare_prompt(self.context, prompt, found, config, gate_config)
+            fused = answering.prepare_prompt(self.context, prompt, found, asked, gate_config)
             if fused.gate is not None and fused.gate.decision == "stored" and self.recovered != recovered:
                 # a blob read in place went missing since the lookup and was computed alone: no longer in place
-                fused = answering.prepare_prompt(self.context, prompt, [], config, gate_config)
+                fused = answering.prepare_prompt(self.context, prompt, [], asked, gate_config)
         try:
             yield from fused.stream(generate)
         finally:  # after the answer (or a stream closed early): never on its critical path

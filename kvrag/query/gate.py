@@ -41,11 +41,12 @@ from typing import Any
 import torch
 
 from kvrag.config import DEFAULT_MODE, FuseConfig, GateConfig
-from kvrag.fusion import FusionResult, Selector, exact_mode, selector_class
+from kvrag.fusion import FusionResult, Selector
 from kvrag.model import hf_compat
 from kvrag.model.prefix import KV
 from kvrag.query import pipeline
 from kvrag.query.answer import RetrievedChunk
+from kvrag.query.attempt import Attempt
 from kvrag.query.locate import lay_out_prompt
 from kvrag.query.pipeline import FusedPrompt, LaidOut, QueryContext, run
 
@@ -131,8 +132,8 @@ def gate_settings(gate: GateConfig | bool) -> GateConfig | None:
 
 @dataclass(frozen=True)
 class AnswerPlan:
-    """What one answer runs, made once before anything is fused: the fusions to try in order (each a
-    `FuseConfig`; the first one whose check passes is used) and the gate they answer to (None: no gate,
+    """What one answer runs, made once before anything is fused: the fusions to try in order (each an
+    `Attempt`; the first one whose check passes is used) and the gate they answer to (None: no gate,
     one attempt). ``decision`` is the `GateReport`'s: ``"fused"``, ``"short"`` for a short prompt, ``"exact"`` for
     a longer one answered exactly (a gate that does not fuse), ``"text"`` for a prompt that is mostly text without a
     stored cache, ``"text_before"`` for one with new text before its passages, ``"kept"`` for one whose passages all
@@ -141,45 +142,43 @@ class AnswerPlan:
     ``mode`` is the mode asked for: a selector given with it chooses only that mode's positions.
     """
 
-    attempts: tuple[FuseConfig, ...]
+    attempts: tuple[Attempt, ...]
     gate: GateConfig | None
     decision: str
     stale_tokens: int
     mode: str
 
 
-def plan_answer(laid: LaidOut, config: FuseConfig, gate: GateConfig | None) -> AnswerPlan:
-    """The attempts for ``laid`` under ``config`` and ``gate`` (see the module docstring).
+def plan_answer(laid: LaidOut, asked: Attempt, gate: GateConfig | None) -> AnswerPlan:
+    """The attempts for ``laid`` under the ``asked`` attempt and ``gate`` (see the module docstring).
 
     A mode that recomputes every position, or a prompt without a stored cache to read, is one attempt that
     recomputes everything. A prompt whose stored caches are all in place is one attempt of ``reuse``: its text
     pieces and suffix recomputed, nothing else. A short prompt is one attempt of ``gate.short_mode`` where the first
     chunk's cache is exact (else of the exact mode); a longer one under a gate that does not fuse, a prompt mostly of
     text without a cache, or one with new text before its passages, one attempt of the exact mode.
-    Otherwise: ``config``, the ladder's larger ratios, then the exact mode.
+    Otherwise: ``asked``, the ladder's larger ratios, then the exact mode.
     """
-    exact = exact_mode()
-    stale = laid.stale_tokens
-    if selector_class(config.mode).recomputes_all:
-        return AnswerPlan((config,), gate, "fused", stale, config.mode)
+    stale, mode = laid.stale_tokens, asked.mode
+    if asked.kind.recomputes_all:
+        return AnswerPlan((asked,), gate, "fused", stale, mode)
     if not any(c is not None for c in laid.chunks):
-        return AnswerPlan((replace(config, mode=exact),), gate, "kept" if laid.kept else "short", stale, config.mode)
+        return AnswerPlan((asked.exact(),), gate, "kept" if laid.kept else "short", stale, mode)
     if gate is None:
-        return AnswerPlan((config,), None, "fused", stale, config.mode)
+        return AnswerPlan((asked,), None, "fused", stale, mode)
     if laid.in_place:  # the stored rows are what a full prefill computes there: only the rest runs
-        return AnswerPlan((replace(config, mode="reuse"),), gate, "stored", stale, config.mode)
+        return AnswerPlan((asked.with_mode("reuse"),), gate, "stored", stale, mode)
     if stale < gate.full_below_tokens:
-        short = gate.short_mode if laid.first_exact and not gate.strict else exact
-        return AnswerPlan((replace(config, mode=short),), gate, "short", stale, config.mode)
+        short = asked.with_mode(gate.short_mode) if laid.first_exact and not gate.strict else asked.exact()
+        return AnswerPlan((short,), gate, "short", stale, mode)
     if not (gate.fuse or gate.strict):  # one chunk's cache saves less here than the fusion loop costs over a prefill
-        return AnswerPlan((replace(config, mode=exact),), gate, "exact", stale, config.mode)
+        return AnswerPlan((asked.exact(),), gate, "exact", stale, mode)
     if laid.text_share > gate.fuse_max_text_share:
-        return AnswerPlan((replace(config, mode=exact),), gate, "text", stale, config.mode)
+        return AnswerPlan((asked.exact(),), gate, "text", stale, mode)
     if laid.text_before > gate.max_text_before:
-        return AnswerPlan((replace(config, mode=exact),), gate, "text_before", stale, config.mode)
-    ladder = () if gate.strict else tuple(r for r in gate.ladder if r > config.ratio)
-    attempts = (config, *(replace(config, ratio=r) for r in ladder), replace(config, mode=exact))
-    return AnswerPlan(attempts, gate, "fused", stale, config.mode)
+        return AnswerPlan((asked.exact(),), gate, "text_before", stale, mode)
+    ladder = () if gate.strict else tuple(r for r in gate.ladder if r > asked.ratio)
+    return AnswerPlan((asked, *(asked.with_ratio(r) for r in ladder), asked.exact()), gate, "fused", stale, mode)
 
 
 def execute(ctx: QueryContext, laid: LaidOut, plan: AnswerPlan, caches: Sequence[KV | None] | None = None,
@@ -219,15 +218,14 @@ def execute(ctx: QueryContext, laid: LaidOut, plan: AnswerPlan, caches: Sequence
 
 def settings(mode: str | None, ratio: float | None, fuse_config: FuseConfig | None, selector: Selector | None,
              caches: Sequence[KV | None] | None, gate: GateConfig | bool | None
-             ) -> tuple[FuseConfig, GateConfig | None]:
-    """The fusion settings and the gate for `KVRag.answer`'s arguments: the gate runs when asked, or by default
-    when no mode, ratio, fusion settings, selector or caches are given. An unknown mode or option raises ValueError
-    here, before any work.
+             ) -> tuple[Attempt, GateConfig | None]:
+    """The fusion asked for (its mode resolved once, `Attempt.of`) and the gate, from `KVRag.answer`'s arguments:
+    the gate runs when asked, or by default when no mode, ratio, fusion settings, selector or caches are given. An
+    unknown mode or option raises ValueError here, before any work.
     """
     default = mode is None and ratio is None and fuse_config is None and selector is None and caches is None
     config = fuse_config or FuseConfig(mode=mode or DEFAULT_MODE, ratio=FuseConfig.ratio if ratio is None else ratio)
-    selector_class(config.mode).options(config)
-    return config, gate_settings(default if gate is None else gate)
+    return Attempt.of(config), gate_settings(default if gate is None else gate)
 
 
 def prepare_answer(ctx: QueryContext, question: str, k: int, chunks: Sequence[str | RetrievedChunk] | None,
@@ -236,7 +234,7 @@ def prepare_answer(ctx: QueryContext, question: str, k: int, chunks: Sequence[st
                    selector: Selector | None = None, gate: GateConfig | bool | None = None) -> FusedPrompt:
     """The fused prompt for `KVRag.answer`'s arguments: retrieve (or resolve ``chunks``), lay out, plan, execute."""
     t0 = time.perf_counter()
-    config, gate_config = settings(mode, ratio, fuse_config, selector, caches, gate)
+    asked, gate_config = settings(mode, ratio, fuse_config, selector, caches, gate)
     pipeline.check_question(question)
     if caches is not None and chunks is None:
         raise ValueError("caches= needs chunks= (one cache per chunk, in the same order)")
@@ -248,12 +246,12 @@ def prepare_answer(ctx: QueryContext, question: str, k: int, chunks: Sequence[st
         raise ValueError(f"caches has {len(caches)} entries but chunks has {len(used)}; give one per chunk")
     laid = pipeline.lay_out(ctx, question, used, t0, {"retrieve_s": time.perf_counter() - t0})
     laid.first_exact = laid.first_exact and first_exact
-    return execute(ctx, laid, plan_answer(laid, config, gate_config), caches, selector, first_exact)
+    return execute(ctx, laid, plan_answer(laid, asked, gate_config), caches, selector, first_exact)
 
 
-def prepare_prompt(ctx: QueryContext, prompt: str, candidates: Sequence[RetrievedChunk], config: FuseConfig,
+def prepare_prompt(ctx: QueryContext, prompt: str, candidates: Sequence[RetrievedChunk], asked: Attempt,
                    gate: GateConfig | None, selector: Selector | None = None) -> FusedPrompt:
-    """The fused prompt for a framework's flat ``prompt`` under `settings`' ``config`` and ``gate``: its passages
+    """The fused prompt for a framework's flat ``prompt`` under `settings`' ``asked`` attempt and ``gate``: its passages
     found among ``candidates`` (`kvrag.query.locate`), then planned and executed as `prepare_answer` does for a
     question. A plan that reads no cache (``full``, a short prompt without an exact first passage, a prompt mostly
     of text) runs over the prompt as one text: exactly a plain prefill's tokens, not the pieces' (the pieces'
@@ -262,12 +260,12 @@ def prepare_prompt(ctx: QueryContext, prompt: str, candidates: Sequence[Retrieve
     """
     kept = gate is not None  # the gate's path reads and keeps whole prompts (`kvrag.query.head_cache`)
     laid = lay_out_prompt(ctx, prompt, candidates, kept=kept)
-    plan = plan_answer(laid, config, gate)
-    if laid.used and all(selector_class(a.mode).recomputes_all for a in plan.attempts):
+    plan = plan_answer(laid, asked, gate)
+    if laid.used and all(a.kind.recomputes_all for a in plan.attempts):
         # nothing will be read: the prompt as one text, tokenized as a plain prefill tokenizes it
         found, laid = laid.kept + laid.used, lay_out_prompt(ctx, prompt, [], kept=kept)
         laid.found = found
-        whole = plan_answer(laid, config, gate)
+        whole = plan_answer(laid, asked, gate)
         kept_whole = whole.decision == "kept"
         plan = whole if kept_whole else replace(whole, decision=plan.decision, stale_tokens=plan.stale_tokens)
     fused = execute(ctx, laid, plan, None, selector)

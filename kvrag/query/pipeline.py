@@ -25,12 +25,13 @@ from kvrag.byte_lru import ByteLRU
 from kvrag.config import FuseConfig, GenerateConfig
 from kvrag.embedder import Embedder
 from kvrag.errors import InputError
-from kvrag.fusion import FusionInput, FusionResult, Selector, fuse, selector_class
+from kvrag.fusion import FusionInput, FusionResult, Selector, fuse
 from kvrag.loading.feed import StoreFeed, TieredFeed, open_tiered
 from kvrag.model import LoadedModel, hf_compat
 from kvrag.model.prefix import KV, PrefixCache
 from kvrag.prompt import PromptLayout, chunk_token_ids, suffix_token_ids
 from kvrag.query.answer import Answer, RetrievedChunk, decode_into
+from kvrag.query.attempt import Attempt
 from kvrag.query.head_cache import HeadCache
 from kvrag.query.plan import LoadController, LoadPlan
 from kvrag.query.shape import prompt_shape
@@ -204,17 +205,17 @@ def lay_out(ctx: QueryContext, question: str, chunks: list[RetrievedChunk], t0: 
                    dict(timings or {}))
 
 
-def load(ctx: QueryContext, laid: LaidOut, mode: str, caches: Sequence[KV | None] | None = None,
+def load(ctx: QueryContext, laid: LaidOut, reads_none: bool, caches: Sequence[KV | None] | None = None,
          from_text: Sequence[int] = (), first_exact: bool = True,
          levels: Sequence[int | None] | None = None) -> FusionInput:
     """The fusion input: ``caches`` when given, else the stored caches through a `StoreFeed` that
     reads them layer by layer while fusion runs (pieces in ``from_text`` recomputed from their text;
-    ``levels``: each chunk's stored level, as a streaming plan chose). A mode that recomputes every
-    position reads none.
+    ``levels``: each chunk's stored level, as a streaming plan chose). ``reads_none``: a mode that recomputes
+    every position, which reads none.
     """
     first_exact = first_exact and laid.first_exact
     ids = laid.piece_ids
-    if selector_class(mode).recomputes_all:
+    if reads_none:
         return FusionInput(laid.prefix, ids, [None] * len(ids), laid.suffix_ids, reuse_prefix=laid.reuse_prefix)
     if caches is not None:
         return FusionInput(laid.prefix, ids, list(caches), laid.suffix_ids, first_exact, laid.reuse_prefix)
@@ -309,24 +310,27 @@ class FusedPrompt:
         hf_compat.crop_cache(self.fused.cache, self.fused.n_tokens)
 
 
-def run(ctx: QueryContext, laid: LaidOut, config: FuseConfig, caches: Sequence[KV | None] | None = None,
+def run(ctx: QueryContext, laid: LaidOut, attempt: Attempt, caches: Sequence[KV | None] | None = None,
         selector: Selector | None = None, first_exact: bool = True) -> FusedPrompt:
-    """Fuse one laid-out prompt under ``config``: plan the loading, load and fuse. ``caches`` (one per piece)
-    replace the stored ones; ``first_exact`` says whether their first was computed right after the prefix.
+    """Fuse one laid-out prompt as ``attempt`` asks: plan the loading, load and fuse. ``caches`` (one per piece)
+    replace the stored ones; ``first_exact`` says whether their first was computed right after the prefix;
+    ``selector`` replaces the attempt's.
     """
     t1 = time.perf_counter()
-    recomputes_all = selector_class(config.mode).recomputes_all
+    recomputes_all = attempt.kind.recomputes_all
     lengths = [int(c.numel()) for c in laid.piece_ids]
     shape = prompt_shape(ctx.lm, lengths, int(laid.suffix_ids.numel()), laid.prefix.length)
     plan = None
     if caches is None and not recomputes_all:  # loads from the store: the controller may plan
-        config, plan = ctx.controller.adapt(config, shape, ctx.kvstore, [c.key if c else None for c in laid.chunks])
+        attempt, plan = ctx.controller.adapt(attempt, shape, ctx.kvstore,
+                                             [c.key if c else None for c in laid.chunks])
+    config = attempt.config
     from_text = plan.from_text if plan is not None else ()
-    if selector_class(config.mode).reads_first_chunk_only:  # the later pieces are recomputed: none is read
+    if attempt.kind.reads_first_chunk_only:  # the later pieces are recomputed: none is read
         from_text = tuple(sorted({*from_text, *range(1, len(lengths))}))
-    inp = load(ctx, laid, config.mode, caches, from_text, first_exact, plan.levels if plan is not None else None)
+    inp = load(ctx, laid, recomputes_all, caches, from_text, first_exact, plan.levels if plan is not None else None)
     t2 = time.perf_counter()
-    fused = fuse(ctx.lm, inp, config, selector)
+    fused = fuse(ctx.lm, inp, config, attempt.selector(selector))
     # what loading from the store costs: a fusion that read every chunk from it (none from the decoded tier)
     feed = inp.chunk_kv
     stored = isinstance(feed, StoreFeed) or (isinstance(feed, TieredFeed) and feed.from_memory == 0)
@@ -334,7 +338,7 @@ def run(ctx: QueryContext, laid: LaidOut, config: FuseConfig, caches: Sequence[K
     if measured and ctx.lm.device.type == "cuda":  # the fusion's kernels, finished, for its measured time
         torch.cuda.synchronize(ctx.lm.device)
     if measured and isinstance(feed, StoreFeed | TieredFeed):
-        ctx.controller.observe(config, shape, from_text, fused.n_selected,
+        ctx.controller.observe(attempt, shape, from_text, fused.n_selected,
                                time.perf_counter() - t2 - fused.load_wait_s, feed.decode_s)
     elif measured:  # a plain prefill: what recomputing every chunk from its text costs (`LoadController.stream`)
         ctx.controller.observe_prefill(shape, time.perf_counter() - t2)
@@ -348,9 +352,11 @@ def run(ctx: QueryContext, laid: LaidOut, config: FuseConfig, caches: Sequence[K
 def prepare(ctx: QueryContext, question: str, k: int, chunks: Sequence[str | RetrievedChunk] | None,
             config: FuseConfig, caches: Sequence[KV | None] | None = None, selector: Selector | None = None,
             first_exact: bool = True) -> FusedPrompt:
-    """Retrieve (or resolve ``chunks``), lay out, and fuse once under ``config``: no gate."""
+    """Retrieve (or resolve ``chunks``), lay out, and fuse once under ``config``: no gate (the mode resolved here,
+    `Attempt.of`).
+    """
     t0 = time.perf_counter()
     check_question(question)
     used = retrieve(ctx, question, k) if chunks is None else resolve_chunks(ctx.index, chunks)
     laid = lay_out(ctx, question, used, t0, {"retrieve_s": time.perf_counter() - t0})
-    return run(ctx, laid, config, caches, selector, first_exact)
+    return run(ctx, laid, Attempt.of(config), caches, selector, first_exact)

@@ -13,24 +13,21 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from kvrag.config import FuseConfig
-from kvrag.fusion.selectors.base import selector_class
+from kvrag.fusion.selectors.base import Selector, selector_class
+from kvrag.query.attempt import Attempt
 from kvrag.query.shape import FusionShape
 
 
-def scales_with_ratio(mode: str) -> bool:
-    """Whether ``mode``'s recompute grows with its ratio (`Selector.scales_with_ratio`)."""
-    return selector_class(mode).scales_with_ratio
-
-
-def _sequential(mode: str) -> bool:
-    """Whether ``mode``'s main pass starts only once every layer has loaded, so that loading adds to
-    its recompute instead of hiding it (`Selector.loads_before_main_pass`).
+def selector_kind(mode: str, kind: type[Selector] | None = None) -> type[Selector]:
+    """``kind`` where the caller resolved ``mode`` already (an `Attempt`'s), else the selector class ``mode``
+    names. Its traits say whether the recompute grows with the ratio (``scales_with_ratio``) and whether the main
+    pass starts only once every layer has loaded, so that loading adds to its recompute instead of hiding it
+    (``loads_before_main_pass``).
     """
-    return selector_class(mode).loads_before_main_pass
+    return kind if kind is not None else selector_class(mode)
 
 
 @dataclass(frozen=True)
@@ -104,15 +101,17 @@ class LoadController:
         self._prefills: deque[tuple[float, float]] = deque(maxlen=window)  # plain prefills: (units, seconds)
 
     def record(self, mode: str, ratio: float, shape: FusionShape, from_text: Sequence[int],
-               token_layers: float, recompute_s: float, loaded_tokens: int, load_busy_s: float) -> None:
+               token_layers: float, recompute_s: float, loaded_tokens: int, load_busy_s: float,
+               kind: type[Selector] | None = None) -> None:
         """Take in one fusion's measurements: the token-layers its loop ran and the time that took
-        without waiting for loads, and the tokens loaded from the store with the loader's busy time.
+        without waiting for loads, and the tokens loaded from the store with the loader's busy time (``kind``:
+        ``mode``'s selector class, when resolved already).
         """
         dense = shape.token_layers(0.0, from_text)
         per_stale = shape.token_layers(1.0, from_text) - dense
         work = max(0.0, token_layers - dense) / per_stale if per_stale > 0 else 0.0
         if per_stale > 0:
-            self._work[mode] = work / ratio if scales_with_ratio(mode) else work
+            self._work[mode] = work / ratio if selector_kind(mode, kind).scales_with_ratio else work
         if token_layers > 0 and recompute_s > 0:
             # the counted token-layers weighted by where they stand, the stale ones taken as spread evenly
             units = shape.units(work, from_text) * token_layers / shape.token_layers(work, from_text)
@@ -151,22 +150,23 @@ class LoadController:
         a, c = model
         return sum(y for _, y in own) / sum(a + c * x for x, _ in own)
 
-    def adapt(self, config: FuseConfig, shape: FusionShape, kvstore: Any = None,
-              keys: Sequence[str | None] | None = None) -> tuple[FuseConfig, LoadPlan | None]:
-        """``config`` with its planned ratio and the plan, when ``config.adaptive``; the streaming plan
+    def adapt(self, attempt: Attempt, shape: FusionShape, kvstore: Any = None,
+              keys: Sequence[str | None] | None = None) -> tuple[Attempt, LoadPlan | None]:
+        """``attempt`` at its planned ratio and the plan, when its ``config.adaptive``; the streaming plan
         (`stream`) of the chunks ``keys`` in ``kvstore`` (a `KVStore`; None for a piece without a cache, which
-        is recomputed from its text) when ``config.ttft_slo`` is set; else ``config`` as it is and None.
+        is recomputed from its text) when its ``config.ttft_slo`` is set; else ``attempt`` as it is and None.
         """
+        config, kind = attempt.config, attempt.kind
         if config.ttft_slo is not None and kvstore is not None and keys is not None:
             stored = iter(kvstore.level_sizes([k for k in keys if k is not None]))
             sizes = [next(stored) if k is not None else {} for k in keys]
             plan = self.stream(config.mode, config.ratio, shape, config.ttft_slo, sizes,
-                               kvstore.codec.level, kvstore.throughput)
-            return config, plan
+                               kvstore.codec.level, kvstore.throughput, kind=kind)
+            return attempt, plan
         if not config.adaptive:
-            return config, None
-        plan = self.plan(config.mode, config.ratio, shape)
-        return replace(config, ratio=plan.ratio), plan
+            return attempt, None
+        plan = self.plan(config.mode, config.ratio, shape, kind=kind)
+        return attempt.with_ratio(plan.ratio), plan
 
     def observe_prefill(self, shape: FusionShape, seconds: float) -> None:
         """Take in a plain prefill of every chunk and the suffix (a ``full`` answer) that took ``seconds``."""
@@ -182,36 +182,39 @@ class LoadController:
         a, c = _fit([x for x, _ in self._prefills], [y for _, y in self._prefills])
         return a + c * shape.units(0.0, range(len(shape.chunk_tokens)))
 
-    def observe(self, config: FuseConfig, shape: FusionShape, from_text: Sequence[int], n_selected: Sequence[int],
+    def observe(self, attempt: Attempt, shape: FusionShape, from_text: Sequence[int], n_selected: Sequence[int],
                 recompute_s: float, load_busy_s: float) -> None:
-        """`record` for a fusion made with ``config`` (its ratio as planned) that recomputed the chunks
+        """`record` for a fusion made as ``attempt`` asks (its ratio as planned) that recomputed the chunks
         ``from_text`` instead of loading them: ``n_selected`` its per-layer counts, ``load_busy_s`` the
         loading thread's busy time.
         """
-        self.record(config.mode, config.ratio, shape, from_text, float(sum(n_selected)), recompute_s,
-                    shape.loaded_tokens(from_text), load_busy_s)
+        self.record(attempt.mode, attempt.ratio, shape, from_text, float(sum(n_selected)), recompute_s,
+                    shape.loaded_tokens(from_text), load_busy_s, kind=attempt.kind)
 
-    def plan(self, mode: str, ratio: float, shape: FusionShape) -> LoadPlan:
-        """The plan for one fusion in ``mode`` at ``ratio`` (see the module docstring)."""
+    def plan(self, mode: str, ratio: float, shape: FusionShape, kind: type[Selector] | None = None) -> LoadPlan:
+        """The plan for one fusion in ``mode`` at ``ratio`` (see the module docstring; ``kind``: ``mode``'s
+        selector class, when resolved already).
+        """
         model, rate, work = self.recompute_model(), self.load_rate, self._work.get(mode)
-        if selector_class(mode).recomputes_all or model is None or rate is None or work is None:
+        kind = selector_kind(mode, kind)
+        if kind.recomputes_all or model is None or rate is None or work is None:
             return LoadPlan(ratio)
         factor = self.factor(mode, model)
         a, c = model[0] * factor, model[1] * factor
 
         def times(r: float, text: tuple[int, ...]) -> tuple[float, float]:
-            per = work * r if scales_with_ratio(mode) else work
+            per = work * r if kind.scales_with_ratio else work
             return shape.loaded_tokens(text) / rate, a + c * shape.units(per, text)
 
         def ttft(text: tuple[int, ...]) -> float:
             load_s, recompute_s = times(ratio, text)
-            return load_s + recompute_s if _sequential(mode) else max(load_s, recompute_s)
+            return load_s + recompute_s if kind.loads_before_main_pass else max(load_s, recompute_s)
 
         # chunks leave the store last first: the recomputed tail is one contiguous run of positions
         candidates = [tuple(range(j, len(shape.chunk_tokens))) for j in range(len(shape.chunk_tokens), -1, -1)]
         best = min(candidates, key=ttft)
         load_s, recompute_s = times(ratio, best)
-        if (best or not scales_with_ratio(mode) or _sequential(mode) or load_s <= recompute_s
+        if (best or not kind.scales_with_ratio or kind.loads_before_main_pass or load_s <= recompute_s
                 or ratio >= self.ceiling):
             return LoadPlan(ratio, best, load_s, recompute_s)
         # loading hides more recompute than the ratio asks for: raise it while it still fits
@@ -222,11 +225,11 @@ class LoadController:
         return LoadPlan(raised, (), load_s, times(raised, ())[1])
 
     def stream(self, mode: str, ratio: float, shape: FusionShape, ttft_slo: float, sizes: Sequence[Mapping[int, int]],
-               own_level: int, throughput: float | None) -> LoadPlan:
+               own_level: int, throughput: float | None, kind: type[Selector] | None = None) -> LoadPlan:
         """The streaming plan (`kvrag.query.stream_plan.stream_plan`) from this controller's estimates."""
-        from kvrag.query.stream_plan import stream_plan
+        from kvrag.query.stream_plan import stream_plan  # (it imports this module's LoadPlan)
 
-        return stream_plan(self, mode, ratio, shape, ttft_slo, sizes, own_level, throughput)
+        return stream_plan(self, mode, ratio, shape, ttft_slo, sizes, own_level, throughput, kind)
 
 
 def _fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvrag.query.plan import ChunkChoice, LoadController, LoadPlan, scales_with_ratio
+from kvrag.fusion.selectors.base import Selector
+from kvrag.query.plan import ChunkChoice, LoadController, LoadPlan, selector_kind
 from kvrag.query.shape import FusionShape
 
 
 def stream_plan(controller: LoadController, mode: str, ratio: float, shape: FusionShape, ttft_slo: float,
-                sizes: Sequence[Mapping[int, int]], own_level: int, throughput: float | None) -> LoadPlan:
+                sizes: Sequence[Mapping[int, int]], own_level: int, throughput: float | None,
+                kind: type[Selector] | None = None) -> LoadPlan:
     """The streaming plan (see the module docstring): ``sizes`` gives each chunk's stored bytes by level,
-    ``throughput`` the link's bytes per second (None: nothing measured yet).
+    ``throughput`` the link's bytes per second (None: nothing measured yet), ``kind`` ``mode``'s selector class
+    when resolved already.
     """
     n = len(shape.chunk_tokens)
     if throughput is None or throughput <= 0:
@@ -28,7 +31,7 @@ def stream_plan(controller: LoadController, mode: str, ratio: float, shape: Fusi
                         "every chunk at the index's own level")
     model, work = controller.recompute_model(), controller.work(mode)
     factor = controller.factor(mode, model)
-    per = (work or 0.0) * (ratio if scales_with_ratio(mode) else 1.0)
+    per = (work or 0.0) * (ratio if selector_kind(mode, kind).scales_with_ratio else 1.0)
 
     prefill_s = controller.prefill_s(shape)
 

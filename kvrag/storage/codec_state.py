@@ -2,7 +2,8 @@
 
 Contract: an index keeps its codec state in its ``codec/`` folder (`IndexLayout.codec_state`), or, when its
 manifest says ``codec.state == "shared"`` (the default for new indexes), references there the model's state
-shared in the user's cache folder (`kvrag.storage.shared_state`). `load_codec_state` raises `IndexCorruptError`
+shared in the user's cache folder (`kvrag.storage.shared_state`; states no index references any more are removed
+after each fit). `load_codec_state` raises `IndexCorruptError`
 for a damaged state, or a shared one that is missing or changed (`kvrag repair` fits it again and recomputes the
 caches); a state that is missing or half-written while no chunk cache is stored is no error (a build was killed
 before its first cache, and the next build fits it again). `save_fitted` saves a state just fitted where the index
@@ -45,6 +46,7 @@ def load_codec_state(codec: Any, path: Path) -> None:
         ref = shared_state.read_ref(state_dir)
         if ref is not None:
             shared_state.load(codec, *ref)
+            shared_state.note_user(state_dir, *ref)  # (indexes built before users were recorded)
             return
         codec.load_state(state_dir)
     except (ValueError, OSError) as exc:
@@ -60,6 +62,7 @@ def save_fitted(codec: Any, state_dir: Path, fingerprint: str, kept: str) -> Non
     if kept == SHARED:
         digest = shared_state.publish(codec, fingerprint)
         shared_state.write_ref(state_dir, shared_state.state_name(codec, fingerprint), digest)
+        shared_state.collect()  # states that deleted or refitted indexes left behind
     else:
         codec.save_state(state_dir)
 

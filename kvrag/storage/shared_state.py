@@ -14,11 +14,19 @@ Contract:
   `load` loads the state of one digest, raising `SharedStateError` when it is missing, damaged or another one
   (twice in a row: a folder being put right by another process is read again).
 - An index references its state with ``codec/shared.json`` (`write_ref`, `read_ref`): ``{"name", "digest"}``.
+- Each index folder that references a state is recorded beside it (`note_user`, by `write_ref` and whenever an
+  index loads the state, which also marks the state used): ``<name>/users/<digest>/<key>`` holds the index's codec
+  folder. `collect` removes the states whose every recorded user is gone (deleted, moved, or now referencing
+  another state) and that nothing wrote or used for `GRACE_S` (7 days: an index moved and opened within them is
+  recorded again); it runs after every fit (`kvrag.storage.codec_state.save_fitted`).
+  A state without any recorded user (written before users were recorded) is kept: the indexes that reference it
+  are unknown, and removing it would leave them to `kvrag repair`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -32,6 +40,11 @@ from kvrag.user_cache import default_cache_dir
 
 REF = "shared.json"
 RETRY_S = 0.5
+USERS = "users"  # <name>/users/<digest>/<key>: one file per index codec folder that references the state
+GRACE_S = 7 * 86400.0  # a state written or used this recently is never collected
+_DIGEST = re.compile(r"[0-9a-f]{24}")
+
+log = logging.getLogger(__name__)
 
 
 class SharedStateError(ValueError):
@@ -65,7 +78,7 @@ def _folder(name: str, digest: str) -> Path:
     """
     if not _NAME.fullmatch(name):
         raise SharedStateError(f"{name!r} is not a codec state name")
-    if not re.fullmatch(r"[0-9a-f]{24}", digest):
+    if not _DIGEST.fullmatch(digest):
         raise SharedStateError(f"{digest!r} is not a codec state digest")
     return states_root() / name / digest
 
@@ -87,6 +100,7 @@ def publish(codec: Any, fingerprint: str) -> str:
         except OSError:  # the same state is there already (another index fitted it): keep that one
             if not final.is_dir():
                 raise
+            os.utime(final)  # published again: `collect` leaves it its grace period
     finally:
         shutil.rmtree(temp, ignore_errors=True)
     return digest
@@ -116,9 +130,71 @@ def _load_once(codec: Any, name: str, digest: str) -> None:
 
 
 def write_ref(state_dir: Path, name: str, digest: str) -> None:
-    """Reference the shared state ``name``/``digest`` from an index's codec folder."""
+    """Reference the shared state ``name``/``digest`` from an index's codec folder (and record it as a user)."""
     state_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(state_dir / REF, {"name": name, "digest": digest})
+    note_user(state_dir, name, digest)
+
+
+def note_user(state_dir: Path, name: str, digest: str) -> None:
+    """Record that the index codec folder ``state_dir`` references the state ``name``/``digest`` and marks the state
+    used (`collect` keeps a state while a recorded user still references it, and `GRACE_S` after its last use). A
+    cache folder that cannot be written is no error.
+    """
+    where, folder = state_dir.resolve(), _folder(name, digest)
+    record = folder.parent / USERS / digest / hashlib.sha256(str(where).encode()).hexdigest()[:24]
+    try:
+        os.utime(folder)  # used now: `collect` leaves it `GRACE_S` from here
+        if not record.is_file():
+            record.parent.mkdir(parents=True, exist_ok=True)
+            record.write_text(str(where), encoding="utf-8")
+    except OSError as exc:
+        log.debug("could not record %s as a user of the codec state %s/%s: %s", where, name, digest, exc)
+
+
+def _still_used(users: Path, name: str, digest: str) -> bool:
+    """Whether a user recorded under ``users`` still references ``name``/``digest``; the records of users that
+    no longer do are removed.
+    """
+    used = False
+    for record in users.iterdir():
+        try:
+            ref = read_ref(Path(record.read_text(encoding="utf-8")))
+        except (SharedStateError, OSError, ValueError):
+            ref = None
+        if ref == (name, digest):
+            used = True
+        else:
+            record.unlink(missing_ok=True)
+    return used
+
+
+def collect(grace_s: float = GRACE_S) -> list[Path]:
+    """Remove the shared states that no recorded user references any more (see the module contract); the state
+    folders removed.
+    """
+    removed: list[Path] = []
+    root = states_root()
+    for named in sorted(root.iterdir()) if root.is_dir() else []:
+        users_root = named / USERS
+        if not users_root.is_dir():
+            continue
+        for users in sorted(users_root.iterdir()):
+            folder = named / users.name
+            if not _DIGEST.fullmatch(users.name) or not users.is_dir() or _still_used(users, named.name, users.name):
+                continue
+            try:
+                if folder.is_dir() and time.time() - folder.stat().st_mtime < grace_s:
+                    continue
+            except OSError:
+                continue
+            if folder.is_dir():
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+            shutil.rmtree(users, ignore_errors=True)
+    if removed:
+        log.info("removed %d codec state(s) no index references any more", len(removed))
+    return removed
 
 
 def read_ref(state_dir: Path) -> tuple[str, str] | None:

@@ -183,12 +183,12 @@ def collect(grace_s: float = GRACE_S) -> list[Path]:
             folder = named / users.name
             if not _DIGEST.fullmatch(users.name) or not users.is_dir() or _still_used(users, named.name, users.name):
                 continue
-            try:
-                if folder.is_dir() and time.time() - folder.stat().st_mtime < grace_s:
-                    continue
-            except OSError:
-                continue
             if folder.is_dir():
+                try:
+                    if time.time() - folder.stat().st_mtime < grace_s:
+                        continue
+                except OSError:
+                    continue
                 shutil.rmtree(folder, ignore_errors=True)
                 removed.append(folder)
             shutil.rmtree(users, ignore_errors=True)

@@ -314,19 +314,21 @@ def make_store(backend: str | os.PathLike[str], root: str | os.PathLike[str] | N
         >>> make_store("memory").contains("ab")
         False
     """
+    max_bytes = options.pop("max_bytes", None)
     if isinstance(backend, str) and "://" in backend:  # its query options are the store class's own
         backend, given = split_url_options(backend, _url_class(backend))
-        options = {**given, **{k: v for k, v in options.items() if not (k == "max_bytes" and v is None)}}
+        in_url = given.pop("max_bytes", None)
+        max_bytes, options = in_url if max_bytes is None else max_bytes, {**given, **options}
     network = network_class(backend) if isinstance(backend, str) else None
     if network is not None:  # the whole URL is its location (host, port, database, credentials)
         if root is not None:
             raise ValueError(f"the {network.name!r} store is located by its URL; got root={str(root)!r} as well")
-        cls, bound = _bounded(network, options.pop("max_bytes", None))
+        cls, bound = _bounded(network, max_bytes)
         store = cls.create(None, fsync=fsync, url=backend, **options, **bound)
         log.debug("opened %s store", cls.name)
         return store
     name, located = _resolve(backend, root)
-    cls, bound = _bounded(_REGISTRY[name], options.pop("max_bytes", None))
+    cls, bound = _bounded(_REGISTRY[name], max_bytes)
     store = cls.create(located, fsync=fsync, **options, **bound)
     log.debug("opened %s store at %s", cls.name, located)
     return store

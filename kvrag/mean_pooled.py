@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoModel, AutoTokenizer
 
 _TRANSFORMER = "sentence_transformers.models.Transformer"
 _POOLING = "sentence_transformers.models.Pooling"
@@ -60,9 +63,6 @@ class MeanPooledEncoder:
     """The model of `is_mean_pooled` folder ``folder``, with sentence-transformers' ``encode`` for what kvrag uses."""
 
     def __init__(self, folder: str | Path, device: str | None = None) -> None:
-        import torch
-        from transformers import AutoModel, AutoTokenizer
-
         root = Path(folder)
         settings = _read_optional(root / "sentence_bert_config.json")
         self.normalize = _NORMALIZE in [m["type"] for m in _read(root / "modules.json")]
@@ -78,9 +78,6 @@ class MeanPooledEncoder:
     def encode(self, texts: Sequence[str], batch_size: int = 32, show_progress_bar: bool = False,
                convert_to_numpy: bool = True, normalize_embeddings: bool = False) -> np.ndarray:
         """float32 ``[n, dim]`` embeddings of ``texts`` (``convert_to_numpy`` is always honoured: numpy rows)."""
-        import torch
-        from tqdm.auto import tqdm
-
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))  # similar lengths share a batch's padding
         out = np.zeros((len(texts), self.get_embedding_dimension()), dtype=np.float32)
         starts = range(0, len(texts), batch_size)

@@ -20,7 +20,7 @@ from kvrag.query.locate import index_chunks
 from kvrag.query.pipeline import FusedPrompt, QueryContext, resolve_chunks
 
 if TYPE_CHECKING:
-    from kvrag.fusion import Selector
+    from kvrag.fusion.selectors.base import Selector
     from kvrag.model import LoadedModel
 
 

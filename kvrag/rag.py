@@ -26,7 +26,7 @@ from kvrag.codec.base import Codec, make_codec
 from kvrag.config import CodecConfig, FuseConfig, GateConfig, GenerateConfig, SessionConfig, SplitConfig, StoreConfig
 from kvrag.embedder import Embedder
 from kvrag.errors import CorruptChunkError, IndexCorruptError, IndexMismatchError, InputError
-from kvrag.fusion import Selector
+from kvrag.fusion.selectors.base import Selector
 from kvrag.indexing.build import Builder, BuildStats, check_neighbour_kv, split_documents
 from kvrag.indexing.documents import Document, Loaded, load_documents
 from kvrag.indexing.kvgen import KV, PrefixCache, prefix_cache

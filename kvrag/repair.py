@@ -34,11 +34,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from kvrag.config import StoreConfig
+from kvrag.embedder import Embedder
 from kvrag.errors import IndexCorruptError
+from kvrag.indexing.build import Builder, BuildStats, Candidate
+from kvrag.indexing.kvgen import plain_cache_key
+from kvrag.indexing.manifest import check_embedder
+from kvrag.prompt import chunk_token_ids
+from kvrag.rag import KVRag
 from kvrag.storage import atomic, chunk_db
 from kvrag.storage.chunk_index import ChunkIndex
 from kvrag.storage.index_layout import IndexLayout
 from kvrag.storage.integrity import is_chunk_key, manifest_problem, row_digest, write_manifest
+from kvrag.storage.kvstore import level_key
+from kvrag.storage.stores import open_index_store, public_url
 from kvrag.storage.verify import VerifyReport, verify_index
 
 log = logging.getLogger(__name__)
@@ -207,11 +218,6 @@ def _salvage(db: Path) -> tuple[list[tuple[Any, ...]], list[str]]:
 
 def _reembed(path: Path, manifest: dict[str, Any], report: RepairReport, device: str | None,
              given: str | None) -> None:
-    import numpy as np
-
-    from kvrag.embedder import Embedder
-    from kvrag.indexing.manifest import check_embedder
-
     files = IndexLayout.of(path)
     check_embedder(manifest, path, given)
     with contextlib.closing(chunk_db.connect(files.db, path)) as conn, chunk_db.guarded(files.db, path):
@@ -229,11 +235,6 @@ def _damaged_caches(path: Path, manifest: dict[str, Any], found: VerifyReport, r
     ``chunks/`` folder or a network store); the chunk keys to compute again.
     """
     files = IndexLayout.of(path)
-    from kvrag.config import StoreConfig
-    from kvrag.indexing.kvgen import plain_cache_key
-    from kvrag.storage.kvstore import level_key
-    from kvrag.storage.stores import open_index_store, public_url
-
     with ChunkIndex.open(path) as index:
         keys = [r.key for r in index.records()]
     owner = {k: k for k in keys}
@@ -274,10 +275,6 @@ def _damaged_caches(path: Path, manifest: dict[str, Any], found: VerifyReport, r
 def _recompute(path: Path, keys: set[str], report: RepairReport, model: Any, device: str | None,
                show_progress: bool, embedder: str | None) -> None:
     """Run the build loop over the chunks ``keys`` (in row order): it stores the caches they lack."""
-    from kvrag.indexing.build import Builder, BuildStats, Candidate
-    from kvrag.prompt import chunk_token_ids
-    from kvrag.rag import KVRag
-
     files = IndexLayout.of(path)
     rag = KVRag.open(path, model=model, device=device, embedder=embedder)
     try:

@@ -166,7 +166,7 @@ def test_damaged_codec_state_is_detected_and_refitted(clean, tiny_lm, tmp_path):
 def test_a_shared_codec_state_lost_or_damaged_is_named_and_refitted_by_repair(tiny_lm, tmp_path, monkeypatch):
     import shutil as sh
 
-    from kvrag.storage import shared_state
+    from kvrag.storage import codec_state
 
     monkeypatch.setenv("KVRAG_CACHE_DIR", str(tmp_path / "user-cache"))
     path = tmp_path / "idx"
@@ -174,10 +174,10 @@ def test_a_shared_codec_state_lost_or_damaged_is_named_and_refitted_by_repair(ti
     expected = [_answer(rag, q) for q in QUESTIONS]
     rag.close()
     assert not list((path / "codec").glob("cachegen.*"))  # the state is the model's, not the index's
-    name, digest = shared_state.read_ref(path / "codec")
-    folder = shared_state.states_root() / name / digest
+    name, digest = codec_state.read_ref(path / "codec")
+    folder = codec_state.states_root() / name / digest
     other = KVRag.build(DOCS, tmp_path / "other", model=tiny_lm, split=SPLIT, show_progress=False)
-    assert shared_state.read_ref(other.path / "codec") == (name, digest)  # the same fit: one folder for both
+    assert codec_state.read_ref(other.path / "codec") == (name, digest)  # the same fit: one folder for both
     other.close()
     for damage in ("bitflip", "delete"):
         if damage == "delete":
@@ -198,23 +198,23 @@ def test_a_shared_codec_state_lost_or_damaged_is_named_and_refitted_by_repair(ti
 def test_a_shared_state_reference_that_leaves_the_states_folder_is_refused(tmp_path, monkeypatch):
     import json
 
-    from kvrag.storage import shared_state
+    from kvrag.storage import codec_state
 
     monkeypatch.setenv("KVRAG_CACHE_DIR", str(tmp_path / "user-cache"))
-    monkeypatch.setattr(shared_state, "RETRY_S", 0.0)
+    monkeypatch.setattr(codec_state, "RETRY_S", 0.0)
     digest = "0" * 24
-    outside = shared_state.states_root() / ".." / "elsewhere" / digest  # a folder an index must not reach
+    outside = codec_state.states_root() / ".." / "elsewhere" / digest  # a folder an index must not reach
     outside.mkdir(parents=True)
     codec = tmp_path / "idx" / "codec"
     codec.mkdir(parents=True)
     for name in ("../elsewhere", "..", "a/b", ".hidden", ""):
-        (codec / shared_state.REF).write_text(json.dumps({"name": name, "digest": digest}))
-        with pytest.raises(shared_state.SharedStateError, match="is damaged: .* not a codec state name"):
-            shared_state.read_ref(codec)
-        with pytest.raises(shared_state.SharedStateError, match="not a codec state name"):
-            shared_state.load(object(), name, digest)
-    (codec / shared_state.REF).write_text(json.dumps({"name": "cachegen-abc.1_x", "digest": digest}))
-    assert shared_state.read_ref(codec) == ("cachegen-abc.1_x", digest)
+        (codec / codec_state.REF).write_text(json.dumps({"name": name, "digest": digest}))
+        with pytest.raises(codec_state.SharedStateError, match="is damaged: .* not a codec state name"):
+            codec_state.read_ref(codec)
+        with pytest.raises(codec_state.SharedStateError, match="not a codec state name"):
+            codec_state.load_from_folder(object(), name, digest)
+    (codec / codec_state.REF).write_text(json.dumps({"name": "cachegen-abc.1_x", "digest": digest}))
+    assert codec_state.read_ref(codec) == ("cachegen-abc.1_x", digest)
 
 
 def test_a_changed_text_in_the_database_is_an_error_and_repair_names_it(clean, tiny_lm, tmp_path):

@@ -12,7 +12,7 @@ from kvrag.config import FuseConfig
 from kvrag.fusion import FixedSelector, FusionInput, fuse, make_selector
 from kvrag.fusion.selectors import ProbeSelector
 from kvrag.indexing.kvgen import chunk_caches, prefix_cache
-from kvrag.model import hf_compat
+from kvrag.model import families, hf_compat
 from kvrag.model.loading import apply_rope, rope_at, unapply_rope, wrap_model
 
 CHUNK_LENS = (23, 17, 31, 12)
@@ -272,7 +272,7 @@ def test_suffix_attention_matches_the_models_attention_weights(arch):
     sel = torch.arange(ids.numel())
     for idx in (0, 2):
         scatter = hf_compat.ScatterLayer(*layers[idx])
-        rope = hf_compat.position_embeddings(lm.model, out.hidden_states[idx], sel)
+        rope = families.position_embeddings(lm.model, out.hidden_states[idx], sel)
         with torch.no_grad():
             ours = suffix_attention(lm, idx, out.hidden_states[idx], sel, scatter, seg, rope)
         ref = out.attentions[idx][0, :, -suffix.numel():].sum(dim=(0, 1))
@@ -503,8 +503,8 @@ def test_layer_keys_values_are_the_rows_the_decoder_layer_writes(arch):
         rows = torch.tensor([0, 5, 17, ids.numel() - 1])
         for idx in range(lm.spec.n_layers):
             hidden = out.hidden_states[idx][:, rows]
-            keys, values = hf_compat.layer_keys_values(
-                lm.model, idx, hidden, hf_compat.position_embeddings(lm.model, hidden, rows))
+            keys, values = families.layer_keys_values(
+                lm.model, idx, hidden, families.position_embeddings(lm.model, hidden, rows))
             assert keys.shape == values.shape == (1, lm.spec.n_kv_heads, rows.numel(), lm.spec.head_dim)
             assert (keys - ref[idx][0][:, :, rows]).abs().max().item() <= 1e-5
             assert (values - ref[idx][1][:, :, rows]).abs().max().item() <= 1e-5

@@ -178,6 +178,31 @@ def test_each_mode_an_answer_runs_is_looked_up_once(rag: KVRag, monkeypatch):
         DEFAULT_MODE, DEFAULT_MODE, "full"]  # the ladder's attempt kept its class: three attempts, two lookups
 
 
+def test_the_decoding_settings_are_built_once_per_call(rag: KVRag, monkeypatch):
+    from kvrag.config import GenerateConfig
+
+    built: list[GenerateConfig] = []
+    check = GenerateConfig.__post_init__
+
+    def counted(self: GenerateConfig) -> None:
+        built.append(self)
+        check(self)
+
+    monkeypatch.setattr(GenerateConfig, "__post_init__", counted)
+    never = GateConfig(fuse=True, full_below_tokens=0, min_margin=1e9, ladder=(0.5,))
+    for gate in (False, never, GateConfig()):  # one attempt; three attempts; the short path
+        built.clear()
+        rag.answer(Q, k=3, gate=gate, max_new_tokens=2, stop=["."])
+        assert [(g.max_new_tokens, g.stop) for g in built] == [(2, (".",))]
+    built.clear()
+    assert "".join(rag.stream(Q, k=3, max_new_tokens=2)) == rag.last_answer.text
+    assert [g.max_new_tokens for g in built] == [2]
+    built.clear()
+    passages = "\n\n".join(chunk.text for chunk in rag.retrieve(Q, k=3))
+    rag.answer_prompt(f"Context:\n{passages}\n\nQuestion: {Q}\nAnswer:", max_new_tokens=2)
+    assert [g.max_new_tokens for g in built] == [2]
+
+
 def test_strict_skips_the_ladder(rag: KVRag):
     strict = GateConfig(fuse=True, full_below_tokens=0, min_margin=1e9, ladder=(0.5,), strict=True)
     gated = rag.answer(Q, k=3, gate=strict, max_new_tokens=3)

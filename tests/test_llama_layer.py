@@ -13,7 +13,7 @@ from kvrag.fusion import FusionInput, fuse
 from kvrag.fusion import attention as attn
 from kvrag.fusion.scatter_attention import ScatterBias, ScatterPlan
 from kvrag.fusion.tiled_attention import SortedCausalBias
-from kvrag.model import hf_compat, llama_layer
+from kvrag.model import families, hf_compat, llama_layer
 
 TOTAL = 96
 
@@ -48,7 +48,7 @@ def _both(model, kind: str, dtype: torch.dtype, device: str, seed: int = 0):
     head_dim = getattr(spec, "head_dim", None) or spec.hidden_size // spec.num_attention_heads
     sel = _selection(kind, device)
     hidden = torch.randn(1, sel.numel(), spec.hidden_size, generator=gen, device=device, dtype=dtype)
-    rope = hf_compat.position_embeddings(model, hidden, sel)
+    rope = families.position_embeddings(model, hidden, sel)
     results = []
     for plain in (True, False):
         stored = [tuple(torch.randn(1, kv_heads, TOTAL, head_dim, generator=torch.Generator(device=device)
@@ -173,7 +173,7 @@ def test_a_layer_allocates_two_intermediate_tensors_of_its_mlp_not_four():
     n, head_dim = TOTAL, spec.hidden_size // spec.num_attention_heads
     sel = torch.arange(n)
     hidden = torch.randn(1, n, spec.hidden_size, generator=torch.Generator().manual_seed(5))
-    rope = hf_compat.position_embeddings(model, hidden, sel)
+    rope = families.position_embeddings(model, hidden, sel)
     outs = []
     for plain in (True, False):
         cache = hf_compat.ScatterCache([tuple(torch.zeros(1, spec.num_key_value_heads, n, head_dim) for _ in "kv")])

@@ -1,6 +1,3 @@
-"""Benchmarks: each submodule exposes ``add_arguments(parser)`` and ``run(args) -> int`` and is
-mounted as ``kvrag bench NAME``. Every speed figure is a ratio against ``full`` measured in the same
-run.
+"""Benchmarks: ``kvrag bench NAME`` runs the module ``kvrag.bench.<name>`` (``run(args) -> int``) with the options
+`kvrag.bench.options` gives it. Every speed figure is a ratio against ``full`` measured in the same run.
 """
-
-BENCHES = ("quality", "speed", "codec", "decode", "build")

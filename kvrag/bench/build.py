@@ -28,26 +28,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from kvrag.bench import common
+from kvrag.bench.common import markdown_table
+from kvrag.bench.qa_data import load_questions, passage_documents
+from kvrag.config import SplitConfig
+from kvrag.indexing.kvgen import plain_prefill
+from kvrag.model import load_model
+from kvrag.prompt import chunk_token_ids
+from kvrag.rag import KVRag
+
 log = logging.getLogger(__name__)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", required=True, help="QA JSONL whose questions' passages are indexed")
-    parser.add_argument("--n", type=int, default=12, help="questions, from the first (default 12)")
-    parser.add_argument("--fit", type=int, default=4,
-                        help="of those, questions whose passages the warm-up index holds (default 4)")
-    parser.add_argument("--model", default="smollm2", help="model id, folder, .gguf file or 'smollm2'")
-    parser.add_argument("--codecs", default="raw,cachegen", help="comma list of codecs (default raw,cachegen)")
-    parser.add_argument("--repeats", type=int, default=2, help="builds and plain prefills per codec; best counts")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--batch-tokens", type=int, default=4096, help="prefill batch size in tokens")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    parser.add_argument("--out", default="bench-build", help="output directory (build.json, build.md)")
-
-
 def _documents(items: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    from kvrag.bench.qa_data import passage_documents
-
     seen: set[str] = set()
     docs = []
     for doc_id, text in passage_documents(items):
@@ -60,11 +55,6 @@ def _documents(items: list[dict[str, Any]]) -> list[tuple[str, str]]:
 def run_build_bench(lm: Any, items: list[dict[str, Any]], fit: int, codecs: list[str], repeats: int,
                     batch_tokens: int, work: Path) -> list[dict[str, Any]]:
     """One row per codec: tokens, best build and plain-prefill tokens/s, their ratio, stored bytes."""
-    from kvrag.config import SplitConfig
-    from kvrag.indexing.kvgen import plain_prefill
-    from kvrag.prompt import chunk_token_ids
-    from kvrag.rag import KVRag
-
     first, rest = _documents(items[:fit]), _documents(items[fit:])
     indexed = {text for _, text in first}
     rest = [d for d in rest if d[1] not in indexed]
@@ -101,8 +91,6 @@ def run_build_bench(lm: Any, items: list[dict[str, Any]], fit: int, codecs: list
 
 
 def to_markdown(rows: list[dict[str, Any]]) -> str:
-    from kvrag.bench.common import markdown_table
-
     headers = ["codec", "chunks", "tokens", "plain prefill tok/s", "build tok/s", "build / plain", "stored MB"]
     table = [[r["codec"], r["chunks"], r["tokens"], r["plain_tok_s"], r["build_tok_s"], r["ratio"], r["stored_MB"]]
              for r in rows]
@@ -113,12 +101,6 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from kvrag.bench import common
-    from kvrag.bench.qa_data import load_questions
-    from kvrag.model import load_model
-
     if not 1 <= args.fit < args.n:
         raise ValueError(f"--fit must be in 1..--n - 1, got --fit {args.fit} with --n {args.n}")
     if args.threads:

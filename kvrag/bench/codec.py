@@ -33,16 +33,23 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+from tqdm.auto import tqdm
+
+from kvrag.bench import common, metrics
+from kvrag.bench.common import markdown_table
+from kvrag.bench.qa_data import load_questions, passage_keys
+from kvrag.codec import make_codec
+from kvrag.config import FuseConfig, GenerateConfig
+from kvrag.rag import KVRag
+from kvrag.storage.container import ChunkReader, encode_chunk
+
 log = logging.getLogger(__name__)
 KV = tuple[Any, Any]  # (keys, values), each torch.Tensor [L, H, S, D]
 _KEY = "0" * 40
 
 
 def _measure(codec: Any, samples: Sequence[KV], repeats: int) -> dict[str, float]:
-    import torch
-
-    from kvrag.storage.container import ChunkReader, encode_chunk
-
     t0, c0 = time.perf_counter(), time.process_time()
     blobs = [encode_chunk(codec, _KEY, "bench", k, v) for k, v in samples]
     encode_s, encode_cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -83,8 +90,6 @@ def fit_codecs(names: Sequence[str], fit_samples: Sequence[KV], fitted: Sequence
 
     A codec in ``fitted`` (e.g. an index's own) is used as it is for its name.
     """
-    from kvrag.codec import make_codec
-
     own = {c.name: c for c in fitted}
     out = []
     for name in names:
@@ -130,8 +135,6 @@ def run_codec_bench(
         >>> rows = run_codec_bench(caches, codecs=("int8", "cachegen"))  # doctest: +SKIP
         >>> print(to_markdown(rows))  # doctest: +SKIP
     """
-    import torch
-
     samples = list(samples)
     if fit_samples is None:
         fit_samples, samples = samples[: len(samples) // 2], samples[len(samples) // 2 :]
@@ -156,8 +159,6 @@ def run_codec_bench(
 
 def to_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """The rows of `run_codec_bench` as a Markdown table."""
-    from kvrag.bench.common import markdown_table
-
     headers = ["codec", "level", "bits/elem", "× vs bf16", "encode MB/s", "decode MB/s", "decode MB/s (CPU)",
                "decode into MB/s", "rel err K", "rel err V"]
     table = [[r["codec"], f"{r['level']}{'*' if r.get('default') else ''}", r["bits_per_element"],
@@ -174,8 +175,6 @@ def roundtrip(codec: Any, kv: KV) -> tuple[KV, int]:
 
     The container adds only lossless framing, so this is what storing the chunk would give.
     """
-    import torch
-
     keys, values = kv
     shape = tuple(int(d) for d in keys.shape[1:])
     blobs = [codec.encode_layer(keys[i], values[i], i) for i in range(keys.shape[0])]
@@ -189,8 +188,6 @@ _EFFECT_KEYS = ("payload_bits_per_element", "first_token_agreement", "agreement"
 
 def _effect_row(qid: str, codec: str, level: int | None, mode: str, ans: Any, ref: Any, full: Any,
                 nll: float, ref_nll: float, bits: float) -> dict[str, Any]:
-    from kvrag.bench import metrics
-
     return {"id": qid, "codec": codec, "level": level, "mode": mode, "answer": ans.text,
             "payload_bits_per_element": bits,
             "first_token_agreement": metrics.first_token_agreement(ans.token_ids, ref.token_ids),
@@ -202,9 +199,6 @@ def _effect_row(qid: str, codec: str, level: int | None, mode: str, ans: Any, re
 def _question_effect(rag: Any, item: dict[str, Any], codecs: Sequence[Any], specs: Sequence[Any],
                      max_new_tokens: int, step: Any) -> list[dict[str, Any]]:
     """Rows of one question: the uncompressed caches per mode, then every codec level per mode."""
-    from kvrag.bench.qa_data import passage_keys
-    from kvrag.config import FuseConfig, GenerateConfig
-
     keys = passage_keys(rag, item)
     raw = {k: rag.kvstore.load(k) for k in dict.fromkeys(keys)}  # a repeated passage is one chunk
     elements = sum(2 * kv[0].numel() for kv in raw.values())
@@ -277,8 +271,6 @@ def answer_effect(rag: Any, items: Sequence[dict[str, Any]], codecs: Sequence[An
         of the uncompressed answer, ``payload_bits_per_element`` (codec bytes, no container framing).
         Rows with codec ``uncompressed`` are the stored caches themselves.
     """
-    from tqdm.auto import tqdm
-
     _check_modes(specs)
     rows: list[dict[str, Any]] = []
     with tqdm(total=len(items) * (1 + len(codecs)), desc="codec answers", unit="step", disable=None) as bar:
@@ -289,8 +281,6 @@ def answer_effect(rag: Any, items: Sequence[dict[str, Any]], codecs: Sequence[An
 
 def effect_markdown(summary: Sequence[dict[str, Any]]) -> str:
     """The summary of `answer_effect` as a Markdown table."""
-    from kvrag.bench.common import markdown_table
-
     headers = ["codec", "level", "mode", "bits/elem", "first-token", "agreement", "identical",
                "first-token vs full", "agreement vs full", "ΔNLL"]
     table = [[r["codec"], "–" if r["level"] is None else r["level"], r["mode"], r["payload_bits_per_element"],
@@ -301,25 +291,6 @@ def effect_markdown(summary: Sequence[dict[str, Any]]) -> str:
         "uncompressed caches in the same mode; vs full: against full prefill's answer. ΔNLL: NLL of the "
         "uncompressed answer under the round-tripped caches minus under the uncompressed ones. bits/elem: "
         "codec payload, no container framing.")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--index", required=True, help="index directory whose chunk caches are measured")
-    parser.add_argument("--n-chunks", type=int, default=64,
-                        help="chunks measured (after --fit-chunks used to fit; default 64)")
-    parser.add_argument("--fit-chunks", type=int, default=128, help="chunks used to fit codecs (default 128)")
-    parser.add_argument("--codecs", default="raw,int8,cachegen", help="comma list of codec names")
-    parser.add_argument("--levels", default=None, help="comma list of levels (default: every level)")
-    parser.add_argument("--repeats", type=int, default=3, help="decode passes; the fastest counts")
-    parser.add_argument("--qa", default=None,
-                        help="QA JSONL whose first --qa-n questions' passages are chunks of the index: "
-                             "also measure the effect of each codec level on their answers")
-    parser.add_argument("--qa-n", type=int, default=6, help="questions for --qa (default 6)")
-    parser.add_argument("--qa-modes", default="reuse,cacheblend@0.15",
-                        help="comma list of fusion modes for --qa (default reuse,cacheblend@0.15)")
-    parser.add_argument("--max-new-tokens", type=int, default=16, help="answer length for --qa (default 16)")
-    parser.add_argument("--json", default=None, help="write the rows (and run stamp) as JSON here")
-    parser.add_argument("--markdown", default=None, help="write the Markdown table here")
 
 
 def index_samples(rag: Any, fit_chunks: int, n_chunks: int, avoid: set[str]) -> tuple[list[KV], int, int]:
@@ -339,10 +310,6 @@ def index_samples(rag: Any, fit_chunks: int, n_chunks: int, avoid: set[str]) -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvrag.bench import common
-    from kvrag.bench.qa_data import load_questions, passage_keys
-    from kvrag.rag import KVRag
-
     if args.n_chunks < 1 or args.fit_chunks < 1 or args.qa_n < 1:
         raise ValueError("--n-chunks, --fit-chunks and --qa-n must be >= 1")
     specs = [common.parse_mode(t) for t in args.qa_modes.split(",") if t.strip()]

@@ -5,8 +5,8 @@ A mode spec is ``full``, ``prefix``, ``reuse``, ``cacheblend@RATIO``, ``probe@RA
 (full prefill with the model loaded in another dtype) and the modes `register_question_mode` adds (a
 selection chosen per question, e.g. the deviation oracle of ``benchmarks/experiments``). Any mode but
 ``full`` may end in ``+adaptive``: the same mode planned by the loading controller (`FuseConfig.adaptive`).
-`parse_modes` turns a comma list into labelled `FuseConfig`s. Nothing here imports torch at module level, so
-mounting ``kvrag bench`` stays cheap.
+`parse_modes` turns a comma list into labelled `FuseConfig`s. The benchmarks' options are in `kvrag.bench.options`,
+which imports none of this, so that ``kvrag bench NAME --help`` answers without torch.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvrag.config import ATTENTION_KERNELS, FuseConfig
 from kvrag.fusion.selectors.base import Selector, available_modes, selector_class
-
-DEFAULT_SPEED_MODES = "full,prefix,reuse,cacheblend@0.15,probe@0.15,attnlink@16"
+from kvrag.indexing.manifest import installed_versions
 
 
 @dataclass(frozen=True)
@@ -145,16 +146,6 @@ def parse_modes(text: str, quality: bool = False) -> list[ModeSpec]:
     return full[:1] + [s for s in specs if not s.reference]
 
 
-def add_schedule_flags(parser: Any) -> None:
-    """Add the flags that set ``cacheblend``'s gradual filtering for every mode of a bench run."""
-    parser.add_argument("--check-layers", default=None, metavar="L,L,...",
-                        help="cacheblend's check layers (its option check_layers; default 1,2,3)")
-    parser.add_argument("--first-ratio-scale", type=float, default=None, metavar="S",
-                        help="cacheblend keeps min(1, S x ratio) of the chunk tokens at its first check layer, "
-                             "narrowing geometrically to the ratio at its last (its option first_ratio_scale; "
-                             "default 2; 1 keeps the ratio from the first check on)")
-
-
 def with_fuse_settings(specs: list[ModeSpec], check_layers: str | None = None,
                        attention: str | None = None, first_ratio_scale: float | None = None) -> list[ModeSpec]:
     """The modes with what a command-line flag sets for all of them replaced: ``attention``, and the options of
@@ -204,8 +195,6 @@ def cpu_model() -> str:
 
 def hardware() -> dict[str, Any]:
     """CPU model, visible cores, torch threads, load average and the GPU (if any)."""
-    import torch
-
     info: dict[str, Any] = {
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
@@ -222,8 +211,6 @@ def hardware() -> dict[str, Any]:
 
 
 def versions() -> dict[str, str]:
-    from kvrag.indexing.manifest import installed_versions
-
     return {"python": sys.version.split()[0],
             **installed_versions(("kvrag", "torch", "transformers", "numpy", "matplotlib"))}
 
@@ -273,12 +260,12 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
 def pyplot() -> Any:
     """Matplotlib's pyplot on the Agg backend, or an actionable ImportError."""
-    try:
+    try:  # matplotlib is optional (the bench extra) and picks a process-wide backend: loaded only to draw
         import matplotlib
     except ImportError:
         raise ImportError("the benchmark plots need matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the backend, as matplotlib requires
 
     return plt
 
@@ -297,8 +284,6 @@ def save_plot(plt: Any, fig: Any, ax: Any, path: Path, title: str, grid: str = "
 
 def cuda_sync(device: Any) -> None:
     """Wait for queued GPU work before reading a clock (no-op on CPU)."""
-    import torch
-
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -309,6 +294,4 @@ def set_threads(threads: int | None) -> None:
         return
     if threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
-    import torch
-
     torch.set_num_threads(threads)

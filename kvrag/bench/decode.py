@@ -27,6 +27,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from kvrag.bench.common import markdown_table
+from kvrag.codec import cachegen_region as region
+from kvrag.codec.cachegen import CacheGenCodec
+from kvrag.kernels import rans_decode
+
 log = logging.getLogger(__name__)
 
 
@@ -35,8 +42,6 @@ def synthetic_chunk(seed: int, layers: int, heads: int, tokens: int, head_dim: i
     """Keys and values ``[layers, heads, tokens, head_dim]`` (float32) shaped like real caches: per-channel
     offsets, six shared directions of token content, and noise, all times ``scale``.
     """
-    import torch
-
     gen = torch.Generator().manual_seed(seed)
     channels = heads * head_dim
     offsets = torch.linspace(-2, 2, channels)[torch.randperm(channels, generator=torch.Generator().manual_seed(99))]
@@ -52,8 +57,6 @@ def synthetic_chunk(seed: int, layers: int, heads: int, tokens: int, head_dim: i
 
 def _timed(fn: Callable[[], Any], device: Any, repeats: int) -> float:
     """Median seconds of ``fn`` over ``repeats`` runs after one warm-up, the device synchronised around each."""
-    import torch
-
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
     times = []
@@ -69,11 +72,6 @@ def _timed(fn: Callable[[], Any], device: Any, repeats: int) -> float:
 def _region_row(codec: Any, encoded: list[list[bytes]], n_chunks: int, chunk_tokens: int, heads: int,
                 head_dim: int, dev: Any, repeats: int) -> dict[str, Any]:
     """Time one region of ``n_chunks`` chunks (``encoded[layer][j]``, repeated) decoded on ``dev``."""
-    import torch
-
-    from kvrag.codec import cachegen_region as region
-    from kvrag.kernels import rans_decode
-
     ids = list(range(len(encoded)))
     blobs = [[row[j % len(row)] for j in range(n_chunks)] for row in encoded]
     lengths = [chunk_tokens] * n_chunks
@@ -100,11 +98,6 @@ def run_decode_bench(heads: int = 8, head_dim: int = 128, layers: int = 4, chunk
     Raises:
         RuntimeError: the Triton decoder is missing, or its region differs from the host decoder's.
     """
-    import torch
-
-    from kvrag.codec.cachegen import CacheGenCodec
-    from kvrag.kernels import rans_decode
-
     if not rans_decode.available():
         raise RuntimeError("the cachegen decoder benchmark needs triton (pip install triton)")
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
@@ -128,8 +121,6 @@ def run_decode_bench(heads: int = 8, head_dim: int = 128, layers: int = 4, chunk
 
 
 def to_markdown(result: dict[str, Any]) -> str:
-    from kvrag.bench.common import markdown_table
-
     headers = ["chunks", "blobs", "tokens", "stored MB", "decoded MB (bf16)", "kernel ms", "kernel GB/s",
                "decode_region ms", "decode_region GB/s"]
     table = [[r["chunks"], r["blobs"], r["tokens"], r["stored_MB"], r["decoded_MB"], r["kernel_ms"],
@@ -138,19 +129,6 @@ def to_markdown(result: dict[str, Any]) -> str:
             f"key/value heads of {result['head_dim']}, {result['layers']} layers, chunks of "
             f"{result['chunk_tokens']} tokens; the Triton decoder's region equals the host decoder's bit for bit: "
             f"{result['bit_exact']}. Median of the timed runs.\n\n" + markdown_table(headers, table) + "\n")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--heads", type=int, default=8, help="key/value heads (Llama-3.1-8B: 8)")
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4, help="layers per region")
-    parser.add_argument("--chunk-tokens", type=int, default=512)
-    parser.add_argument("--distinct", type=int, default=4, help="distinct chunks encoded (repeated in a region)")
-    parser.add_argument("--chunks", default="8,32,128", help="region sizes in chunks")
-    parser.add_argument("--level", type=int, default=None, help="codec level (default: the codec's own)")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--out", default="bench-out/decode")
 
 
 def run(args: argparse.Namespace) -> int:

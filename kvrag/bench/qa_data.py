@@ -13,6 +13,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvrag.config import SplitConfig
+from kvrag.indexing.kvgen import chunk_key
+from kvrag.prompt import chunk_token_ids
+from kvrag.rag import KVRag
+
 
 def load_questions(path: Path, n: int) -> list[dict[str, Any]]:
     """Read the first ``n`` items of a QA JSONL file, checked for the fields the benchmark uses."""
@@ -68,9 +73,6 @@ def pool_documents(paths: Sequence[Path], exclude: set[str]) -> list[tuple[str, 
 
 def passage_keys(rag: Any, item: dict[str, Any]) -> list[str]:
     """Chunk keys of an item's passages in dataset order (content hash, so duplicates share keys)."""
-    from kvrag.indexing.kvgen import chunk_key
-    from kvrag.prompt import chunk_token_ids
-
     keys = []
     for ctx in item["ctxs"]:
         ids = chunk_token_ids(rag.lm.tokenizer, passage_text(ctx))
@@ -89,9 +91,6 @@ def build_index(args: argparse.Namespace, items: list[dict[str, Any]], index_dir
     The caches are lossless by default: the quality benches measure fusion, and `kvrag bench codec` a codec's
     effect; ``codec`` builds them as a user's index would store them instead.
     """
-    from kvrag.config import SplitConfig
-    from kvrag.rag import KVRag
-
     t0 = time.perf_counter()
     split = SplitConfig(mode="document", max_tokens=args.max_chunk_tokens, min_tokens=0)
     docs = passage_documents(items)

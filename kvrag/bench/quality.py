@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from kvrag.bench import common, metrics
 from kvrag.bench.qa_data import build_index, load_questions, passage_keys
 from kvrag.bench.quality_report import (
@@ -28,53 +30,17 @@ from kvrag.bench.quality_report import (
     summary_markdown,
 )
 from kvrag.config import GenerateConfig
+from kvrag.model import load_model
+from kvrag.query.gate import read_signals
+from kvrag.rag import KVRag
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MODES = ("full,prefix,reuse,cacheblend@0.05,cacheblend@0.15,cacheblend@0.25,probe@0.15,"
-                 "attnlink@4,attnlink@16,attnlink@32")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", required=True, help="QA JSONL: {id, question, answers, ctxs: [{title, text}]}")
-    parser.add_argument("--model", default="smollm2", help="HF id/folder, .gguf file, or 'smollm2'")
-    parser.add_argument("--n", type=int, default=20, help="questions (the first N of the file)")
-    parser.add_argument(
-        "--modes", default=DEFAULT_MODES,
-        help="comma list: full, prefix, reuse, cacheblend@R, probe@R, attnlink@K, full@DTYPE (full prefill with "
-             "the model loaded in bfloat16/float16/float32: how far precision alone moves the answer, the floor "
-             "under every agreement and ΔNLL)",
-    )
-    common.add_schedule_flags(parser)
-    parser.add_argument("--max-new-tokens", type=int, default=24)
-    parser.add_argument("--max-chunk-tokens", type=int, default=2048, help="passages longer than this are split")
-    parser.add_argument("--warmup", type=int, default=1, help="questions answered by every mode first, not counted")
-    parser.add_argument("--neighbour-context", type=int, default=None, metavar="N",
-                        help="build the caches after each passage's N nearest passages (KVRag.build "
-                             "neighbour_context; default 0, an existing --index keeps its own)")
-    parser.add_argument("--neighbour-kv", default=None, choices=["stored", "prefill"],
-                        help="how the neighbours are put before a chunk (KVRag.build neighbour_kv)")
-    parser.add_argument("--neighbour-pool", default=None, metavar="FILE,...",
-                        help="QA JSONL files (their passages) or corpus JSON files (a list of {title, text}) "
-                             "indexed without caches before the questions' passages, so that neighbour context "
-                             "chooses each passage's neighbours from a corpus, not from the benchmark's passages "
-                             "alone")
-    parser.add_argument("--question-tail", default="", metavar="TEXT",
-                        help="a line put right after each question (KVRag.build question_tail; an existing "
-                             "--index keeps its own)")
-    parser.add_argument("--index", default=None, help="index directory (default: a temporary one)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--out", default="bench-out/quality", help="output directory")
 
 
 def precision_twin(rag: Any, dtype: str) -> Any:
     """A `KVRag` over the same index and prompt layout whose model is loaded in ``dtype``, for ``full``
     answers only (it reads no chunk cache: those were computed by the index's own model).
     """
-    from kvrag.model import load_model
-    from kvrag.rag import KVRag
-
     lm = load_model(rag.lm.source, dtype=dtype, device=str(rag.lm.device))
     return KVRag(rag.path, rag.index, lm, rag.embedder, rag.kvstore.codec, rag.layout, rag.batch_tokens)
 
@@ -84,8 +50,6 @@ def answer_row(
     score_ids: list[int] | None = None,
 ) -> dict[str, Any]:
     """One mode's answer; with ``score_ids`` (``full``'s answer) also their NLL under the same fusion."""
-    from kvrag.query.gate import read_signals
-
     cfg = spec.config
     selector = None
     if spec.selector_for is not None:  # chosen per question, outside the answer's timing
@@ -190,8 +154,6 @@ def write_outputs(args: argparse.Namespace, items: list[dict[str, Any]], specs: 
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
-
     common.set_threads(args.threads)
     specs = common.with_fuse_settings(common.parse_modes(args.modes, quality=True), args.check_layers,
                                      first_ratio_scale=args.first_ratio_scale)

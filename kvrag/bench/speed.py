@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import logging
 import statistics
 import tempfile
@@ -26,110 +27,23 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+import transformers as tf
+
 from kvrag.bench import common
+from kvrag.bench.archs import ARCHS
 from kvrag.bench.workload import PREFIX_TOKENS, SUFFIX_TOKENS, TIERS, Workload
-from kvrag.config import ATTENTION_KERNELS
+from kvrag.codec.base import make_codec
+from kvrag.model import load_model
+from kvrag.model.loading import _resolve_dtype, wrap_model
+from kvrag.storage.kvstore import KVStore
+from kvrag.storage.stores import ThrottledStore, make_store
 
 log = logging.getLogger(__name__)
 
-# Published shapes (HF config.json of each model); rope_scaling as shipped.
-ARCHS: dict[str, dict[str, Any]] = {
-    "llama-3.1-8b": dict(
-        family="llama",
-        num_hidden_layers=32,
-        hidden_size=4096,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=14336,
-        vocab_size=128256,
-        rope_theta=500000.0,
-        max_position_embeddings=131072,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    ),
-    "qwen2.5-7b": dict(
-        family="qwen2",
-        num_hidden_layers=28,
-        hidden_size=3584,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        intermediate_size=18944,
-        vocab_size=152064,
-        rope_theta=1e6,
-        max_position_embeddings=131072,
-    ),
-    "mistral-7b": dict(
-        family="mistral",
-        num_hidden_layers=32,
-        hidden_size=4096,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=14336,
-        vocab_size=32768,
-        rope_theta=1e6,
-        max_position_embeddings=131072,
-        sliding_window=None,
-    ),
-    "smollm2-135m": dict(
-        family="llama",
-        num_hidden_layers=30,
-        hidden_size=576,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        intermediate_size=1536,
-        vocab_size=49152,
-        rope_theta=1e5,
-        max_position_embeddings=131072,
-        tie_word_embeddings=True,
-    ),
-    "tiny": dict(
-        family="llama",
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=1024,
-        max_position_embeddings=131072,
-    ),
-}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    src = parser.add_mutually_exclusive_group()
-    src.add_argument("--model", default=None, help="HF id/folder, .gguf file, or 'smollm2' (real weights)")
-    src.add_argument("--arch", default=None, choices=sorted(ARCHS), help="published shape, random weights")
-    parser.add_argument("--lengths", default="1024,2048,4096", help="context lengths in tokens (chunks only)")
-    parser.add_argument("--chunk-tokens", type=int, default=512)
-    parser.add_argument("--modes", default=common.DEFAULT_SPEED_MODES)
-    parser.add_argument("--tiers", default="disk,ram",
-                        help="where the chunk caches are loaded from: disk (the store), ram (host memory, "
-                             "pinned on CUDA), gpu (resident in GPU memory); comma list")
-    parser.add_argument("--codec", default="raw", help="codec of the stored caches: raw, int8, cachegen "
-                        "(fitted on the first length's chunks)")
-    parser.add_argument("--attention", default=None, choices=ATTENTION_KERNELS,
-                        help="kernel for selections spread over the prompt (FuseConfig.attention), every mode "
-                        "(default: each mode's own, auto unless it ends in +KERNEL, e.g. probe@0.15+blocks)")
-    common.add_schedule_flags(parser)
-    parser.add_argument("--store-mbps", type=float, default=None, metavar="MB/S",
-                        help="read the disk tier through one link of this many MB/s (a remote store; "
-                             "`kvrag.storage.stores.ThrottledStore`); default: the local disk as it is")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1, …")
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="bench-out/speed", help="output directory")
 
 
 def resolve_device(name: str) -> str:
-    import torch
-
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
@@ -139,11 +53,6 @@ def resolve_device(name: str) -> str:
 
 def arch_model(arch: str, device: str, dtype: str | None) -> Any:
     """Build a `LoadedModel` with the published shape of ``arch`` and random (normal-init) weights."""
-    import torch
-    import transformers as tf
-
-    from kvrag.model.loading import _resolve_dtype, wrap_model
-
     params = dict(ARCHS[arch])
     config_cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig}[params.pop("family")]
     torch_dtype = _resolve_dtype(dtype, device)
@@ -155,8 +64,6 @@ def arch_model(arch: str, device: str, dtype: str | None) -> Any:
 
 
 def load_lm(args: argparse.Namespace, device: str) -> tuple[Any, str]:
-    from kvrag.model import load_model
-
     if args.model:
         return load_model(args.model, dtype=args.dtype, device=device), args.model
     arch = args.arch or "smollm2-135m"
@@ -168,10 +75,6 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def free_memory(device: Any) -> None:
-    import gc
-
-    import torch
-
     gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
@@ -234,10 +137,6 @@ def run_lengths(
     on_length: Callable[[list[dict[str, Any]], list[str]], object] = lambda results, notes: None,
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Time every length; ``on_length`` sees the results so far after each (partial outputs)."""
-    from kvrag.codec.base import make_codec
-    from kvrag.storage.kvstore import KVStore
-    from kvrag.storage.stores import ThrottledStore, make_store
-
     store = make_store("disk", tmp / "chunk-caches", fsync=False)
     if getattr(args, "store_mbps", None):
         store = ThrottledStore(store, args.store_mbps * 1e6)
@@ -319,8 +218,6 @@ def speed_plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def write_outputs(args: argparse.Namespace, lm: Any, name: str, results: list[dict[str, Any]], notes: list[str]) -> str:
     """Write ``speed.json``, ``speed.md`` and ``speed.png``; returns the markdown table."""
-    import torch
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     payload = {

@@ -9,7 +9,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from kvrag.bench import common
+from kvrag.fusion import FusionInput, fuse
+from kvrag.indexing.kvgen import chunk_caches, chunk_key, prefix_cache
+from kvrag.loading.feed import StoreFeed, TensorFeed
+from kvrag.query.attempt import Attempt
+from kvrag.query.plan import LoadController
+from kvrag.query.shape import prompt_shape
 
 PREFIX_TOKENS = 32  # stands in for the chat-template head + instruction
 
@@ -23,11 +31,6 @@ class Workload:
 
     def __init__(self, lm: Any, kvstore: Any, length: int, chunk_tokens: int, seed: int,
                  tiers: Sequence[str] = ("disk",)) -> None:
-        import torch
-
-        from kvrag.indexing.kvgen import chunk_caches, chunk_key, prefix_cache
-        from kvrag.query.plan import LoadController
-
         gen = torch.Generator().manual_seed(seed + length)
         rand = lambda n: torch.randint(3, lm.spec.vocab_size, (n,), generator=gen)  # noqa: E731
         self.prefix = prefix_cache(lm, rand(PREFIX_TOKENS).tolist())
@@ -56,8 +59,6 @@ class Workload:
 
     def feed(self, lm: Any, tier: str, from_text: Sequence[int] = ()) -> Any:
         """A feed over this workload's chunk caches from ``tier`` (``from_text``: chunks left out, recomputed)."""
-        from kvrag.loading.feed import StoreFeed, TensorFeed
-
         lengths = [int(c.numel()) for c in self.chunk_ids]
         dtype = self.prefix.kv[0][0].dtype
         if tier == "disk":
@@ -72,12 +73,6 @@ class Workload:
         ``load_s`` is opening the chunks plus the time fusion waited for a layer (loading that
         recompute did not hide); ``fuse_s`` is the rest.
         """
-        import torch
-
-        from kvrag.fusion import FusionInput, fuse
-        from kvrag.query.attempt import Attempt
-        from kvrag.query.shape import prompt_shape
-
         device = lm.device
         common.cuda_sync(device)
         t0 = time.perf_counter()
@@ -114,8 +109,6 @@ class Workload:
 
     def time_plain_prefill(self, lm: Any) -> dict[str, float]:
         """The model's own forward over the same prompt (no kvrag code): checks that ``full`` is fair."""
-        import torch
-
         ids = torch.cat([self.prefix.ids.cpu()] + self.chunk_ids + [self.suffix_ids]).to(lm.device)
         common.cuda_sync(lm.device)
         t0 = time.perf_counter()

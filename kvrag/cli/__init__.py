@@ -9,20 +9,25 @@ and progress bars are silenced (``-v``/``-vv`` bring them back: `kvrag.cli.verbo
 ``kvrag`` command's entry point, runs `main`, then the ``atexit`` handlers, flushes stdout and stderr and ends the
 process at once: tearing down an interpreter that loaded torch took 0.9 s of a 6.5 s ``kvrag ask``.
 
-One module per command (`kvrag.cli.index`, `kvrag.cli.ask`, `kvrag.cli.info`, `kvrag.cli.verify`,
-`kvrag.cli.repair`, `kvrag.cli.serve`, `kvrag.cli.bench`),
-each with ``add_parser(sub, parents)`` and ``run(args)``; `kvrag.cli.common` holds what they share.
-Building the parser imports no torch, transformers, faiss, sentence-transformers or numpy: a command's
-``run`` imports them, so ``--help`` and usage errors answer at once (tests/test_cli_startup.py).
+`kvrag.cli.arguments` holds every command's arguments, and `kvrag.cli.common` the flags and types they share; they
+import no torch, transformers, faiss, sentence-transformers or numpy, so ``--help`` and usage errors answer at once
+(tests/test_cli_startup.py). Once the arguments parse and the command's cheap checks pass, `main` imports the
+command's own module (`kvrag.cli.index`, `kvrag.cli.ask`, `kvrag.cli.info`, `kvrag.cli.verify`, `kvrag.cli.repair`,
+`kvrag.cli.serve`, or a benchmark's `kvrag.bench.<name>`), which imports what it needs at its top, and calls its
+``run(args)``. ``args.import_s`` is how long that import took (``kvrag ask --timings`` shows it).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import importlib
+import os
 import sys
+import time
 import traceback
 
-from kvrag.cli import ask, bench, index, info, repair, serve, verify
+from kvrag.cli.arguments import add_commands
 from kvrag.cli.common import Parser, add_global_flags
 from kvrag.cli.verbosity import configured
 from kvrag.errors import KVRagError
@@ -40,8 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags = Parser(add_help=False)
     add_global_flags(flags, top=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (index, ask, info, verify, repair, serve, bench):
-        command.add_parser(sub, [flags])
+    add_commands(sub, [flags])
     return parser
 
 
@@ -61,6 +65,18 @@ def _report(exc: Exception, debug: bool) -> int:
     return 1
 
 
+def _run(args: argparse.Namespace) -> int:
+    """The command's checks, then its module (torch and the model code load here, the one import kvrag defers
+    by name: the grammar in `kvrag.cli.arguments` names each command's module), then its ``run``.
+    """
+    if args.check is not None:
+        args.check(args)
+    started = time.perf_counter()
+    command = importlib.import_module(args.command)
+    args.import_s = time.perf_counter() - started
+    return int(command.run(args))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``kvrag`` with ``argv`` (default: the process's arguments); return the exit status."""
     try:
@@ -69,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     with configured(args.verbose):
         try:
-            return int(args.func(args))
+            return _run(args)
         except KeyboardInterrupt:
             print("kvrag: interrupted", file=sys.stderr)
             return 130
@@ -81,9 +97,6 @@ def console() -> None:
     """The ``kvrag`` command: `main` on the process's arguments, then exit without the interpreter's teardown (every
     ``atexit`` handler still runs and the standard streams are flushed; nothing kvrag writes is left to finalisers).
     """
-    import atexit
-    import os
-
     status = main()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

@@ -17,6 +17,7 @@ import sys
 from typing import NoReturn
 
 from kvrag.config import StoreConfig
+from kvrag.sizes import parse_bytes
 
 
 class Parser(argparse.ArgumentParser):
@@ -104,8 +105,6 @@ def mib_size(text: str) -> int:
 
 
 def _size(text: str, zero: bool) -> int:
-    from kvrag.sizes import parse_bytes
-
     try:
         return parse_bytes(text, "the value", zero=zero)
     except ValueError as exc:

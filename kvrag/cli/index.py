@@ -21,105 +21,21 @@ import argparse
 import shutil
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvrag.cli.common import (
-    add_store_flags,
-    byte_size,
-    human_bytes,
-    non_negative_int,
-    positive_int,
-    show_progress,
-    store_arg,
-)
+from kvrag.cli.common import human_bytes, show_progress, store_arg
 from kvrag.cli.sizes import expected_cache_bytes, folder_bytes
-from kvrag.config import CodecConfig
+from kvrag.codec.base import make_codec
+from kvrag.config import CodecConfig, SplitConfig
 from kvrag.errors import IndexMismatchError, InputError
-
-HELP = "build an index over files or folders, or add new documents to one"
-
-
-def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("index", parents=parents, help=HELP, description=HELP + ".")
-    p.add_argument("paths", nargs="+", metavar="PATH",
-                   help="files or folders to index (folders recursively): .txt .md .rst, .json/.jsonl records "
-                        "{title, text}, .html, .pdf, .docx")
-    p.add_argument("--index", required=True, metavar="DIR",
-                   help="index folder: created if missing; an existing index gets the chunks it lacks")
-    p.add_argument("--model", default=None,
-                   help="the LLM whose caches are stored: a Hugging Face hub id, a local folder, a .gguf file or "
-                        "'smollm2' (default: smollm2 for a new index; an existing index's own model)")
-    p.add_argument("--embedder", default=None,
-                   help="sentence-transformers model for retrieval (default: all-MiniLM-L6-v2, bundled offline)")
-    p.add_argument("--codec", default=None,
-                   help="how chunk caches are stored: raw (lossless), int8 or cachegen (smallest, lossy) "
-                        "(default: cachegen; an existing index keeps its own)")
-    p.add_argument("--codec-level", type=non_negative_int, default=None, metavar="N",
-                   help="codec quality level, higher is larger and closer (cachegen: 0-3, default 2)")
-    p.add_argument("--codec-state", default="shared", choices=["shared", "index"],
-                   help="where a fitted codec state is kept: in the user's cache folder, the index holding a reference "
-                        "(shared, the default; $KVRAG_CACHE_DIR moves it), or in the index itself (index: a folder "
-                        "that is whole on its own, about 4 MB larger for SmolLM2)")
-    p.add_argument("--split", default="semantic", choices=["semantic", "fixed", "document"],
-                   help="how documents are cut into chunks: at topic shifts under the token budget (semantic), "
-                        "every --max-tokens tokens (fixed), or one chunk per document (document) "
-                        "(default: semantic)")
-    p.add_argument("--max-tokens", type=positive_int, default=256, metavar="N",
-                   help="most tokens in a chunk (default 256)")
-    p.add_argument("--min-tokens", type=non_negative_int, default=64, metavar="N",
-                   help="fewest tokens in a semantic chunk unless its document ends (default 64)")
-    p.add_argument("--index-kind", default="flat", choices=["flat", "hnsw"],
-                   help="FAISS index: exact search (flat) or approximate and faster on large indexes (hnsw) "
-                        "(default: flat)")
-    p.add_argument("--batch-tokens", type=positive_int, default=4096, metavar="N",
-                   help="tokens prefilled per model call while computing caches (default 4096)")
-    p.add_argument("--neighbour-context", type=non_negative_int, default=None, metavar="N",
-                   help="compute each chunk's cache after its N nearest chunks (default 0; an index keeps its own)")
-    p.add_argument("--neighbour-kv", default=None, choices=["stored", "prefill"],
-                   help="with --neighbour-context: place the neighbours' stored caches before a chunk (default for a "
-                        "new index; about the cost of a plain build again) or prefill their tokens with it (exact, "
-                        "up to N+1 times the cost)")
-    p.add_argument("--stream-levels", type=_levels, default=(), metavar="L,L",
-                   help="also store each chunk's cache at these levels of its codec (e.g. 1,3 for cachegen), so that "
-                        "'kvrag ask --ttft-slo' can pick a smaller or finer one per chunk from the measured bandwidth "
-                        "(a new index only; default none)")
-    p.add_argument("--lazy", action="store_true",
-                   help="index the chunks for retrieval only: each chunk's cache is computed the first time a "
-                        "question uses it (a later run without --lazy computes the missing ones)")
-    p.add_argument("--max-cache-bytes", type=byte_size, default=None, metavar="SIZE",
-                   help="bound the chunk caches' bytes (e.g. 5GB; a new index only, recorded): the least recently "
-                        "used are evicted and computed again from their text when a question needs them; with "
-                        "--lazy, a corpus larger than the disk keeps its hot chunks cached")
-    p.add_argument("--instruction", default=None,
-                   help="system instruction before the passages (a new index only; default: kvrag.prompt's)")
-    p.add_argument("--question-tail", default="",
-                   help="a line put right after each question, e.g. how to answer (a new index only; default none)")
-    p.add_argument("--dtype", default=None,
-                   help="the model's dtype: float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on "
-                        "CPU; an existing index: the dtype it was built with)")
-    p.add_argument("--device", default=None,
-                   help="torch device for the model and the embedder, e.g. cpu or cuda (default: cuda if available)")
-    p.add_argument("--engine", default="local", choices=["local", "ray"],
-                   help="where the chunks are split, embedded and their caches computed: this process (local) or "
-                        "Ray actors, one model each, GPUs where present (ray; needs pip install kvrag[ray])")
-    p.add_argument("--address", default=None, metavar="ADDR",
-                   help="with --engine ray: the Ray cluster, e.g. auto or HOST:6379 (default: start a local one)")
-    p.add_argument("--workers", type=positive_int, default=None, metavar="N",
-                   help="with --engine ray: Ray actors to run (default: one per GPU of the cluster, else one per CPU)")
-    add_store_flags(p, building=True)
-    p.set_defaults(func=run)
-
-
-def _levels(text: str) -> tuple[int, ...]:
-    """``--stream-levels`` as a tuple of levels (``1,3``)."""
-    try:
-        levels = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected levels like 1,3, got {text!r}") from None
-    if any(lv < 0 for lv in levels):
-        raise argparse.ArgumentTypeError(f"levels must be >= 0, got {text!r}")
-    return levels
+from kvrag.indexing.documents import load_documents
+from kvrag.model import load_model
+from kvrag.prompt import DEFAULT_INSTRUCTION
+from kvrag.rag import KVRag
+from kvrag.storage.chunk_index import ChunkIndex
+from kvrag.storage.stores import CachedStore, is_remote_url, open_index_store
 
 
 def _free_bytes(path: Path) -> tuple[int, Path]:
@@ -133,8 +49,6 @@ def _free_bytes(path: Path) -> tuple[int, Path]:
 def _estimate(args: argparse.Namespace, lm: Any, n_docs: int, tokens: int, codec: str, level: int,
               neighbour_context: int, existing: bool, remote: bool) -> None:
     """Print the expected size of the caches; warn on stderr when the disk (not a remote store) has less room."""
-    from dataclasses import asdict
-
     spec = asdict(lm.spec)
     copies = 2 if neighbour_context else 1  # with neighbour context each chunk's plain cache is stored too
     expected = expected_cache_bytes(tokens, spec, codec, level, copies)
@@ -176,8 +90,6 @@ def _check_store(args: argparse.Namespace, manifest: dict[str, Any] | None) -> s
     Raises:
         StoreUnavailableError: it does not answer (before any model loads).
     """
-    from kvrag.storage.stores import CachedStore, is_remote_url, open_index_store
-
     url = args.store or ((manifest or {}).get("store") or {}).get("url")
     if url is None or not is_remote_url(url):
         return None
@@ -191,12 +103,7 @@ def _check_store(args: argparse.Namespace, manifest: dict[str, Any] | None) -> s
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvrag.indexing.documents import load_documents
-    from kvrag.storage.chunk_index import ChunkIndex
-
-    index_path = Path(args.index)
-    if index_path.exists() and not index_path.is_dir():
-        raise InputError(f"index path {index_path} is a file, not a folder; name a new or existing index folder")
+    index_path = Path(args.index)  # not a file: checked before this module loaded (`kvrag.cli.arguments`)
     manifest, chunks_before = None, 0
     if ChunkIndex.exists(index_path):
         with ChunkIndex.open(index_path) as existing:
@@ -208,13 +115,6 @@ def run(args: argparse.Namespace) -> int:
     if not loaded.docs:
         raise InputError(f"no documents to index in {', '.join(args.paths)}"
                          + (f" ({loaded.skipped_summary()})" if loaded.skipped else ""))
-
-    # the heavy imports (torch, transformers) only once the cheap checks passed
-    from kvrag.codec.base import make_codec
-    from kvrag.config import SplitConfig
-    from kvrag.model import load_model
-    from kvrag.prompt import DEFAULT_INSTRUCTION
-    from kvrag.rag import KVRag
 
     codec = make_codec(codec_name, level)  # an unknown codec or level fails here, before the model loads
     split = SplitConfig(mode=args.split, max_tokens=args.max_tokens, min_tokens=min(args.min_tokens, args.max_tokens))

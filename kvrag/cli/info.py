@@ -21,36 +21,27 @@ from typing import Any
 from kvrag.cli.common import human_bytes
 from kvrag.cli.sizes import PARTS, index_sizes, kv_elements_per_token
 from kvrag.errors import IndexNotFoundError
+from kvrag.storage import codec_state
+from kvrag.storage.chunk_index import ChunkIndex
+from kvrag.storage.index_layout import IndexLayout
 
-HELP = "show what an index holds and its size on disk"
 _PART_NAMES = {"caches": "caches", "faiss": "FAISS", "codec_state": "codec state", "text": "text", "other": "other"}
-
-
-def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("info", parents=parents, help=HELP, description=HELP + ".")
-    p.add_argument("index", metavar="INDEX", help="index folder, built by 'kvrag index'")
-    p.add_argument("--json", action="store_true", help="print the same as one JSON object, with the whole manifest")
-    p.set_defaults(func=run)
 
 
 def describe(path: Path) -> dict[str, Any]:
     """The facts `kvrag info` prints, as a JSON-ready dict."""
-    from kvrag.storage.chunk_index import ChunkIndex
-
     if not path.is_dir():
         raise IndexNotFoundError(f"no kvrag index at {path}: the folder does not exist")
     with ChunkIndex.open(path) as index:
         manifest = index.manifest
         records = index.records()
     tokens = sum(r.n_tokens for r in records)
-    from kvrag.storage import shared_state
-    from kvrag.storage.index_layout import IndexLayout
 
     try:
-        ref = shared_state.read_ref(IndexLayout.of(path).codec_state)
-    except shared_state.SharedStateError:
+        ref = codec_state.read_ref(IndexLayout.of(path).codec_state)
+    except codec_state.SharedStateError:
         ref = None
-    shared = str(shared_state.states_root() / ref[0] / ref[1]) if ref else None
+    shared = str(codec_state.states_root() / ref[0] / ref[1]) if ref else None
     sizes = index_sizes(path, manifest)
     model, codec = manifest.get("model", {}), manifest.get("codec", {})
     return {

@@ -10,25 +10,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
-from kvrag.cli.common import add_embedder_flag, show_progress
-
-HELP = "rebuild the damaged parts of an index from its intact ones"
-
-
-def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("repair", parents=parents, help=HELP, description=HELP + ".")
-    p.add_argument("index", metavar="INDEX", help="index folder, built by 'kvrag index'")
-    p.add_argument("--model", default=None, help="the index's model, if not where the manifest says it is")
-    p.add_argument("--device", default=None, help="torch device for the model and the embedder")
-    add_embedder_flag(p)
-    p.set_defaults(func=run)
+from kvrag.cli.common import show_progress
+from kvrag.repair import repair_index
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvrag.repair import repair_index
-
     report = repair_index(Path(args.index), model=args.model, device=args.device, show_progress=show_progress(args),
                           embedder=args.embedder)
     for line in report.lines():

@@ -16,7 +16,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kvrag.config import StoreConfig
 from kvrag.storage.index_layout import IndexLayout
+from kvrag.storage.stores import is_remote_url, open_index_store
 
 DTYPE_BITS = {"float32": 32, "float": 32, "float16": 16, "half": 16, "bfloat16": 16, "float64": 64}
 # bits per stored K/V element, container included (SmolLM2-135M-Instruct caches; benchmarks/README.md,
@@ -71,9 +73,6 @@ def store_cache_bytes(path: Path, manifest: Mapping[str, Any]) -> int | None:
     Raises:
         kvrag.errors.StoreUnavailableError: the store cannot be reached.
     """
-    from kvrag.config import StoreConfig
-    from kvrag.storage.stores import is_remote_url, open_index_store
-
     url = (manifest.get("store") or {}).get("url")
     if url is None or not is_remote_url(url):
         return None

@@ -11,22 +11,11 @@ import argparse
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
-HELP = "check every file of an index (exit status 0 sound, 1 damaged)"
-
-
-def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("verify", parents=parents, help=HELP, description=HELP + ".")
-    p.add_argument("index", metavar="INDEX", help="index folder, built by 'kvrag index'")
-    p.add_argument("--no-caches", action="store_true", help="skip reading every chunk cache (faster)")
-    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.set_defaults(func=run)
+from kvrag.storage.verify import verify_index
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvrag.storage.verify import verify_index
-
     report = verify_index(Path(args.index), caches=not args.no_caches)
     if args.json:
         print(json.dumps({"path": str(report.path), "ok": report.ok, "chunks": report.chunks,

@@ -24,10 +24,12 @@ import numpy as np
 import torch
 
 from kvrag.codec import cachegen_format, rans
+from kvrag.codec import cachegen_region as region
 from kvrag.codec.base import Codec, CodecNotFittedError, register_codec
 from kvrag.codec.cachegen_format import BLOB_FORMAT, MAX_SEQ, Q_MAX, pack_blob, parse_blob
 from kvrag.codec.cachegen_state import MIX_DIMS, CacheGenState, fit_state, layer_group
 from kvrag.codec.cachegen_tables import DEFAULT_STEPS, LevelTables, SharedState, Steps
+from kvrag.kernels import rans_decode
 
 log = logging.getLogger(__name__)
 
@@ -188,9 +190,6 @@ class CacheGenCodec(Codec):
         Raises:
             ValueError: a blob does not decode (the message names it).
         """
-        from kvrag.codec import cachegen_region as region
-        from kvrag.kernels import rans_decode
-
         device = torch.device(device)
         if kernel is None:
             kernel = device.type == "cuda" and rans_decode.works(device)

@@ -33,6 +33,7 @@ from kvrag.codec.cachegen_format import BLOB_FORMAT as _FORMAT
 from kvrag.codec.cachegen_format import BLOB_HEADER as _BLOB
 from kvrag.codec.cachegen_format import MAX_SEQ as _MAX_SEQ
 from kvrag.codec.cachegen_format import check_header
+from kvrag.kernels import rans_decode
 
 assert _BLOB.size % 4 == 0  # the lane states of a blob stored at a multiple of 4 bytes are aligned
 
@@ -275,8 +276,6 @@ def kernel_codes(codec: CacheGenCodec, batch: StreamBatch, device: torch.device)
 
     Raises `RegionDecodeError` for the first blob whose stream does not decode.
     """
-    from kvrag.kernels import rans_decode
-
     tables = device_tables(codec, device)
     data = batch.data.to(device, non_blocking=True)
     meta = torch.from_numpy(batch.meta).to(device, non_blocking=True)

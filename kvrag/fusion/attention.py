@@ -76,6 +76,7 @@ def causal_lower_right(n: int, total: int) -> Any:
     """SDPA's lower-right causal bias for ``n`` queries over ``total`` keys (its module, which imports torch's
     compiler, loads on the first call).
     """
+    # lazy: the module imports torch's compiler (torch._dynamo, over a second), needed only where this bias is used
     from torch.nn.attention.bias import causal_lower_right as bias
 
     return bias(n, total)

@@ -27,6 +27,15 @@ import torch.nn.functional as F
 
 from kvrag.fusion.kernel_mask import KernelMask
 
+try:  # FlexAttention came with torch 2.5
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:  # the fusion loop keeps its masked blocks (`flex_works`)
+    create_block_mask = flex_attention = None  # type: ignore[assignment]
+try:  # compiled FlexAttention runs Triton kernels
+    import triton
+except ImportError:
+    triton = None
+
 log = logging.getLogger(__name__)
 
 
@@ -42,7 +51,8 @@ class ScatterPlan:
 
     @classmethod
     def build(cls, positions: torch.Tensor, keys: int) -> ScatterPlan:
-        from torch.nn.attention.flex_attention import create_block_mask
+        if create_block_mask is None:
+            raise ImportError("FlexAttention needs torch 2.5 or later")
 
         def visible(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
             return kv_idx <= positions[q_idx]
@@ -83,8 +93,6 @@ def scatter_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 @functools.cache
 def _flex(device_type: str) -> Any:
     """FlexAttention, compiled on CUDA (elsewhere its unfused reference, which the tests use)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     return torch.compile(flex_attention, dynamic=True) if device_type == "cuda" else flex_attention
 
 
@@ -93,10 +101,7 @@ def flex_works(device: torch.device) -> bool:
     """Whether compiled FlexAttention runs on ``device`` and agrees with SDPA (checked once: a tiny
     call, which also compiles the kernel). False, with a warning, where Triton is missing or fails.
     """
-    try:
-        import triton  # noqa: F401
-        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
-    except ImportError:
+    if triton is None or flex_attention is None:
         log.warning("FlexAttention needs triton; scattered selections run as masked blocks")
         return False
     try:

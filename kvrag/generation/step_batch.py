@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from kvrag.generation.cache_room import append_rows, appendable
 from kvrag.model import hf_compat, llama_layer
+from kvrag.model.families import family_of
 
 _local = threading.local()
 
@@ -122,8 +123,6 @@ def batchable(model: Any, cache: Any) -> bool:
     """Whether a step of ``model`` over ``cache`` can run in `forward_steps` (checked once per model)."""
     known = getattr(model, "_kvrag_steps_batch", None)
     if known is None:
-        from kvrag.model.families import family_of
-
         layers = hf_compat.decoder_layers(model)
         family = family_of(model.config)
         known = (all(llama_layer.runs_plain(layer) for layer in layers)
@@ -151,8 +150,6 @@ def forward_steps(model: Any, steps: list[_Step]) -> torch.Tensor:
     """The last-token logits ``[B, vocab]`` (float32) of one token per step, each over its own cache, which each
     step extends by its token's row as the model's own forward would.
     """
-    from kvrag.model.families import family_of
-
     family = family_of(model.config)
     device = next(model.parameters()).device
     ids = torch.tensor([[s.token] for s in steps], device=device)

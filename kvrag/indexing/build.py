@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from kvrag.codec.base import Codec
 from kvrag.config import SplitConfig
@@ -219,8 +220,6 @@ class Builder:
         time a prompt uses them (`KVRag.load_chunk`), or by a later run with ``caches=True``, which
         also computes the caches of chunks already indexed without them.
         """
-        from tqdm.auto import tqdm
-
         new = [c for c in candidates if c.record.key not in self.index]
         todo = [c for c in candidates if c.record.key not in self.index or not self._cached(c)] if caches else new
         stats.chunks, stats.new_chunks = len(candidates), len(new)

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import re
+import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
@@ -175,19 +176,18 @@ def _read_html(path: Path) -> str:
 # -- PDF and DOCX -------------------------------------------------------------------------------
 
 def _read_pdf(path: Path) -> str:
-    try:
-        from pypdf import PdfReader
-        from pypdf.errors import DependencyError, PyPdfError
+    try:  # pypdf takes ~0.25 s to import and `kvrag ask` imports this module (through kvrag.rag): only PDFs need it
+        import pypdf.errors
     except ImportError:
         raise _Skip("reading PDF needs pypdf: pip install pypdf") from None
     try:
-        reader = PdfReader(path)
+        reader = pypdf.PdfReader(path)
         if reader.is_encrypted and not reader.decrypt(""):  # many PDFs carry an empty user password
             raise _Skip("encrypted")
         pages = [page.extract_text() or "" for page in reader.pages]
-    except DependencyError:
+    except pypdf.errors.DependencyError:
         raise _Skip("encrypted (decrypting it needs: pip install cryptography)") from None
-    except (PyPdfError, ValueError, KeyError, TypeError, AttributeError, IndexError, OSError) as exc:
+    except (pypdf.errors.PyPdfError, ValueError, KeyError, TypeError, AttributeError, IndexError, OSError) as exc:
         raise _Skip(f"unreadable PDF: {type(exc).__name__}") from None
     text = "\n\n".join(p.strip() for p in pages if p.strip())
     if not text:
@@ -196,13 +196,10 @@ def _read_pdf(path: Path) -> str:
 
 
 def _read_docx(path: Path) -> str:
-    try:
-        import docx
-        from docx.opc.exceptions import PackageNotFoundError
+    try:  # python-docx (with lxml) takes ~0.1 s to import and `kvrag ask` imports this module: only DOCX needs it
+        import docx.opc.exceptions
     except ImportError:
         raise _Skip("reading DOCX needs python-docx: pip install python-docx") from None
-    import zipfile
-
     try:
         document = docx.Document(str(path))
         blocks: list[str] = []
@@ -212,7 +209,7 @@ def _read_docx(path: Path) -> str:
                 blocks.append("\n".join(r for r in rows if r.strip(" |")))
             else:
                 blocks.append(item.text)
-    except (PackageNotFoundError, zipfile.BadZipFile, KeyError, ValueError, OSError) as exc:
+    except (docx.opc.exceptions.PackageNotFoundError, zipfile.BadZipFile, KeyError, ValueError, OSError) as exc:
         raise _Skip(f"unreadable DOCX: {type(exc).__name__}") from None
     return "\n\n".join(b.strip() for b in blocks if b.strip())
 

@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from kvrag import trusted_paths
-from kvrag.codec.base import Codec
+from kvrag.codec.base import Codec, make_codec
 from kvrag.config import SplitConfig, StoreConfig
+from kvrag.embedder import Embedder
 from kvrag.errors import IndexCorruptError, IndexMismatchError, UntrustedPathError
 from kvrag.model import LoadedModel
-from kvrag.prompt import PromptLayout
+from kvrag.prompt import DEFAULT_INSTRUCTION, PromptLayout
 from kvrag.storage.index_layout import IndexLayout
 from kvrag.storage.stores.index_store import store_record
 
@@ -123,8 +124,6 @@ def check_model(manifest: dict[str, Any], lm: LoadedModel, path: Path) -> None:
 
 def manifest_codec(manifest: dict[str, Any], path: Path) -> Codec:
     """The codec ``manifest`` names, unfitted; `IndexCorruptError` naming the manifest for one kvrag does not offer."""
-    from kvrag.codec.base import make_codec
-
     params = manifest.get("codec")
     name, level = (params.get("name"), params.get("level")) if isinstance(params, dict) else (None, None)
     try:
@@ -164,8 +163,6 @@ def check_embedder(manifest: dict[str, Any], path: Path, given: str | None) -> N
         IndexMismatchError: ``given`` is not the index's embedder.
         UntrustedPathError: the manifest's embedder is a path outside the index and ``given`` is None.
     """
-    from kvrag.embedder import Embedder
-
     stored = manifest.get("embedder")
     if not isinstance(stored, str) or not stored:
         raise IndexCorruptError(IndexLayout.of(path).manifest, "names no embedder",
@@ -217,9 +214,6 @@ def check_build_args(manifest: dict[str, Any], path: Path, model: Any, embedder:
     asked = sorted({int(lv) for lv in stream_levels or ()} - {manifest["codec"].get("level")})
     if asked and asked != own:
         raise IndexMismatchError(f"index stores stream levels {own}, not {asked}; build another index for others")
-    from kvrag.embedder import Embedder
-    from kvrag.prompt import DEFAULT_INSTRUCTION
-
     if isinstance(model, str) and model != manifest["model"]["source"]:
         log.info("index was built from %r; extending it with the model given (%r)", manifest["model"]["source"], model)
     if embedder is not None and Embedder(embedder).name != manifest["embedder"]:

@@ -34,13 +34,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from kvrag.config import SplitConfig
 from kvrag.errors import InputError, KVRagError
 from kvrag.indexing.build import FIT_CHUNKS, GROUP_CHUNKS, BuildStats, Candidate
 from kvrag.indexing.documents import Loaded
+from kvrag.indexing.kvgen import _batches as batch_order
 from kvrag.indexing.manifest import stored_stream_levels
 from kvrag.indexing.ray_worker import Blobs, KVBuildWorker, WorkerSetup, codec_state_files, load_codec_state
+from kvrag.indexing.split import load_pretrained_punkt, train_punkt
 from kvrag.storage.chunk_index import ChunkRecord
 from kvrag.storage.codec_state import codec_ready, mark_fitted, save_fitted, state_kept
 from kvrag.storage.index_layout import IndexLayout
@@ -56,6 +59,8 @@ EMBED_TEXTS = 64  # chunk texts per embedding task
 def import_ray() -> Any:
     """The ``ray`` module; a one-line `KVRagError` naming the install command when it is missing."""
     try:
+        # ray is an optional extra that takes ~1 s to import, and this module is imported with kvrag.rag: it
+        # loads only for a build with engine="ray" (and a missing one is reported then)
         import ray
     except ImportError:
         raise KVRagError("building on Ray needs the ray package: pip install kvrag[ray]") from None
@@ -152,8 +157,6 @@ def _reason(exc: BaseException) -> str:
 
 def _punkt(loaded: Loaded, lm: Any, config: SplitConfig) -> Any:
     """Punkt trained on what `KVSplitter.split_many` would train it on, when no pretrained data is installed."""
-    from kvrag.indexing.split import load_pretrained_punkt, train_punkt
-
     if config.mode == "fixed" or load_pretrained_punkt() is not None:
         return None
     texts = [text for _, text, _ in loaded.docs if text.strip()]
@@ -187,8 +190,6 @@ def _split(pool: WorkerPool, loaded: Loaded) -> list[Candidate]:
 
 def _batches(chunks: list[Candidate], batch_tokens: int) -> list[list[tuple[str, list[int]]]]:
     """``(key, ids)`` batches exactly as `chunk_caches` batches these chunks (sorted by length, greedy)."""
-    from kvrag.indexing.kvgen import _batches as batch_order
-
     lengths = [len(c.ids) for c in chunks]
     return [[(chunks[i].record.key, chunks[i].ids) for i in batch] for batch in batch_order(lengths, batch_tokens)]
 
@@ -297,8 +298,6 @@ def add_on_ray(rag: Any, loaded: Loaded, stats: BuildStats, show_progress: bool 
         InputError: an index with neighbour context, a model without a name the workers can load, bad ``workers``.
         KVRagError: Ray is not installed or cannot start, a worker cannot start, or every worker died.
     """
-    from tqdm.auto import tqdm
-
     if engine not in ENGINES:
         raise InputError(f"engine must be one of {ENGINES}, got {engine!r}")
     if rag.neighbour_context:

@@ -7,8 +7,8 @@ embeds texts, or prefills whole batches of chunks and encodes each cache into th
 ``WorkerSetup.stream_levels`` under its derived key (`kvrag.storage.kvstore.level_key`), as
 `KVStore.put_levels` writes them in a local build. While one worker fits the codec, the others prefill ahead
 and hold the raw caches (`hold`) until the fitted state reaches them (`release`). Nothing here writes to the
-index or its store; torch, transformers and the embedder are imported inside the worker process only.
-`kvrag.indexing.ray_build` is the driver.
+index or its store; the driver (`kvrag.indexing.ray_build`) imports this module but loads a model, embedder and
+codec only in the workers.
 """
 
 from __future__ import annotations
@@ -20,9 +20,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
+from kvrag.codec.base import make_codec
 from kvrag.config import SplitConfig
+from kvrag.embedder import Embedder
 from kvrag.errors import IndexMismatchError
+from kvrag.indexing.kvgen import chunk_caches, chunk_key, prefix_cache
+from kvrag.indexing.split import KVSplitter
+from kvrag.model import load_model
+from kvrag.prompt import chunk_token_ids
+from kvrag.storage.container import encode_chunk
+from kvrag.storage.kvstore import level_key
 
 Blobs = list[tuple[str, bytes]]  # one chunk's (store key, container bytes): its own level, then its stream levels
 
@@ -64,13 +73,6 @@ class KVBuildWorker:
     """One Ray actor's state and work: a model, an embedder and a codec, loaded once (`WorkerSetup`)."""
 
     def __init__(self, setup: WorkerSetup) -> None:
-        import torch
-
-        from kvrag.codec.base import make_codec
-        from kvrag.embedder import Embedder
-        from kvrag.indexing.kvgen import prefix_cache
-        from kvrag.model import load_model
-
         torch.set_num_threads(setup.threads)
         device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray shows an actor only the GPUs it holds
         self.lm = load_model(setup.model, dtype=setup.dtype, device=device)
@@ -90,10 +92,6 @@ class KVBuildWorker:
 
     def split(self, docs: list[str]) -> list[list[tuple[str, list[int], str]]]:
         """``(text, token ids, chunk key)`` of every chunk of each document, as `split_documents` cuts them."""
-        from kvrag.indexing.kvgen import chunk_key
-        from kvrag.indexing.split import KVSplitter
-        from kvrag.prompt import chunk_token_ids
-
         config = self.setup.split
         splitter = KVSplitter(self.lm.tokenizer, config, self.embedder.encode if config.mode != "fixed" else None)
         if self.setup.punkt is not None:  # trained by the driver on every document, as a single process trains it
@@ -138,17 +136,12 @@ class KVBuildWorker:
         load_codec_state(self.codec, files)
 
     def _prefill(self, batches: list[list[tuple[str, list[int]]]]) -> Any:
-        from kvrag.indexing.kvgen import chunk_caches
-
         for batch in batches:
             for i, kv in chunk_caches(self.lm, self.prefix, [ids for _, ids in batch], self.setup.batch_tokens):
                 yield batch[i][0], kv, len(batch[i][1])
 
     def _encode(self, key: str, kv: Any) -> Blobs:
         """The chunk's blobs: at the codec's own level, then at each stream level (sharing the fitted state)."""
-        from kvrag.storage.container import encode_chunk
-        from kvrag.storage.kvstore import level_key
-
         keys, values = kv[0].cpu(), kv[1].cpu()
         windows = self.lm.family.windows
         blobs = [(key, encode_chunk(self.codec, key, self.lm.fingerprint, keys, values, windows))]

@@ -27,6 +27,7 @@ import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -68,25 +69,31 @@ class _Unit:
     para_end: bool
 
 
+def _punkt() -> ModuleType:
+    """``nltk.tokenize.punkt``, imported the first time a document is split into sentences."""
+    # nltk (and the scipy it imports) takes ~3 s to import, and `kvrag ask` imports this module (kvrag.rag imports
+    # the builder): it loads only when a document is split into sentences
+    from nltk.tokenize import punkt
+
+    return punkt
+
+
 def load_pretrained_punkt() -> PunktSentenceTokenizer | None:
     """Load the pretrained English Punkt model (``punkt_tab``); ``None`` when it is not installed."""
-    from nltk.tokenize.punkt import PunktTokenizer
-
     try:
-        return PunktTokenizer("english")
+        return _punkt().PunktTokenizer("english")
     except LookupError:
         return None
 
 
 def train_punkt(texts: Sequence[str]) -> PunktSentenceTokenizer:
     """Train Punkt unsupervised on ``texts`` (abbreviations, collocations, sentence starters)."""
-    from nltk.tokenize.punkt import PunktSentenceTokenizer, PunktTrainer
-
-    trainer = PunktTrainer()
+    punkt = _punkt()
+    trainer = punkt.PunktTrainer()
     for text in texts:
         trainer.train(text, finalize=False)
     trainer.finalize_training()
-    return PunktSentenceTokenizer(trainer.get_params())
+    return punkt.PunktSentenceTokenizer(trainer.get_params())
 
 
 class KVSplitter:

@@ -22,7 +22,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvrag.backend import AnswerBackend
-from kvrag.fusion import available_modes, selector_class
+from kvrag.fusion.selectors.base import available_modes, selector_class
+from kvrag.passages.cache import PassageCache
 
 # the fields' descriptions, from the registry of fusion modes (as the command line's choices are)
 MODE_HELP = f"A fixed fusion mode ({', '.join(available_modes())}); None: kvrag's default under its gate."
@@ -52,8 +53,6 @@ def open_backend(rag: AnswerBackend | None, model: Any, cache: Any,
         return rag, cache
     if model is None:
         raise ValueError("give rag= (an opened kvrag.KVRag) or model= (and cache=) for passage caches without an index")
-    from kvrag.passages import PassageCache  # loads the model: only when a passage cache is asked for
-
     return PassageCache.open(model, str(cache) if ours and cache is not None else None,
                              max_bytes=max_cache_bytes), (None if ours else cache)
 

@@ -36,9 +36,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvrag.codec import rans
+
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
 except ImportError:  # kvrag runs without it: the host decoder is used
     triton = None
 
@@ -125,8 +128,6 @@ def _kernel() -> Any:
 
 def interpreted() -> bool:
     """Whether the kernel runs in Triton's interpreter (on CPU tensors), as the tests run it."""
-    from triton.runtime.interpreter import InterpretedFunction
-
     return isinstance(_kernel(), InterpretedFunction)
 
 
@@ -166,8 +167,6 @@ def works(device: torch.device) -> bool:
     if triton is None:
         log.warning("the Triton rANS decoder needs triton; cachegen caches decode on the host")
         return False
-    from kvrag.codec import rans
-
     try:
         gen = np.random.default_rng(0)
         freq = np.stack([rans.quantise_frequencies(gen.random(n) ** 3) for n in (256, 256)])

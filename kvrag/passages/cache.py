@@ -23,7 +23,7 @@ Contract:
 - Caches are stored with the ``int8`` codec by default (`PASSAGE_CODEC`).
 - The store is bounded in bytes (`kvrag.passages.cache_url`: ``file://`` under the user's cache folder by default,
   or ``redis://``), least recently used evicted; the codec's fitted state is stored once per model beside the blobs
-  (`kvrag.passages.codec_share`), fitted on the first passages stored.
+  (`kvrag.storage.codec_state`), fitted on the first passages stored.
 - `stats` counts passages looked up and found; `info` adds the bytes held and the bound. `flush` waits for
   pending stores (also run when the interpreter exits, for at most `EXIT_FLUSH_S`).
 """
@@ -50,7 +50,6 @@ from kvrag.model import LoadedModel, hf_compat, load_model
 from kvrag.model.prefix import KV, PrefixCache, prefix_cache
 from kvrag.passages.background import BackgroundWork
 from kvrag.passages.cache_url import memory_bound, open_cache_store, url_codec
-from kvrag.passages.codec_share import load_shared_state, publish_state
 from kvrag.passages.finder import MIN_CHARS, find_passages, split_passages
 from kvrag.passages.keys import PassageKeys
 from kvrag.passages.pending import CacheStats, MissingPassage
@@ -64,6 +63,7 @@ from kvrag.query.pipeline import QueryContext
 from kvrag.query.plan import LoadController
 from kvrag.query.prompt_tokens import align, tokenize_prompt
 from kvrag.query.spans import find_chunk_spans
+from kvrag.storage.codec_state import load_from_store, publish_in_store
 from kvrag.storage.decoded_tier import DEFAULT_DECODED_BYTES
 from kvrag.storage.kvstore import KVStore
 
@@ -117,7 +117,7 @@ class PassageCache:
         self.kvstore = KVStore(store, codec or make_codec(PASSAGE_CODEC), lm.fingerprint, lm.family.windows,
                                decoded_bytes)
         self.keys = PassageKeys(store, self.kvstore, lm.fingerprint, self.layout.prefix_ids,
-                                load_shared_state(store, self.kvstore.codec, lm.fingerprint))
+                                load_from_store(store, self.kvstore.codec, lm.fingerprint))
         self.recovered = 0  # passages recomputed alone because their blob went missing after the lookup
         self._lock = threading.RLock()  # the model: one fusion or background prefill at a time
         self._prefix: PrefixCache | None = None
@@ -319,7 +319,7 @@ class PassageCache:
         caches.update({todo[i]: (k.cpu(), v.cpu()) for i, (k, v) in self._caches(todo)})
         codec = self.kvstore.codec
         codec.fit(list(caches.values()), self.lm.spec.n_layers)
-        self.keys.digest = publish_state(self.store, codec, self.lm.fingerprint)
+        self.keys.digest = publish_in_store(self.store, codec, self.lm.fingerprint)
         log.info("fitted the %s codec's state for %s on %d passages", codec.name, self.lm.source, len(caches))
         return caches
 

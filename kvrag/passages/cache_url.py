@@ -29,6 +29,7 @@ import os
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from kvrag.codec import available_codecs
 from kvrag.query.head_cache import DEFAULT_PROMPT_BYTES
 from kvrag.sizes import parse_bytes
 from kvrag.storage.decoded_tier import DEFAULT_DECODED_BYTES
@@ -65,8 +66,6 @@ def memory_bound(url: str | os.PathLike[str] | None, name: str) -> int:
 
 def url_codec(url: str | os.PathLike[str] | None) -> str | None:
     """The codec a cache URL names (``?codec=``, the last one given), else None; ValueError for an unknown one."""
-    from kvrag.codec import available_codecs
-
     given = _option(url, "codec")
     if given is not None and given not in available_codecs():
         raise ValueError(f"codec must be one of {', '.join(available_codecs())}, got {given!r}")

@@ -42,7 +42,7 @@ class PassageKeys:
         kvstore: the codec's view of ``store`` (what holds a blob).
         fingerprint: the model's fingerprint.
         prefix_ids: kvrag's prompt prefix, which every plain cache is computed after.
-        digest: the codec state's digest (`kvrag.passages.codec_share`), None until it is fitted.
+        digest: the codec state's digest (`kvrag.storage.codec_state`), None until it is fitted.
     """
 
     def __init__(self, store: Any, kvstore: KVStore, fingerprint: str, prefix_ids: Sequence[int],

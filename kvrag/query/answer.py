@@ -17,7 +17,7 @@ import torch
 from kvrag.config import GenerateConfig
 from kvrag.generation.decode import TextStreamer, decode_tokens, eos_ids
 from kvrag.model import LoadedModel
-from kvrag.query.plan import LoadPlan
+from kvrag.query.load_plan import LoadPlan
 from kvrag.storage.chunk_index import ChunkRecord
 
 T = TypeVar("T")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kvrag.config import FuseConfig
-from kvrag.fusion import Selector, exact_mode, selector_class
+from kvrag.fusion.selectors.base import Selector, exact_mode, selector_class
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ from typing import Any
 import torch
 
 from kvrag.config import DEFAULT_MODE, FuseConfig, GateConfig
-from kvrag.fusion import FusionResult, Selector
+from kvrag.fusion.inputs import FusionResult
+from kvrag.fusion.selectors.base import Selector
 from kvrag.model import hf_compat
 from kvrag.model.prefix import KV
 from kvrag.query import pipeline

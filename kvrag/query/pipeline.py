@@ -25,7 +25,9 @@ from kvrag.byte_lru import ByteLRU
 from kvrag.config import FuseConfig, GenerateConfig
 from kvrag.embedder import Embedder
 from kvrag.errors import InputError
-from kvrag.fusion import FusionInput, FusionResult, Selector, fuse
+from kvrag.fusion.inputs import FusionInput, FusionResult
+from kvrag.fusion.loop import fuse
+from kvrag.fusion.selectors.base import Selector
 from kvrag.loading.feed import StoreFeed, TieredFeed, open_tiered
 from kvrag.model import LoadedModel, hf_compat
 from kvrag.model.prefix import KV, PrefixCache
@@ -33,7 +35,8 @@ from kvrag.prompt import PromptLayout, chunk_token_ids, suffix_token_ids
 from kvrag.query.answer import Answer, RetrievedChunk, decode_into
 from kvrag.query.attempt import Attempt
 from kvrag.query.head_cache import HeadCache
-from kvrag.query.plan import LoadController, LoadPlan
+from kvrag.query.load_plan import LoadPlan
+from kvrag.query.plan import LoadController
 from kvrag.query.shape import prompt_shape
 from kvrag.storage.chunk_index import ChunkIndex
 from kvrag.storage.keys import plain_cache_key

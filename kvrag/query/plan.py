@@ -2,10 +2,10 @@
 
 Contract: a `LoadController` takes in each fusion's measurements (`observe`, `observe_prefill`) and keeps
 per-process estimates of the load throughput, the recompute time as ``a + c · units`` and each mode's work.
-`plan` gives a `LoadPlan` for one fusion: the chunks recomputed from their text (last first) and the ratio,
-never below the one asked for; `stream` gives the streaming plan (`kvrag.query.stream_plan`); `adapt` applies
-whichever the `FuseConfig` asks for. Until a mode has been measured, plans change nothing. The reasoning and
-the estimators are described in docs/loading.md.
+`plan` gives a `LoadPlan` (`kvrag.query.load_plan`) for one fusion: the chunks recomputed from their text (last
+first) and the ratio, never below the one asked for; `stream` gives the streaming plan (`kvrag.query.stream_plan`);
+`adapt` applies whichever the `FuseConfig` asks for. Until a mode has been measured, plans change nothing. The
+reasoning and the estimators are described in docs/loading.md.
 """
 
 from __future__ import annotations
@@ -13,72 +13,13 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from kvrag.fusion.selectors.base import Selector, selector_class
+from kvrag.fusion.selectors.base import Selector
 from kvrag.query.attempt import Attempt
+from kvrag.query.load_plan import LoadPlan, selector_kind
 from kvrag.query.shape import FusionShape
-
-
-def selector_kind(mode: str, kind: type[Selector] | None = None) -> type[Selector]:
-    """``kind`` where the caller resolved ``mode`` already (an `Attempt`'s), else the selector class ``mode``
-    names. Its traits say whether the recompute grows with the ratio (``scales_with_ratio``) and whether the main
-    pass starts only once every layer has loaded, so that loading adds to its recompute instead of hiding it
-    (``loads_before_main_pass``).
-    """
-    return kind if kind is not None else selector_class(mode)
-
-
-@dataclass(frozen=True)
-class ChunkChoice:
-    """How a streaming plan loads one chunk: at a stored ``level``, or from its text (``level`` None).
-
-    ``nbytes``: its stored size at that level (0 from text); ``transfer_s``: those bytes over the measured
-    throughput (NaN when none was measured).
-    """
-
-    level: int | None
-    nbytes: int = 0
-    transfer_s: float = float("nan")
-
-    def to_json(self) -> dict[str, object]:
-        return {"load": "text" if self.level is None else "level", "level": self.level, "bytes": self.nbytes,
-                "transfer_s": self.transfer_s}
-
-
-@dataclass(frozen=True)
-class LoadPlan:
-    """What a fusion loads and recomputes, and the times the controller expects of it.
-
-    ``from_text``: indices of chunks recomputed from their text instead of loaded. ``load_s`` and
-    ``recompute_s`` are NaN when the controller had nothing measured to predict from. A streaming plan
-    (`LoadController.stream`) also has ``chunks`` (one `ChunkChoice` per chunk), the ``ttft_slo`` it aimed at,
-    the ``throughput`` (bytes/s) it planned with, its estimated ``ttft_s`` and its ``reason``.
-    """
-
-    ratio: float
-    from_text: tuple[int, ...] = ()
-    load_s: float = float("nan")
-    recompute_s: float = float("nan")
-    chunks: tuple[ChunkChoice, ...] = ()
-    ttft_slo: float | None = None
-    throughput: float | None = None
-    ttft_s: float = float("nan")
-    reason: str = ""
-
-    @property
-    def levels(self) -> tuple[int | None, ...] | None:
-        """Each chunk's level to load (None: the index's own, or from text), or None outside streaming."""
-        return tuple(c.level for c in self.chunks) if self.chunks else None
-
-    def to_json(self) -> dict[str, object]:
-        out: dict[str, object] = {"ratio": self.ratio, "from_text": list(self.from_text), "load_s": self.load_s,
-                                  "recompute_s": self.recompute_s}
-        if self.ttft_slo is not None:
-            out.update(ttft_slo=self.ttft_slo, throughput_bytes_per_s=self.throughput, est_ttft_s=self.ttft_s,
-                       reason=self.reason, chunks=[c.to_json() for c in self.chunks])
-        return out
+from kvrag.query.stream_plan import stream_plan
 
 
 class LoadController:
@@ -227,8 +168,6 @@ class LoadController:
     def stream(self, mode: str, ratio: float, shape: FusionShape, ttft_slo: float, sizes: Sequence[Mapping[int, int]],
                own_level: int, throughput: float | None, kind: type[Selector] | None = None) -> LoadPlan:
         """The streaming plan (`kvrag.query.stream_plan.stream_plan`) from this controller's estimates."""
-        from kvrag.query.stream_plan import stream_plan  # (it imports this module's LoadPlan)
-
         return stream_plan(self, mode, ratio, shape, ttft_slo, sizes, own_level, throughput, kind)
 
 

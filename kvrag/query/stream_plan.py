@@ -11,10 +11,14 @@ index's own level. docs/loading.md gives the reasoning (CacheGen §5).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from kvrag.fusion.selectors.base import Selector
-from kvrag.query.plan import ChunkChoice, LoadController, LoadPlan, selector_kind
+from kvrag.query.load_plan import ChunkChoice, LoadPlan, selector_kind
 from kvrag.query.shape import FusionShape
+
+if TYPE_CHECKING:
+    from kvrag.query.plan import LoadController
 
 
 def stream_plan(controller: LoadController, mode: str, ratio: float, shape: FusionShape, ttft_slo: float,

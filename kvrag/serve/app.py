@@ -34,8 +34,13 @@ try:
     from fastapi.responses import JSONResponse, Response
 except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the import
     raise ImportError("kvrag serve needs FastAPI, uvicorn and prometheus-client: pip install 'kvrag[serve]'") from exc
+try:
+    import uvicorn
+except ImportError as exc:  # pragma: no cover
+    raise ImportError("kvrag serve needs uvicorn: pip install 'kvrag[serve]'") from exc
 
 from kvrag.config import PREFILL_SLICE_INTERVAL_S, prefill_chunk_tokens
+from kvrag.fusion.selectors.base import available_modes
 from kvrag.serve.completions import complete
 from kvrag.serve.metrics import ServeMetrics
 from kvrag.serve.openai_schema import RequestDefaults, RequestError, parse_chat_request
@@ -92,8 +97,6 @@ class ServerState:
     """What the routes share: the options, the scheduler that owns ``rag``, the metrics."""
 
     def __init__(self, rag: KVRag, options: ServeOptions) -> None:
-        from kvrag.fusion import available_modes
-
         self.options = options
         self.model_name = options.model_name or default_model_name(rag)
         self.created = int(time.time())
@@ -212,10 +215,6 @@ def run_server(rag: KVRag, options: ServeOptions, host: str = "127.0.0.1", port:
     then gets the server's base URL (e.g. ``http://127.0.0.1:8000``). Ctrl-C stops the server gracefully
     and is then raised again as `KeyboardInterrupt` (uvicorn's behaviour).
     """
-    try:
-        import uvicorn
-    except ImportError as exc:
-        raise ImportError("kvrag serve needs uvicorn: pip install 'kvrag[serve]'") from exc
     sock = sock or bind(host, port)
     try:
         bound = sock.getsockname()[1]

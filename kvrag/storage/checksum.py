@@ -12,23 +12,18 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
+_crc32: Callable[..., int]
+try:
+    from zlib_ng import zlib_ng
 
-def _pick() -> tuple[str, Callable[..., int]]:
-    try:
-        from zlib_ng import zlib_ng
-
-        return "zlib-ng", zlib_ng.crc32
-    except ImportError:
-        pass
+    IMPLEMENTATION, _crc32 = "zlib-ng", zlib_ng.crc32
+except ImportError:  # pragma: no cover - zlib-ng is a dependency
     try:
         from isal import isal_zlib
 
-        return "isal", isal_zlib.crc32
+        IMPLEMENTATION, _crc32 = "isal", isal_zlib.crc32
     except ImportError:
-        return "zlib", zlib.crc32
-
-
-IMPLEMENTATION, _crc32 = _pick()
+        IMPLEMENTATION, _crc32 = "zlib", zlib.crc32
 
 
 def crc32(data: Any, value: int = 0) -> int:

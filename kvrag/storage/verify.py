@@ -23,11 +23,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvrag.errors import IndexCorruptError, IndexNotFoundError
+import faiss
+import numpy as np
+
+from kvrag.codec.base import make_codec
+from kvrag.config import StoreConfig
+from kvrag.errors import (
+    ChunkUnavailableError,
+    CorruptChunkError,
+    IndexCorruptError,
+    IndexNotFoundError,
+    StoreUnavailableError,
+)
 from kvrag.storage import chunk_db
 from kvrag.storage.codec_state import load_codec_state
 from kvrag.storage.index_layout import IndexLayout
 from kvrag.storage.integrity import is_chunk_key, links_out, manifest_problem, parse_manifest, sha256_hex
+from kvrag.storage.keys import plain_cache_key
+from kvrag.storage.kvstore import KVStore
+from kvrag.storage.stores import open_index_store, public_url
 
 log = logging.getLogger(__name__)
 
@@ -153,9 +167,6 @@ def _check_db(path: Path, report: VerifyReport) -> list[str]:
 
 
 def _check_vectors(path: Path, report: VerifyReport) -> None:
-    import faiss
-    import numpy as np
-
     file = IndexLayout(path).vectors
     section = report.manifest.get("vectors", {}) if report.manifest else {}
     try:
@@ -185,8 +196,6 @@ def _check_vectors(path: Path, report: VerifyReport) -> None:
 
 def _check_codec(path: Path, report: VerifyReport) -> Any:
     """The index's codec with its state loaded, or None when the state is damaged (a problem is recorded)."""
-    from kvrag.codec.base import make_codec
-
     params = (report.manifest or {}).get("codec", {})
     try:
         codec = make_codec(params["name"], params.get("level"))
@@ -206,12 +215,6 @@ def _check_codec(path: Path, report: VerifyReport) -> Any:
 
 
 def _check_caches(path: Path, report: VerifyReport, codec: Any, keys: list[str]) -> None:
-    from kvrag.config import StoreConfig
-    from kvrag.errors import ChunkUnavailableError, CorruptChunkError, StoreUnavailableError
-    from kvrag.storage.keys import plain_cache_key
-    from kvrag.storage.kvstore import KVStore
-    from kvrag.storage.stores import open_index_store, public_url
-
     manifest = report.manifest or {}
     url = (manifest.get("store") or {}).get("url")
     levels = [lv for lv in manifest.get("stream_levels", []) if lv != codec.level]

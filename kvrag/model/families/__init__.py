@@ -3,6 +3,7 @@
 
 Importing this package registers the built-in families (`registered_families` lists them in import order); a
 model type no family registers runs as a Llama-shaped model with a warning at load (`UntestedFamily`).
+`position_embeddings`, `layer_queries` and `layer_keys_values` compute a decoder layer's pieces as its family does.
 CONTRIBUTING.md walks through adding one.
 """
 
@@ -24,9 +25,12 @@ from kvrag.model.families.base import (
     ScoreRule,
     UntestedFamily,
     family_of,
+    layer_keys_values,
+    layer_queries,
+    position_embeddings,
     register_family,
     registered_families,
 )
 
-__all__ = ["DEFAULT_ROPE", "Family", "LayerKind", "ScoreRule", "UntestedFamily", "family_of", "register_family",
-           "registered_families"]
+__all__ = ["DEFAULT_ROPE", "Family", "LayerKind", "ScoreRule", "UntestedFamily", "family_of", "layer_keys_values",
+           "layer_queries", "position_embeddings", "register_family", "registered_families"]

@@ -224,3 +224,30 @@ class UntestedFamily(Family):
 def family_of(config: Any) -> Family:
     """The family of ``config`` (by ``model_type``; `UntestedFamily` for a type no family registers)."""
     return _FAMILIES.get(config.model_type, UntestedFamily)(config)
+
+
+def layer_queries(model: Any, idx: int, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotated queries ``[1, n_heads, n, D]`` that decoder layer ``idx`` computes for ``hidden``
+    (its input, ``[1, n, hidden]``) whose positions have the `position_embeddings` ``rope`` (as its
+    family computes them: `Family.queries`).
+    """
+    return family_of(model.config).queries(model, idx, hidden, rope)
+
+
+def layer_keys_values(
+    model: Any, idx: int, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotated keys and the values ``[1, n_kv_heads, n, D]`` decoder layer ``idx`` writes to its
+    cache for ``hidden`` (its input, ``[1, n, hidden]``) at the positions of ``rope``, without
+    running the rest of the layer (`Family.keys_values`).
+    """
+    return family_of(model.config).keys_values(model, idx, hidden, rope)
+
+
+def position_embeddings(model: Any, like: torch.Tensor, positions: torch.Tensor, layer: int = 0
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary ``(cos, sin)`` ``[1, n, R]`` decoder layer ``layer`` takes for ``positions`` ``[n]``, in
+    ``like``'s dtype and device (its family's rotary embedding for that layer).
+    """
+    family = family_of(model.config)
+    return family.rope(model, family.kinds[layer].rope, like, positions[None])

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 from kvrag.config import StoreConfig
 from kvrag.storage.index_layout import IndexLayout
+from kvrag.storage.integrity import canonical_checksum
 from kvrag.storage.stores.base import ByteStore, available_stores, make_store, network_class, store_class
 from kvrag.storage.stores.cached import CachedStore
 from kvrag.storage.stores.store_url import public_url, split_url_options
@@ -68,8 +69,6 @@ def _namespace(manifest: Mapping[str, Any]) -> str:
     recorded = manifest.get("store") or {}
     if recorded.get("namespace"):
         return str(recorded["namespace"])
-    from kvrag.storage.integrity import canonical_checksum
-
     ident = canonical_checksum({"model": manifest.get("model"), "created": manifest.get("created"),
                                 "codec": manifest.get("codec")})
     return f"kvrag:{str(manifest.get('model', {}).get('fingerprint', ''))[:16]}:{ident[:16]}:"

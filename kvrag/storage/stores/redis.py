@@ -47,9 +47,12 @@ _HEX = frozenset("0123456789abcdef")
 
 
 def _redis() -> Any:
-    """The redis module, or ImportError in one line naming the extra to install."""
+    """The redis module (with its ``backoff`` and ``retry``), or ImportError in one line naming the extra to install."""
     try:
-        import redis
+        # redis-py is an optional extra that takes ~0.25 s to import, and this module is imported with every
+        # store's registration: it loads when a Redis store is made (and a missing one is reported then)
+        import redis.backoff
+        import redis.retry  # (as above) the client's retry policy
     except ImportError:
         raise ImportError("the redis chunk store needs redis-py: pip install kvrag[redis]") from None
     return redis
@@ -89,9 +92,6 @@ class RedisStore(ByteStore):
     def __init__(self, url: str, namespace: str = "kvrag:", *, connect_timeout_s: float = 1.0, timeout_s: float = 5.0,
                  retries: int = 2, retry_after_s: float = 5.0) -> None:
         redis = _redis()
-        from redis.backoff import ExponentialBackoff
-        from redis.retry import Retry
-
         self.url, self.namespace = public_url(url), namespace
         self.retry_after_s = float(retry_after_s)
         given, secret = _password(url), os.environ.get(PASSWORD_ENV)
@@ -100,7 +100,8 @@ class RedisStore(ByteStore):
         try:
             self._client = redis.Redis.from_url(
                 url, socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s,
-                retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries, (redis.exceptions.ConnectionError,)),
+                retry=redis.retry.Retry(redis.backoff.ExponentialBackoff(cap=1.0, base=0.05), retries,
+                                        (redis.exceptions.ConnectionError,)),
                 **extra)
         except ValueError as exc:
             raise ValueError(f"store URL {self.url}: {self._scrub(str(exc))}") from None

@@ -17,6 +17,7 @@ passes them when it is given a mask).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import math
 from dataclasses import dataclass
@@ -31,10 +32,8 @@ try:  # FlexAttention came with torch 2.5
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 except ImportError:  # the fusion loop keeps its masked blocks (`flex_works`)
     create_block_mask = flex_attention = None  # type: ignore[assignment]
-try:  # compiled FlexAttention runs Triton kernels
-    import triton
-except ImportError:
-    triton = None
+# compiled FlexAttention runs Triton kernels; whether it is installed, without importing it (0.2 s) on every start
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +100,7 @@ def flex_works(device: torch.device) -> bool:
     """Whether compiled FlexAttention runs on ``device`` and agrees with SDPA (checked once: a tiny
     call, which also compiles the kernel). False, with a warning, where Triton is missing or fails.
     """
-    if triton is None or flex_attention is None:
+    if not HAS_TRITON or flex_attention is None:
         log.warning("FlexAttention needs triton; scattered selections run as masked blocks")
         return False
     try:

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvrag.config import FuseConfig, GateConfig, GenerateConfig
-from kvrag.query import gate as answering
 from kvrag.query.answer import Answer, RetrievedChunk, finish
 from kvrag.query.locate import index_chunks
 from kvrag.query.pipeline import FusedPrompt, QueryContext, resolve_chunks
+from kvrag.query.prepare import prepare_prompt, settings
 
 if TYPE_CHECKING:
     from kvrag.fusion.selectors.base import Selector
@@ -56,11 +56,11 @@ class PromptAnswers:
         found in it read their caches (`kvrag.query.locate`), the rest is recomputed, under the gate by default.
         Arguments as in `answer_prompt`.
         """
-        asked, gate_config = answering.settings(mode, ratio, fuse_config, selector, None, gate)  # checked first
+        asked, gate_config = settings(mode, ratio, fuse_config, selector, None, gate)  # checked first
         with self._lock:
             ctx = self.context
             found = index_chunks(ctx) if candidates is None else resolve_chunks(ctx.index, candidates)
-            return answering.prepare_prompt(ctx, prompt, found, asked, gate_config, selector)
+            return prepare_prompt(ctx, prompt, found, asked, gate_config, selector)
 
     def stream_prompt(self, prompt: str, mode: str | None = None, ratio: float | None = None, *,
                       candidates: Sequence[str | RetrievedChunk] | None = None, max_new_tokens: int = 64,

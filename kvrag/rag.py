@@ -36,11 +36,11 @@ from kvrag.indexing.recompute import recompute_chunk
 from kvrag.model import LoadedModel, load_model
 from kvrag.prompt import DEFAULT_INSTRUCTION, PromptLayout, build_layout, prompt_text
 from kvrag.prompt_answers import PromptAnswers
-from kvrag.query import gate as answering
 from kvrag.query import pipeline
 from kvrag.query.answer import Answer, RetrievedChunk, finish
 from kvrag.query.pipeline import FusedPrompt, QueryContext
 from kvrag.query.plan import LoadController
+from kvrag.query.prepare import prepare_answer
 from kvrag.storage.chunk_index import ChunkIndex
 from kvrag.storage.codec_state import load_codec_state
 from kvrag.storage.integrity import is_chunk_key
@@ -275,7 +275,7 @@ class KVRag(PromptAnswers):
             >>> fused.nll(reference_token_ids)  # doctest: +SKIP
         """
         with self._lock:
-            return answering.prepare_answer(self.context, question, k, chunks, mode, ratio, fuse_config, caches,
+            return prepare_answer(self.context, question, k, chunks, mode, ratio, fuse_config, caches,
                                             first_exact, selector, gate)
 
     def stream(self, question: str, k: int = 4, mode: str | None = None, ratio: float | None = None, *,

@@ -126,7 +126,7 @@ def test_a_failed_attempt_is_freed_before_the_next_one_is_built(rag: KVRag, monk
     import gc
     import weakref
 
-    from kvrag.query import gate, pipeline
+    from kvrag.query import answer_plan, pipeline
 
     made: list[weakref.ref] = []
     alive_at_start: list[int] = []
@@ -139,7 +139,7 @@ def test_a_failed_attempt_is_freed_before_the_next_one_is_built(rag: KVRag, monk
         made.append(weakref.ref(fused))
         return fused
 
-    monkeypatch.setattr(gate, "run", tracked)
+    monkeypatch.setattr(answer_plan, "run", tracked)
     never = GateConfig(fuse=True, full_below_tokens=0, min_margin=1e9, ladder=(0.5,))
     gated = rag.answer(Q, k=3, gate=never, max_new_tokens=2)
     assert gated.gate.escalations == 2 and alive_at_start == [0, 0, 0]  # never two caches at once
@@ -247,7 +247,7 @@ def test_an_unknown_mode_or_option_is_refused_before_any_work(rag: KVRag, monkey
         rag.answer_prompt("Some prompt text.", fuse_config=FuseConfig(mode="probe", options={"probe_from": 2.0}))
 
 def test_a_prompt_mostly_of_uncached_text_is_prefilled_in_full(rag: KVRag):
-    from kvrag.query import gate as answering
+    from kvrag.query import answer_plan
     from kvrag.query.locate import lay_out_prompt
 
     chunks = rag.retrieve(Q, k=3)
@@ -255,10 +255,10 @@ def test_a_prompt_mostly_of_uncached_text_is_prefilled_in_full(rag: KVRag):
     laid = lay_out_prompt(rag.context, prompt, chunks[:1])  # one passage read, the others text
     assert laid.text_share > 0.25
     gate = GateConfig(fuse=True, full_below_tokens=0)
-    plan = answering.plan_answer(laid, Attempt.of(FuseConfig(mode=DEFAULT_MODE)), gate)
+    plan = answer_plan.plan_answer(laid, Attempt.of(FuseConfig(mode=DEFAULT_MODE)), gate)
     assert plan.decision == "text" and [a.mode for a in plan.attempts] == ["full"]
     laid_all = lay_out_prompt(rag.context, prompt, chunks)
-    assert answering.plan_answer(laid_all, Attempt.of(FuseConfig(mode=DEFAULT_MODE)), gate).decision == "fused"
+    assert answer_plan.plan_answer(laid_all, Attempt.of(FuseConfig(mode=DEFAULT_MODE)), gate).decision == "fused"
     with pytest.raises(ValueError, match="fuse_max_text_share"):
         GateConfig(fuse_max_text_share=1.5)
 

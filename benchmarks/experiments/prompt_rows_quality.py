@@ -60,8 +60,8 @@ def main() -> None:
     from kvrag.embedder import resolve_embedder
     from kvrag.indexing.kvgen import chunk_caches
     from kvrag.passages import PassageCache
+    from kvrag.query.answer_plan import execute, plan_answer
     from kvrag.query.attempt import Attempt
-    from kvrag.query.gate import execute, plan_answer
     from kvrag.query.locate import chat_prompt, lay_out_prompt
 
     torch.set_num_threads(args.threads)

@@ -40,7 +40,7 @@ FRAMEWORKS = ("langchain", "llamaindex")
 ARMS = ("full", "llama.cpp", "prefix-index", "prefix-passages", "kvrag-index", "kvrag-passages")
 # a plain prefix cache: no prompt counts as long enough to fuse, and a short one is prefilled in full after the kept
 # prompt or head rows it starts with; a passage cache's rows read in place (`LaidOut.in_place`) are still read, as
-# `kvrag.query.gate.plan_answer` checks them first
+# `kvrag.query.answer_plan.plan_answer` checks them first
 PREFIX_GATE = GateConfig(full_below_tokens=1 << 30, short_mode="full")
 # LangChain's documented RAG prompt (the hub's rlm/rag-prompt), as benchmarks/frameworks uses it
 RAG_PROMPT = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved context "

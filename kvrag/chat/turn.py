@@ -30,8 +30,8 @@ from kvrag.model import hf_compat
 from kvrag.prompt import PromptLayout, chunk_token_ids
 from kvrag.query import pipeline
 from kvrag.query.answer import Answer, RetrievedChunk
-from kvrag.query.gate import prepare_answer
 from kvrag.query.pipeline import FusedPrompt, QueryContext
+from kvrag.query.prepare import prepare_answer
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ Contract:
   and where its rows were computed (`kvrag.passages.keys`): an edited passage, another model or another codec state
   is another key.
 - A call answers at once: the passages whose caches are stored are fused as an index's chunks are
-  (`kvrag.query.gate.prepare_prompt`, under the correctness gate by default), everything else is recomputed with
+  (`kvrag.query.prepare.prepare_prompt`, under the correctness gate by default), everything else is recomputed with
   the prompt. After the answer, on a background thread (`BackgroundWork`), each missing passage's rows in the pass
   that answered are stored as its cache (`kvrag.passages.prompt_rows`: they carry the passages before it as
   context, at no cost), keyed by the tokens before it there and linked after the passage before it. A prompt with
@@ -55,12 +55,12 @@ from kvrag.passages.keys import PassageKeys
 from kvrag.passages.pending import CacheStats, MissingPassage
 from kvrag.passages.prompt_rows import context_digest, rows_of_passes
 from kvrag.prompt import build_layout
-from kvrag.query import gate as answering
 from kvrag.query.answer import Answer, RetrievedChunk, finish
 from kvrag.query.head_cache import DEFAULT_PROMPT_BYTES, HeadCache
 from kvrag.query.locate import encode
 from kvrag.query.pipeline import QueryContext
 from kvrag.query.plan import LoadController
+from kvrag.query.prepare import prepare_prompt, settings
 from kvrag.query.prompt_tokens import align, tokenize_prompt
 from kvrag.query.spans import find_chunk_spans
 from kvrag.storage.codec_state import load_from_store, publish_in_store
@@ -238,16 +238,16 @@ class PassageCache:
             max_new_tokens, temperature, top_p, stop, seed: decoding (greedy by default).
         """
         generate = GenerateConfig(max_new_tokens, temperature, top_p, tuple(stop), seed)
-        asked, gate_config = answering.settings(mode, ratio, fuse_config, None, None, gate)
+        asked, gate_config = settings(mode, ratio, fuse_config, None, None, gate)
         plain = asked.kind.recomputes_all  # a full prefill: the prompt as one text, nothing stored
         with self._lock:
             texts = [] if plain else self.passages_in(written or prompt) if passages is None else passages
             found, missing = self._lookup(prompt, texts)
             recovered = self.recovered
-            fused = answering.prepare_prompt(self.context, prompt, found, asked, gate_config)
+            fused = prepare_prompt(self.context, prompt, found, asked, gate_config)
             if fused.gate is not None and fused.gate.decision == "stored" and self.recovered != recovered:
                 # a blob read in place went missing since the lookup and was computed alone: no longer in place
-                fused = answering.prepare_prompt(self.context, prompt, [], asked, gate_config)
+                fused = prepare_prompt(self.context, prompt, [], asked, gate_config)
         try:
             yield from fused.stream(generate)
         finally:  # after the answer (or a stream closed early): never on its critical path

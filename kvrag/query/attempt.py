@@ -2,7 +2,7 @@
 
 Contract: an entry point turns ``mode``, ``ratio`` and ``fuse_config`` into one `Attempt` (`Attempt.of`: the mode
 looked up in the selector registry and its options checked, an unknown one a ValueError there, before any work). The
-gate's plan (`kvrag.query.gate.plan_answer`) derives its other attempts from it (`with_ratio` keeps the class,
+gate's plan (`kvrag.query.answer_plan.plan_answer`) derives its other attempts from it (`with_ratio` keeps the class,
 `exact` is the registry's exact mode), and every later stage reads the class's traits (``recomputes_all``,
 ``reads_first_chunk_only``, ``scales_with_ratio``, ``loads_before_main_pass``) and builds its selector
 (`selector`) from the attempt, never from the mode's name again.

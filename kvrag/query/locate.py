@@ -15,7 +15,7 @@ the streaming loader all run for it:
   head equal to kvrag's own prompt prefix uses the index's prefix, so the first passage's stored cache is
   exact there.
 - **Kept prompts** (``kept=True``, the gate's default path). The `HeadCache` also keeps whole prompts the gate
-  answered from exact rows (`kvrag.query.gate.prepare_prompt`). Passages that lie entirely inside the longest kept
+  answered from exact rows (`kvrag.query.prepare.prepare_prompt`). Passages that lie entirely inside the longest kept
   run of the prompt's leading tokens join the head: their exact rows are read from the kept prompt, not fused from
   their stored caches. A prompt asked again, or the same passages before a new question (a context-first
   template), has no passage left to fuse: its kept rows and one pass over the rest give the full prefill's answer.

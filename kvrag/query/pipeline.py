@@ -2,7 +2,7 @@
 
 Two first stages give the same `LaidOut`: `retrieve` + `lay_out` (a question, kvrag's own prompt layout) and
 `kvrag.query.locate.lay_out_prompt` (the passages found in a framework's flat prompt). `run` fuses a laid-out
-prompt once under one `FuseConfig`; `kvrag.query.gate` plans which runs an answer makes and executes them.
+prompt once under one `FuseConfig`; `kvrag.query.answer_plan` plans which runs an answer makes and executes them.
 Each stage is a function of the previous stage's value and of `QueryContext`, the per-index state that the
 facade (`kvrag.rag.KVRag`) computes once: the model, the chunk index and store, the prompt layout, the
 prefix's KV and the kept heads of framework prompts. A `FusedPrompt` is the fused cache of one prompt; it

@@ -41,11 +41,11 @@ from kvrag.bench.common import markdown_table
 from kvrag.bench.qa_data import load_questions, passage_keys
 from kvrag.codec import make_codec
 from kvrag.config import FuseConfig, GenerateConfig
+from kvrag.model.prefix import KV
 from kvrag.rag import KVRag
 from kvrag.storage.container import ChunkReader, encode_chunk
 
 log = logging.getLogger(__name__)
-KV = tuple[Any, Any]  # (keys, values), each torch.Tensor [L, H, S, D]
 _KEY = "0" * 40
 
 

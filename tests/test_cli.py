@@ -210,6 +210,11 @@ def test_info_splits_the_bytes_on_disk(built: Path, capsys):
     assert info["cache_bytes_per_token"] == pytest.approx(sizes["caches"] / info["tokens"])
     assert info["codec"] == {"name": "cachegen", "level": 2} and info["created"] and info["model"]
     assert info["manifest"]["codec"]["name"] == "cachegen" and sizes["codec_state"] > 0
+    spec, smaller = info["model_spec"], info["times_smaller_than_bf16"]
+    bf16 = info["tokens"] * 2 * spec["n_layers"] * spec["n_kv_heads"] * spec["head_dim"] * 2
+    assert info["bf16_kv_bytes"] == bf16 and smaller["caches"] == pytest.approx(bf16 / sizes["caches"])
+    assert smaller["index"] == pytest.approx(bf16 / sizes["total"]) and smaller["caches"] > smaller["index"] > 0
+    assert f"{smaller['caches']:.1f}x smaller than bf16 K/V" in text
 
 
 def test_index_reads_pdf_docx_html_and_names_what_it_skipped(tiny_model_dir: Path, tmp_path: Path, capsys):

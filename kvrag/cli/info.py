@@ -3,9 +3,11 @@
 Contract: reads the manifest and the chunk table only (no model, no torch), and the sizes of the caches
 in the index's store (its ``chunks/`` folder, or a network store's keys under the index's namespace). Prints,
 as text or with ``--json`` as one object: chunks and their tokens; bytes split into caches, FAISS vectors,
-codec state, chunk text (``chunks.sqlite``) and other files; where the caches are (``store``: None for the
-folder); the stream levels stored besides the codec's own; cache bytes per token; the model's
-source and shape; the embedder; the codec's name and level; the creation date; the neighbour-context
+codec state, chunk text (``chunks.sqlite``) and other files; how many times smaller than one bf16 K/V cache of
+every token (``bf16_kv_bytes``) the caches and the whole index are (``times_smaller_than_bf16``: every copy the
+index stores counts, a neighbour-context index's second cache of each chunk and its stream levels too); where
+the caches are (``store``: None for the folder); the stream levels stored besides the codec's own; cache bytes per
+token; the model's source and shape; the embedder; the codec's name and level; the creation date; the neighbour-context
 setting; the caches' bound in bytes, when the index has one (``max_cache_bytes``); where a shared codec state
 is (``codec_state``: the user's cache folder, or None when it is kept in the index). ``--json`` adds the whole
 manifest under ``"manifest"``.
@@ -36,7 +38,6 @@ def describe(path: Path) -> dict[str, Any]:
         manifest = index.manifest
         records = index.records()
     tokens = sum(r.n_tokens for r in records)
-
     try:
         ref = codec_state.read_ref(IndexLayout.of(path).codec_state)
     except codec_state.SharedStateError:
@@ -44,14 +45,19 @@ def describe(path: Path) -> dict[str, Any]:
     shared = str(codec_state.states_root() / ref[0] / ref[1]) if ref else None
     sizes = index_sizes(path, manifest)
     model, codec = manifest.get("model", {}), manifest.get("codec", {})
+    spec = model.get("spec", {})
+    bf16 = tokens * kv_elements_per_token(spec) * 2 if spec else 0  # one bf16 K/V cache of every token
     return {
         "path": str(path),
         "chunks": len(records),
         "tokens": tokens,
         "bytes": sizes,
         "cache_bytes_per_token": sizes["caches"] / tokens if tokens else 0.0,
+        "bf16_kv_bytes": bf16,
+        "times_smaller_than_bf16": {"caches": bf16 / sizes["caches"] if bf16 and sizes["caches"] else None,
+                                    "index": bf16 / sizes["total"] if bf16 and sizes["total"] else None},
         "model": model.get("source"),
-        "model_spec": model.get("spec", {}),
+        "model_spec": spec,
         "embedder": manifest.get("embedder"),
         "codec": {"name": codec.get("name"), "level": codec.get("level")},
         "stream_levels": list(manifest.get("stream_levels", [])),
@@ -75,6 +81,10 @@ def _text(info: dict[str, Any]) -> str:
     per_token = f"{human_bytes(info['cache_bytes_per_token'])} of cache"
     if info["neighbour_context"]:
         per_token += f" (two caches a chunk: neighbour context {info['neighbour_context']})"
+    smaller = info["times_smaller_than_bf16"]
+    if smaller["caches"]:
+        per_token += (f"; {smaller['caches']:.1f}x smaller than bf16 K/V ({human_bytes(info['bf16_kv_bytes'])}), "
+                      f"the whole index {smaller['index']:.1f}x")
     rows = [
         ("index", info["path"]),
         ("created", str(info["created"])),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 import functools
 
-from test_layering import _modules
+from test_layering import _modules, import_targets
 
 MAX_DEFERRED = 20
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
@@ -23,21 +23,13 @@ def _is_type_checking(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def _resolve(module: str, is_package: bool, node: ast.Import | ast.ImportFrom) -> list[str]:
-    """The kvrag modules an import statement names (a package's ``__init__`` for names it exports)."""
-    if isinstance(node, ast.Import):
-        names = [alias.name for alias in node.names]
-    else:
-        package = module if is_package else module.rpartition(".")[0]
-        source = node.module or ""
-        if node.level:
-            base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-            source = ".".join([*base, *([source] if source else [])])
-        names = [f"{source}.{alias.name}" if f"{source}.{alias.name}" in _modules() else source
-                 for alias in node.names]
+def _resolve(module: str, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The kvrag modules an import statement names (`import_targets`, ``import kvrag.x.y``'s name inside a module
+    taken as its module).
+    """
     found = []
-    for name in names:
-        while name not in _modules() and "." in name:  # ``import kvrag.x.y`` of a name inside a module
+    for name in import_targets(module, node):
+        while name not in _modules() and "." in name:
             name = name.rpartition(".")[0]
         if name in _modules():
             found.append(name)
@@ -48,7 +40,7 @@ def _resolve(module: str, is_package: bool, node: ast.Import | ast.ImportFrom) -
 def _statements() -> tuple[tuple[str, int, bool, tuple[str, ...]], ...]:
     """Every import statement outside ``if TYPE_CHECKING:``: (module, line, inside a function, kvrag targets)."""
     found = []
-    for module, (path, is_package) in _modules().items():
+    for module, (path, _) in _modules().items():
         pending: list[tuple[ast.AST, bool]] = [(ast.parse(path.read_text(), filename=str(path)), False)]
         while pending:
             node, in_function = pending.pop()
@@ -56,7 +48,7 @@ def _statements() -> tuple[tuple[str, int, bool, tuple[str, ...]], ...]:
                 if _is_type_checking(child):
                     continue
                 if isinstance(child, (ast.Import, ast.ImportFrom)):
-                    found.append((module, child.lineno, in_function, tuple(_resolve(module, is_package, child))))
+                    found.append((module, child.lineno, in_function, tuple(_resolve(module, child))))
                 pending.append((child, in_function or isinstance(child, _FUNCTIONS)))
     return tuple(found)
 

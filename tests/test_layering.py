@@ -87,25 +87,30 @@ def _unit(module: str) -> str:
     return ".".join(module.split(".")[:2])
 
 
+def import_targets(module: str, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The kvrag names an import statement of ``module`` imports: a submodule where ``from package import name``
+    names one, else the package (or module) itself; ``import kvrag.x`` as written.
+    """
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        package = module if _modules()[module][1] else module.rpartition(".")[0]
+        if node.level:  # relative: resolve against the importing module's package
+            base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+            source = ".".join([*base, *([node.module] if node.module else [])])
+        else:
+            source = node.module or ""
+        names = [f"{source}.{alias.name}" if f"{source}.{alias.name}" in _modules() else source
+                 for alias in node.names]
+    return [name for name in names if name.split(".")[0] == "kvrag"]
+
+
 @functools.cache
 def _imports(module: str) -> tuple[tuple[str, int], ...]:
     """The kvrag modules ``module`` imports, each with its line, wherever in the file the import is."""
-    path, is_package = _modules()[module]
-    package = module if is_package else module.rpartition(".")[0]
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            found += [(alias.name, node.lineno) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: resolve against the importing module's package
-                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                source = ".".join([*base, *([node.module] if node.module else [])])
-            else:
-                source = node.module or ""
-            for alias in node.names:
-                submodule = f"{source}.{alias.name}"
-                found.append((submodule if submodule in _modules() else source, node.lineno))
-    return tuple((name, line) for name, line in found if name.split(".")[0] == "kvrag")
+    path = _modules()[module][0]
+    return tuple((name, node.lineno) for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+                 if isinstance(node, (ast.Import, ast.ImportFrom)) for name in import_targets(module, node))
 
 
 def _violations() -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ def add_commands(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 
 def _command(sub: Any, parents: list[argparse.ArgumentParser], name: str, help: str, more: str = "",
-             check: Any = None) -> argparse.ArgumentParser:
+             check: Callable[[argparse.Namespace], None] | None = None) -> argparse.ArgumentParser:
     """The parser of command ``name``, run by the module ``kvrag.cli.<name>`` after ``check``."""
     parser: argparse.ArgumentParser = sub.add_parser(name, parents=parents, help=help, description=help + more + ".")
     parser.set_defaults(command=f"kvrag.cli.{name}", check=check)

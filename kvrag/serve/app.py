@@ -29,15 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvrag.serve import INSTALL_HINT
+
 try:
+    import uvicorn
     from fastapi import APIRouter, Depends, FastAPI, Request
     from fastapi.responses import JSONResponse, Response
 except ImportError as exc:  # pragma: no cover - exercised by monkeypatching the import
-    raise ImportError("kvrag serve needs FastAPI, uvicorn and prometheus-client: pip install 'kvrag[serve]'") from exc
-try:
-    import uvicorn
-except ImportError as exc:  # pragma: no cover
-    raise ImportError("kvrag serve needs uvicorn: pip install 'kvrag[serve]'") from exc
+    raise ImportError(INSTALL_HINT) from exc
 
 from kvrag.config import PREFILL_SLICE_INTERVAL_S, prefill_chunk_tokens
 from kvrag.fusion.selectors.base import available_modes

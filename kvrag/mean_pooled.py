@@ -3,12 +3,13 @@
 Contract: `is_mean_pooled(folder)` says whether a local sentence-transformers folder is exactly that pipeline
 (``modules.json``: a ``Transformer``, a ``Pooling`` that averages the token embeddings and nothing else, and
 optionally ``Normalize``), such as the default embedder, all-MiniLM-L6-v2. `MeanPooledEncoder` loads such a folder
-with `transformers.AutoModel` and `AutoTokenizer` and embeds as sentence-transformers does: texts tokenized with
-padding and truncation at the folder's ``max_seq_length``, the last hidden states averaged over the attention
-mask, each row scaled to unit length (``normalize_embeddings``, or always with ``Normalize``). Its embeddings equal
-sentence-transformers' to float rounding (`tests/test_mean_pooled.py`). It exists because importing
-sentence-transformers (and the scikit-learn it pulls in) costs about half a second of a cold ``kvrag ask``; any
-other folder or hub name is loaded by sentence-transformers itself (`kvrag.embedder`).
+(a plain BERT, the default's, with `kvrag.native_bert`; any other with `transformers.AutoModel` and `AutoTokenizer`)
+and embeds as sentence-transformers does: texts tokenized with padding and truncation at the folder's
+``max_seq_length``, the last hidden states averaged over the attention mask, each row scaled to unit length
+(``normalize_embeddings``, or always with ``Normalize``). Its embeddings equal sentence-transformers' to float
+rounding (`tests/test_mean_pooled.py`). It exists because importing sentence-transformers (and the scikit-learn it
+pulls in) costs about half a second of a cold ``kvrag ask``; any other folder or hub name is loaded by
+sentence-transformers itself (`kvrag.embedder`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoModel, AutoTokenizer
+from transformers import PreTrainedTokenizerFast
+
+from kvrag.native_bert import NativeBert, native_bert_reason
 
 _TRANSFORMER = "sentence_transformers.models.Transformer"
 _POOLING = "sentence_transformers.models.Pooling"
@@ -67,8 +70,16 @@ class MeanPooledEncoder:
         settings = _read_optional(root / "sentence_bert_config.json")
         self.normalize = _NORMALIZE in [m["type"] for m in _read(root / "modules.json")]
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.tokenizer = AutoTokenizer.from_pretrained(root)
-        self.model = AutoModel.from_pretrained(root).to(self.device).eval()
+        self.model: Any
+        if native_bert_reason(root) is None:  # transformers' BERT modules cost a cold process ~2.5 s to import
+            self.tokenizer = PreTrainedTokenizerFast.from_pretrained(root)
+            self.model = NativeBert.load(root).to(self.device)
+        else:
+            # lazy: transformers' auto classes cost a cold process 0.3 s to import; a native BERT does not need them
+            from transformers import AutoModel, AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(root)
+            self.model = AutoModel.from_pretrained(root).to(self.device).eval()
         self.max_length = int(settings.get("max_seq_length") or self.tokenizer.model_max_length)
 
     def get_embedding_dimension(self) -> int:

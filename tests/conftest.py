@@ -103,6 +103,29 @@ def save_tiny_model(arch: str, directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+_REFERENCES: dict[str, torch.nn.Module] = {}
+
+
+def reference_generate(lm, ids: torch.Tensor, **options) -> torch.Tensor:
+    """transformers' own ``generate`` over the weights ``lm`` loaded: the independent reference kvrag's answers are
+    compared with (a model kvrag runs natively, `kvrag.model.native_llama`, is loaded again through transformers).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from kvrag.model.loading import resolve_source
+    from kvrag.model.native_llama import NativeLlamaForCausalLM
+
+    model = lm.model
+    if isinstance(model, NativeLlamaForCausalLM):
+        source = resolve_source(lm.source)
+        if source not in _REFERENCES:
+            _REFERENCES[source] = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32,
+                                                                       attn_implementation="sdpa").eval()
+        model = _REFERENCES[source]
+    with torch.no_grad():
+        return model.generate(ids, do_sample=False, **options)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import reference_generate
 
 from kvrag import KVRag, SessionConfig, SplitConfig
 from kvrag.chat.history import HistoryKV, extend, plan_drop, truncated
@@ -221,7 +222,7 @@ def test_reusing_the_kept_kv_gives_the_answer_of_a_full_prefill_of_the_same_mess
             ids += conv.reply(1 + 2 * i, answer.text)
     assert len(ids) == answers[-1].n_prompt_tokens
     prompt = torch.tensor([ids])
-    out = real.lm.model.generate(prompt, max_new_tokens=16, do_sample=False)
+    out = reference_generate(real.lm, prompt, max_new_tokens=16)
     full = out[0, prompt.shape[1]:].tolist()
     assert answers[-1].token_ids == full[: len(answers[-1].token_ids)]
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import ARCHS, tiny_model
+from conftest import ARCHS, reference_generate, tiny_model
 
 from kvrag.config import FuseConfig
 from kvrag.fusion import FixedSelector, FusionInput, fuse, make_selector
@@ -223,9 +223,7 @@ def test_generation_from_fused_cache_matches_hf_generate(setup):
     result = fuse(lm, FusionInput(prefix, chunks, kv, suffix), FuseConfig(mode="full"))
     ours = list(decode_tokens(lm.model, result.cache, result.logits, result.n_tokens,
                               GenerateConfig(max_new_tokens=6), set()))
-    with torch.no_grad():
-        ref = lm.model.generate(ids[None], max_new_tokens=6, do_sample=False, eos_token_id=None,
-                                pad_token_id=0)
+    ref = reference_generate(lm, ids[None], max_new_tokens=6, eos_token_id=None, pad_token_id=0)
     assert ours == ref[0, ids.numel():].tolist()
 
 

@@ -28,6 +28,7 @@ STAGE: dict[str, int] = {
     "kvrag.atomic_files": _FOUNDATION,
     "kvrag.embedder": _FOUNDATION,
     "kvrag.mean_pooled": _FOUNDATION,
+    "kvrag.native_bert": _FOUNDATION,
     "kvrag.byte_lru": _FOUNDATION,
     "kvrag.sizes": _FOUNDATION,
     "kvrag.user_cache": _FOUNDATION,

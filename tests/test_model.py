@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import tiny_config, tiny_model
 
 from kvrag.errors import UnsupportedModelError
-from kvrag.model.loading import check_rope, model_fingerprint, wrap_model
+from kvrag.model.loading import _gguf_cache_dir, check_rope, model_fingerprint, wrap_model
 
 
 def test_dynamic_ntk_rope_is_refused():
@@ -63,3 +65,13 @@ def test_spec_reports_kv_shape():
     lm = wrap_model(tiny_model("qwen3"), None)
     assert (lm.spec.n_layers, lm.spec.n_kv_heads, lm.spec.head_dim) == (4, 2, 16)
     assert lm.spec.kv_bytes_per_token == 2 * 4 * 2 * 16 * 4
+
+
+def test_a_gguf_files_conversion_is_named_by_its_content_not_its_path(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 20000  # 5 MB: the two ends sampled are apart
+    a, b, c = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "c" / "m.gguf"
+    for path, content in ((a, data), (b, data), (c, data[:-1] + b"x")):
+        path.parent.mkdir()
+        path.write_bytes(content)
+    assert _gguf_cache_dir(a) == _gguf_cache_dir(b)  # the same file in two environments: one conversion
+    assert _gguf_cache_dir(c) != _gguf_cache_dir(a)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import reference_generate
 
 from kvrag import GateConfig
 from kvrag.codec import make_codec
@@ -220,8 +221,7 @@ def test_recompute_everything_matches_a_plain_forward(cache: PassageCache):
     prompt = chat_prompt(cache.lm.tokenizer, raw)
     fused = cache.answer_prompt(prompt, "full", passages=find_passages(raw), max_new_tokens=5)
     ids = torch.tensor([cache.lm.tokenizer(prompt, add_special_tokens=False)["input_ids"]])
-    with torch.no_grad():
-        out = cache.lm.model.generate(ids, max_new_tokens=5, do_sample=False)
+    out = reference_generate(cache.lm, ids, max_new_tokens=5)
     assert fused.token_ids == out[0, ids.shape[1]:].tolist()[: len(fused.token_ids)]
 
 

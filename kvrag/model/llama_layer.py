@@ -38,9 +38,10 @@ if TYPE_CHECKING:
 
 # Decoder layers whose forward is: pre-norm attention with q/k/v/o projections (and optional per-head q/k norms) plus
 # a residual, then pre-norm MLP plus a residual.
-PLAIN_DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
+PLAIN_DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "NativeDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
+                                  "Qwen3DecoderLayer"})
 _SILU = frozenset({"SiLU", "SiLUActivation"})  # torch's and transformers' module for ``x * sigmoid(x)``
-_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+_RMS_NORMS = frozenset({"LlamaRMSNorm", "NativeRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 
 
 def runs_plain(layer: Any) -> bool:

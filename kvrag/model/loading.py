@@ -25,10 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from kvrag.errors import ModelNotFoundError, UnsupportedModelError
-from kvrag.model import hf_compat
+from kvrag.model import hf_compat, native_llama
 from kvrag.model.families import Family, family_of, registered_families
 from kvrag.model.hf_compat import apply_rope
 from kvrag.model.rope import check_rope, rope_at, unapply_rope
@@ -121,11 +120,21 @@ def _resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     return value
 
 
+_GGUF_SAMPLE = 1 << 20  # bytes read from each end of a GGUF file to tell it from another of the same size
+
+
 def _gguf_cache_dir(gguf: Path) -> Path:
+    """Where a GGUF file's conversion is kept: named by its content (its size and its first and last MiB), not by
+    its path, so that the same file installed in several environments is converted, and stored, once.
+    """
     root = Path(os.path.expanduser("~/.cache/kvrag/models"))
-    stat = gguf.stat()
-    tag = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}".encode()).hexdigest()[:12]
-    return root / f"{gguf.stem}-{tag}"
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with gguf.open("rb") as f:
+        digest.update(f.read(_GGUF_SAMPLE))
+        f.seek(max(0, size - _GGUF_SAMPLE))
+        digest.update(f.read(_GGUF_SAMPLE))
+    return root / f"{gguf.stem}-{digest.hexdigest()[:12]}"
 
 
 def _materialise_gguf(gguf: Path) -> Path:
@@ -133,6 +142,9 @@ def _materialise_gguf(gguf: Path) -> Path:
     out = _gguf_cache_dir(gguf)
     if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
         return out
+    # lazy: transformers' auto classes cost a cold process 0.3 s to import, and most loads never need them
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     log.info("converting %s to safetensors in %s (once)", gguf, out)
     loaded: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
                                                        output_loading_info=True, ignore_mismatched_sizes=True)
@@ -240,9 +252,21 @@ def _not_found_message(name: str, source: str, exc: OSError | None) -> str:
 
 
 def _from_pretrained(name: str, source: str, dtype: torch.dtype) -> tuple[Any, Any]:
-    """The model and tokenizer at ``source``; a missing or unreadable model raises a one-line KVRagError."""
+    """The model and tokenizer at ``source``; a missing or unreadable model raises a one-line KVRagError.
+
+    A local plain Llama folder runs as kvrag's own Llama (`kvrag.model.native_llama`), without importing
+    transformers' modeling code; everything else loads through transformers.
+    """
     if Path(source).is_dir() and not (Path(source) / "config.json").is_file():
         raise ModelNotFoundError(_not_found_message(name, source, None))
+    if Path(source).is_dir() and native_llama.native_reason(source) is None:
+        try:
+            return native_llama.load_native(source, dtype)
+        except ValueError as exc:
+            raise UnsupportedModelError(f"cannot load model {name}: {exc}") from None
+    # lazy: transformers' auto classes cost a cold process 0.3 s to import; a native Llama does not need them
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     try:
         attention = family_of(AutoConfig.from_pretrained(source)).attn_implementation()
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attention)

@@ -18,7 +18,7 @@ from transformers import AutoModel, AutoModelForCausalLM, BertConfig
 
 from kvrag.errors import UnsupportedModelError
 from kvrag.model import hf_compat
-from kvrag.model.loading import load_model, resolve_source
+from kvrag.model.loading import ModelSpec, load_model, model_fingerprint, resolve_source
 from kvrag.model.native_llama import NativeLlamaForCausalLM, native_reason
 from kvrag.native_bert import NativeBert, native_bert_reason
 
@@ -80,6 +80,7 @@ def test_the_native_llama_forward_equals_transformers(tiny_llama_dir: Path) -> N
 def test_the_native_llama_gives_smollm2s_logits_and_tokens(smollm2) -> None:
     assert isinstance(smollm2.model, NativeLlamaForCausalLM), "the real model should load natively"
     reference = _transformers_llama(Path(resolve_source("smollm2")))
+    assert model_fingerprint(reference, ModelSpec.from_model(reference)) == smollm2.fingerprint  # indexes still open
     ids = torch.tensor([smollm2.tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"]])
     with torch.no_grad():
         torch.testing.assert_close(smollm2.model(input_ids=ids).logits, reference(input_ids=ids).logits,

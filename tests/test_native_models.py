@@ -172,3 +172,34 @@ def test_a_cold_load_of_both_models_imports_no_transformers_modeling_code() -> N
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[-2] == "NativeLlamaForCausalLM []"
+
+
+def _hub_cache(root: Path, repo_id: str, model_dir: Path, skip: str = "") -> Path:
+    """A Hugging Face cache under ``root`` holding ``model_dir``'s files as ``repo_id``'s main revision."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / "0123456789abcdef"
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123456789abcdef")
+    for item in model_dir.iterdir():
+        if item.name != skip:
+            (snapshot / item.name).write_bytes(item.read_bytes())
+    return snapshot
+
+
+def test_a_hub_id_already_in_the_hugging_face_cache_runs_natively(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    from kvrag.model.native_llama import cached_hub_folder
+
+    cache = tmp_path / "hub"
+    snapshot = _hub_cache(cache, "kvrag-tests/tiny-llama", tiny_llama_dir)
+    assert cached_hub_folder("kvrag-tests/tiny-llama", cache_dir=cache) == snapshot
+    assert cached_hub_folder("kvrag-tests/absent", cache_dir=cache) is None
+    assert cached_hub_folder("not a repo id", cache_dir=cache) is None
+    partial = _hub_cache(cache, "kvrag-tests/no-weights", tiny_llama_dir, skip="model.safetensors")
+    assert native_reason(partial) == "no safetensors weights"  # transformers then loads (or fetches) it
+    script = ("from kvrag.model.loading import load_model\n"
+              "print(type(load_model('kvrag-tests/tiny-llama', device='cpu').model).__name__)\n")
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "NativeLlamaForCausalLM"

@@ -254,14 +254,16 @@ def _not_found_message(name: str, source: str, exc: OSError | None) -> str:
 def _from_pretrained(name: str, source: str, dtype: torch.dtype) -> tuple[Any, Any]:
     """The model and tokenizer at ``source``; a missing or unreadable model raises a one-line KVRagError.
 
-    A local plain Llama folder runs as kvrag's own Llama (`kvrag.model.native_llama`), without importing
-    transformers' modeling code; everything else loads through transformers.
+    A plain Llama folder, local or a hub id's snapshot already in the Hugging Face cache, runs as kvrag's own Llama
+    (`kvrag.model.native_llama`), without importing transformers' modeling code; everything else loads through
+    transformers.
     """
     if Path(source).is_dir() and not (Path(source) / "config.json").is_file():
         raise ModelNotFoundError(_not_found_message(name, source, None))
-    if Path(source).is_dir() and native_llama.native_reason(source) is None:
+    folder = Path(source) if Path(source).is_dir() else native_llama.cached_hub_folder(source)
+    if folder is not None and native_llama.native_reason(folder) is None:
         try:
-            return native_llama.load_native(source, dtype)
+            return native_llama.load_native(folder, dtype)
         except ValueError as exc:
             raise UnsupportedModelError(f"cannot load model {name}: {exc}") from None
     # lazy: transformers' auto classes cost a cold process 0.3 s to import; a native Llama does not need them

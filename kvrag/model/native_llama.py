@@ -2,16 +2,18 @@
 
 Contract: `native_reason(folder)` says why a folder cannot run here (None: it can). It can when its ``config.json``
 describes a ``LlamaForCausalLM`` with SiLU, no biases, the default rotary embedding, no sliding window and no
-quantisation, and its weights are safetensors; `load_native(folder, dtype)` then builds `NativeLlamaForCausalLM`
-and its tokenizer. Importing transformers' Llama modules costs a cold process about 3 s on a 2-core machine (its
-configuration module alone imports torch's compiler and torch.distributed), more than loading the weights; this
-module imports only transformers' configuration base, cache classes and tokenizer backend.
+quantisation, and its weights are safetensors; `load_native(folder, dtype)` then builds `NativeLlamaForCausalLM` and
+its tokenizer. `cached_hub_folder(repo_id)` finds a hub id's snapshot in the Hugging Face cache, so a model
+transformers downloaded once runs natively afterwards (kvrag downloads nothing itself). Importing transformers'
+Llama modules costs a cold process about 3 s on a 2-core machine (its configuration module alone imports torch's
+compiler and torch.distributed), more than loading the weights; this module imports only transformers' configuration
+base, cache classes and tokenizer backend.
 
 The module tree, parameter names and their order are transformers' ``LlamaForCausalLM``'s, so a checkpoint loads
 the same weights under the same names and `kvrag.model.loading.model_fingerprint` gives the same fingerprint: an
 index built with either opens with the other. The forward is the Llama's, computed with the operations of
 `kvrag.model.llama_layer` (the same ones kvrag's selective recompute and token steps run); it equals transformers'
-forward to float rounding and gives the same greedy tokens (`tests/test_native_llama.py`). It takes what kvrag
+forward to float rounding and gives the same greedy tokens (`tests/test_native_models.py`). It takes what kvrag
 passes: token ids, positions, a transformers `Cache` to extend; a padding mask is refused. Set
 ``KVRAG_NATIVE_MODELS=0`` to load every model through transformers instead.
 """
@@ -26,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub import try_to_load_from_cache
 from safetensors.torch import load_file
 from torch import nn
 from transformers import PreTrainedTokenizerFast
@@ -64,6 +67,19 @@ def native_switched_off() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off")
 
 
+def cached_hub_folder(repo_id: str, cache_dir: str | Path | None = None) -> Path | None:
+    """The folder of the Hugging Face cache's snapshot of ``repo_id`` (its main revision) when its ``config.json`` is
+    there, else None. Nothing is downloaded: a model transformers fetched once runs natively from then on.
+    """
+    if repo_id.count("/") != 1 or Path(repo_id).exists():
+        return None
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache_dir)
+    except ValueError:  # not a valid repository id
+        return None
+    return Path(found).parent if isinstance(found, str) else None
+
+
 def native_reason(folder: str | Path) -> str | None:
     """Why ``folder`` does not run as a native Llama (one phrase), or None when it does."""
     if native_switched_off():
@@ -83,7 +99,7 @@ def native_reason(folder: str | Path) -> str | None:
         "tensor-parallel slices": cfg.get("pretraining_tp", 1) != 1,
         "quantised weights": "quantization_config" in cfg,
         "a sliding window": cfg.get("sliding_window") is not None or cfg.get("layer_types") is not None,
-        "no safetensors weights": not _weight_files(root),
+        "no safetensors weights": not _weight_files(root) or not all(f.is_file() for f in _weight_files(root)),
         "no tokenizer.json of a plain fast tokenizer": (tokenizer_class not in _PLAIN_TOKENIZERS
                                                         or not (root / "tokenizer.json").is_file()),
     }

@@ -74,6 +74,9 @@ def test_the_native_llama_forward_equals_transformers(tiny_llama_dir: Path) -> N
         native.model(input_ids=ids[:1, :25], cache=head)
         got = native(input_ids=ids[:1, 25:], position_ids=torch.arange(25, 40)[None], cache=head).logits
         torch.testing.assert_close(got, reference(input_ids=ids[:1]).logits[:, 25:], atol=ATOL, rtol=0)
+        older = hf_compat.full_cache()  # the cache under transformers' older keyword is extended the same way
+        native.model(input_ids=ids[:1, :25], past_key_values=older)
+        assert older.get_seq_length() == 25
     assert _greedy(native, ids[:1], 12) == _greedy(reference, ids[:1], 12)
 
 

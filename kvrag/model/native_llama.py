@@ -249,8 +249,12 @@ class NativeLlamaModel(nn.Module):
         self.rotary_emb = NativeRotary(config)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cache: Cache | None = None,
-                use_cache: bool = True, attention_mask: torch.Tensor | None = None, **_: Any) -> NativeOutput:
-        """The last hidden states of ``input_ids`` ``[B, n]`` after ``cache``'s rows (which it extends)."""
+                use_cache: bool = True, attention_mask: torch.Tensor | None = None,
+                past_key_values: Cache | None = None, **_: Any) -> NativeOutput:
+        """The last hidden states of ``input_ids`` ``[B, n]`` after ``cache``'s rows (which it extends;
+        ``past_key_values`` is the same argument under transformers' older name).
+        """
+        cache = past_key_values if cache is None else cache
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("kvrag's native Llama takes no padding mask; pad on the right and read each row's own "
                              "positions, or load the model through transformers (KVRAG_NATIVE_MODELS=0)")
@@ -290,8 +294,10 @@ class NativeLlamaForCausalLM(nn.Module):
                                   f"model through transformers")
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cache: Cache | None = None,
-                use_cache: bool = True, logits_to_keep: int = 0, **kwargs: Any) -> NativeOutput:
+                use_cache: bool = True, logits_to_keep: int = 0, past_key_values: Cache | None = None,
+                **kwargs: Any) -> NativeOutput:
         """Logits ``[B, n, vocab]`` of ``input_ids`` (the last ``logits_to_keep`` positions' where it is > 0)."""
+        cache = past_key_values if cache is None else cache
         out = self.model(input_ids, position_ids=position_ids, cache=cache, use_cache=use_cache, **kwargs)
         assert out.last_hidden_state is not None
         hidden = out.last_hidden_state[:, -logits_to_keep:] if logits_to_keep else out.last_hidden_state

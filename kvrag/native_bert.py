@@ -99,10 +99,6 @@ class NativeBert:
         self.w = {name: t.to(device) for name, t in self.w.items()}
         return self
 
-    def eval(self) -> NativeBert:
-        """The encoder (always in inference mode; kept for transformers' call pattern)."""
-        return self
-
     def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), self.w[name + ".weight"], self.w[name + ".bias"],
                             self.config.layer_norm_eps)

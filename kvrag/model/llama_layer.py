@@ -28,13 +28,20 @@ Layout: hidden states ``[1, n, hidden]``; heads ``[1, heads, n, head_dim]``.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from kvrag.model.hf_compat import ScatterLayer
+
+class RowWriter(Protocol):
+    """Where a layer's fresh key/value rows go: `update` stores them and returns the whole keys and values the
+    layer's queries attend to (a fusion's `kvrag.model.hf_compat.ScatterLayer`, or one layer of a cache that grows).
+    """
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
+
 
 # Decoder layers whose forward is: pre-norm attention with q/k/v/o projections (and optional per-head q/k norms) plus
 # a residual, then pre-norm MLP plus a residual.
@@ -141,16 +148,17 @@ def attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask
 
 
 def run(layer: Any, hidden: torch.Tensor, mask: Any, rope: tuple[torch.Tensor, torch.Tensor],
-        scatter: ScatterLayer) -> torch.Tensor:
-    """Decoder layer ``layer`` (`runs_plain`) on ``hidden`` ``[1, n, hidden]`` at the positions whose rotary
-    embeddings are ``rope``; their fresh key/value rows go into ``scatter`` (its ``rows`` set by the caller).
+        scatter: RowWriter) -> torch.Tensor:
+    """Decoder layer ``layer`` (`runs_plain`) on ``hidden`` ``[B, n, hidden]`` at the positions whose rotary
+    embeddings are ``rope``; their fresh key/value rows go into ``scatter`` (a `ScatterLayer`'s ``rows`` set by the
+    caller).
     """
     hidden = hidden + _attention(layer, rms_norm(layer.input_layernorm, hidden), mask, rope, scatter)
     return hidden + _mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, hidden))
 
 
 def _attention(layer: Any, h: torch.Tensor, mask: Any, rope: tuple[torch.Tensor, torch.Tensor],
-               scatter: ScatterLayer) -> torch.Tensor:
+               scatter: RowWriter) -> torch.Tensor:
     """The attention block's output ``[1, n, hidden]`` for the normed input ``h`` (its queries and heads' output
     freed when it returns, before the MLP allocates).
     """

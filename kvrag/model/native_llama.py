@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from huggingface_hub import try_to_load_from_cache
 from safetensors.torch import load_file
 from torch import nn
@@ -46,6 +45,10 @@ class NativeLlamaConfig(PretrainedConfig):
     """A Llama ``config.json`` as transformers' configuration base reads it (its attributes as the file gives them)."""
 
     model_type = "llama"
+
+
+def _head_dim(config: NativeLlamaConfig) -> int:
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
@@ -91,6 +94,7 @@ def native_reason(folder: str | Path) -> str | None:
     except (OSError, ValueError):
         return "no readable config.json and tokenizer_config.json"
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    weights = _weight_files(root)
     checks = {
         "not a LlamaForCausalLM": cfg.get("model_type") != "llama" or cfg.get("architectures") != ["LlamaForCausalLM"],
         "an activation other than SiLU": cfg.get("hidden_act", "silu") != "silu",
@@ -99,7 +103,7 @@ def native_reason(folder: str | Path) -> str | None:
         "tensor-parallel slices": cfg.get("pretraining_tp", 1) != 1,
         "quantised weights": "quantization_config" in cfg,
         "a sliding window": cfg.get("sliding_window") is not None or cfg.get("layer_types") is not None,
-        "no safetensors weights": not _weight_files(root) or not all(f.is_file() for f in _weight_files(root)),
+        "no safetensors weights": not weights or not all(f.is_file() for f in weights),
         "no tokenizer.json of a plain fast tokenizer": (tokenizer_class not in _PLAIN_TOKENIZERS
                                                         or not (root / "tokenizer.json").is_file()),
     }
@@ -141,14 +145,13 @@ class _Embedding(nn.Embedding):
         pass
 
 
-
 class NativeAttention(nn.Module):
     """The q/k/v/o projections of one layer and what `llama_layer` reads beside them."""
 
     def __init__(self, config: NativeLlamaConfig, layer_idx: int) -> None:
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
-        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        self.head_dim = _head_dim(config)
         self.scaling = self.head_dim ** -0.5
         kv_heads = config.num_key_value_heads or config.num_attention_heads
         self.num_key_value_groups = config.num_attention_heads // kv_heads
@@ -182,17 +185,23 @@ class NativeDecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, cache: Cache | None = None,
                 **_: Any) -> torch.Tensor:
-        """``hidden`` ``[B, n, hidden]`` through the layer; its key/value rows are appended to ``cache``."""
+        """``hidden`` ``[B, n, hidden]`` through the layer (`llama_layer.run`); its key/value rows are appended to
+        ``cache``.
+        """
         assert position_embeddings is not None and cache is not None
-        attn = self.self_attn
-        h = llama_layer.rms_norm(self.input_layernorm, hidden)
-        rot = llama_layer.rotation(*position_embeddings, h.dtype)
-        queries = rot.rotate(llama_layer.heads(attn.q_proj, None, h, attn.head_dim))
-        keys = rot.rotate(llama_layer.heads(attn.k_proj, None, h, attn.head_dim))
-        keys, values = cache.update(keys, llama_layer.heads(attn.v_proj, None, h, attn.head_dim), attn.layer_idx)
-        out = llama_layer.attend(queries, keys, values, attention_mask, attn.scaling)
-        hidden = hidden + F.linear(out.transpose(1, 2).reshape(*h.shape[:-1], -1), attn.o_proj.weight)
-        return hidden + llama_layer._mlp(self.mlp, llama_layer.rms_norm(self.post_attention_layernorm, hidden))
+        return llama_layer.run(self, hidden, attention_mask, position_embeddings,
+                               _AppendedRows(cache, self.self_attn.layer_idx))
+
+
+@dataclass
+class _AppendedRows:
+    """Layer ``idx`` of a transformers cache as a `llama_layer.RowWriter`: the rows are appended."""
+
+    cache: Cache
+    idx: int
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.update(key_states, value_states, self.idx)
 
 
 class NativeRotary(nn.Module):
@@ -200,7 +209,7 @@ class NativeRotary(nn.Module):
 
     def __init__(self, config: NativeLlamaConfig) -> None:
         super().__init__()
-        dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        dim = _head_dim(config)
         base = float(hf_compat.rope_parameters(config)["rope_theta"])
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)

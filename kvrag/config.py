@@ -138,9 +138,9 @@ class StoreConfig:
             (`kvrag.storage.decoded_tier`, on the CPU), in bytes or a size: a chunk read again is fused from there,
             neither read nor decoded (0 turns it off).
         cache_mb, decoded_mb: deprecated, in MiB: ``cache_bytes`` and ``decoded_bytes`` (a DeprecationWarning).
-        max_bytes: a bound on the chunk caches' bytes in the store (None: none), least recently used evicted
-            (`kvrag.storage.stores.LRUDiskStore`, `LRURedisStore`); an evicted cache is computed again from its
-            text when a prompt needs it. Given to a new index, it is recorded and kept.
+        max_bytes: a bound on the chunk caches' bytes in the store (None: none), caches not read since stored
+            evicted first (`kvrag.storage.stores.BoundedDiskStore`, `BoundedRedisStore`); an evicted cache is computed
+            again from its text when a prompt needs it. Given to a new index, it is recorded and kept.
     """
 
     backend: str = "disk"

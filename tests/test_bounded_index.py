@@ -12,7 +12,7 @@ import pytest
 
 from kvrag import KVRag, SplitConfig, StoreConfig
 from kvrag.cli import main
-from kvrag.storage.stores import LRUDiskStore
+from kvrag.storage.stores import BoundedDiskStore
 
 TOPICS = ["reactor", "telescope", "bridge", "library", "harbour", "observatory", "railway", "lighthouse"]
 DOCS = [(t, f"The {t} of the old town was built by the guild of {t} makers in the year 18{i}0, and it is "
@@ -30,7 +30,7 @@ def test_a_bounded_lazy_index_keeps_its_bound_and_answers_as_an_unbounded_one(ti
     bound = 3 * blob
     rag = KVRag.build(DOCS, tmp_path / "bounded", model=tiny_lm, split=SPLIT, show_progress=False, codec="raw",
                       caches=False, store=StoreConfig(max_bytes=bound))
-    assert rag.manifest["store"]["max_bytes"] == bound and isinstance(rag.kvstore.store, LRUDiskStore)
+    assert rag.manifest["store"]["max_bytes"] == bound and isinstance(rag.kvstore.store, BoundedDiskStore)
     for topic in TOPICS + TOPICS:  # more chunks than the bound holds: the least recently used go
         question = f"Who built the {topic}?"
         expected = free.answer(question, k=2, mode="reuse", max_new_tokens=3).token_ids
@@ -41,7 +41,7 @@ def test_a_bounded_lazy_index_keeps_its_bound_and_answers_as_an_unbounded_one(ti
     assert stats["missing"] > 0 and stats["found"] > 0 and stats["held_bytes"] <= stats["max_bytes"] == bound
     rag.close()
     reopened = KVRag.open(tmp_path / "bounded", model=tiny_lm)  # the recorded bound holds after reopening
-    assert isinstance(reopened.kvstore.store, LRUDiskStore) and reopened.kvstore.store.max_bytes == bound
+    assert isinstance(reopened.kvstore.store, BoundedDiskStore) and reopened.kvstore.store.max_bytes == bound
     reopened.close()
     free.close()
 

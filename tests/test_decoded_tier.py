@@ -22,7 +22,7 @@ from kvrag.passages.cache_url import memory_bound, open_cache_store
 from kvrag.query.head_cache import DEFAULT_PROMPT_BYTES
 from kvrag.query.locate import chat_prompt
 from kvrag.storage.decoded_tier import DEFAULT_DECODED_BYTES, DecodedTier
-from kvrag.storage.stores import LRUDiskStore, LRURedisStore
+from kvrag.storage.stores import BoundedDiskStore, BoundedRedisStore
 
 
 @pytest.fixture(scope="module")
@@ -121,10 +121,10 @@ def test_a_tiered_feed_gives_what_the_store_gives_and_reads_held_chunks_from_mem
 def test_a_read_from_memory_keeps_its_blob_recently_used_in_the_store(request, tmp_path, backend):
     if backend == "redis":
         server = request.getfixturevalue("redis_server")
-        store = LRURedisStore(server.url(db=5), max_bytes=10_000, namespace="touch:")
+        store = BoundedRedisStore(server.url(db=5), max_bytes=10_000, namespace="touch:")
         store._client.flushdb()
     else:
-        store = LRUDiskStore(tmp_path, max_bytes=10_000, fsync=False)
+        store = BoundedDiskStore(tmp_path, max_bytes=10_000, fsync=False)
     for i in range(3):
         store.put(f"{i:040x}", bytes(3000))
         time.sleep(0.01)  # distinct times of use

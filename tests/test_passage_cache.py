@@ -159,7 +159,7 @@ def test_langchain_tutorial_chain_over_faiss_swaps_only_the_llm(tiny_model_dir: 
     retriever = store.as_retriever(search_kwargs={"k": 3})
     llm = KVCachedLLM(model=str(tiny_model_dir), cache=f"file://{tmp_path}/lc?max_bytes=20MB", max_new_tokens=3,
                       gate=FUSE)  # the tiny prompts are short: the default gate would recompute them
-    assert llm.cache is None and llm._identifying_params["cache"].startswith("LRUDiskStore")
+    assert llm.cache is None and llm._identifying_params["cache"].startswith("BoundedDiskStore")
 
     def format_docs(docs):
         return "\n\n".join(doc.page_content for doc in docs)
@@ -240,7 +240,7 @@ def test_the_chat_model_without_an_index_reads_passages_from_its_messages(tiny_m
     chat.rag.flush(60)
     second = chat.invoke(messages)
     assert len(second.response_metadata["chunks"]) == 3 and second.usage_metadata["output_tokens"] > 0
-    assert chat._identifying_params["cache"].startswith("LRUDiskStore")
+    assert chat._identifying_params["cache"].startswith("BoundedDiskStore")
 
 
 def test_a_redis_cache_is_shared_and_bounded(tiny_lm, redis_server):

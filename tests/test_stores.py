@@ -10,9 +10,9 @@ import pytest
 
 from kvrag.config import StoreConfig
 from kvrag.storage.stores import (
+    BoundedDiskStore,
     ByteStore,
     DiskStore,
-    LRUDiskStore,
     MemoryStore,
     ThrottledStore,
     available_stores,
@@ -82,7 +82,7 @@ def test_make_store_refuses(backend: str, root: str | None, match: str):
 
 def test_a_url_option_opens_a_bounded_store_and_a_keyword_overrides_it(tmp_path: Path):
     store = make_store(tmp_path.as_uri() + "?max_bytes=2MB", fsync=False)
-    assert isinstance(store, LRUDiskStore) and store.max_bytes == 2 * 10**6 and store.root == tmp_path
+    assert isinstance(store, BoundedDiskStore) and store.max_bytes == 2 * 10**6 and store.root == tmp_path
     assert make_store(tmp_path.as_uri() + "?max_bytes=2MB", max_bytes="1kB").max_bytes == 1000
     assert make_store(tmp_path.as_uri() + "?max_bytes=2MB", max_bytes=None).max_bytes == 2 * 10**6  # None: the URL's
     assert make_store("disk", tmp_path, max_bytes=5000).max_bytes == 5000  # a bound by keyword, the same kind
@@ -146,4 +146,4 @@ def test_an_index_store_url_takes_the_same_options_and_refuses_others_before_the
         store_record(StoreConfig(backend=(tmp_path / "c").as_uri() + "?bogus=1"), "f" * 16)
     record = store_record(StoreConfig(backend=(tmp_path / "c").as_uri() + "?max_bytes=1MB"), "f" * 16)
     store = open_index_store(tmp_path / "idx", {"store": record})
-    assert isinstance(store, LRUDiskStore) and store.max_bytes == 10**6 and store.root == tmp_path / "c"
+    assert isinstance(store, BoundedDiskStore) and store.max_bytes == 10**6 and store.root == tmp_path / "c"

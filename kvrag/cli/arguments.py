@@ -98,8 +98,8 @@ def _add_index(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                    help="index the chunks for retrieval only: each chunk's cache is computed the first time a "
                         "question uses it (a later run without --lazy computes the missing ones)")
     p.add_argument("--max-cache-bytes", type=byte_size, default=None, metavar="SIZE",
-                   help="bound the chunk caches' bytes (e.g. 5GB; a new index only, recorded): the least recently "
-                        "used are evicted and computed again from their text when a question needs them; with "
+                   help="bound the chunk caches' bytes (e.g. 5GB; a new index only, recorded): those not read "
+                        "again are evicted first and computed again from their text when a question needs them; with "
                         "--lazy, a corpus larger than the disk keeps its hot chunks cached")
     p.add_argument("--instruction", default=None,
                    help="system instruction before the passages (a new index only; default: kvrag.prompt's)")

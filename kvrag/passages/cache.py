@@ -22,10 +22,12 @@ Contract:
   stores none: its rows attended to stored caches.
 - Caches are stored with the ``int8`` codec by default (`PASSAGE_CODEC`).
 - The store is bounded in bytes (`kvrag.passages.cache_url`: ``file://`` under the user's cache folder by default,
-  or ``redis://``), least recently used evicted; the codec's fitted state is stored once per model beside the blobs
-  (`kvrag.storage.codec_state`), fitted on the first passages stored.
-- `stats` counts passages looked up and found; `info` adds the bytes held and the bound. `flush` waits for
-  pending stores (also run when the interpreter exits, for at most `EXIT_FLUSH_S`).
+  or ``redis://``), those not read since stored evicted first (`kvrag.storage.stores.protected_blobs`); the
+  codec's fitted state is stored once per model beside the blobs (`kvrag.storage.codec_state`), fitted on the first
+  passages stored.
+- `stats` counts passages looked up and found; `info` adds the bytes held, the bound and the store's segments
+  (protected and on probation). `flush` waits for pending stores (also run when the interpreter exits, for at most
+  `EXIT_FLUSH_S`).
 """
 
 from __future__ import annotations
@@ -377,11 +379,11 @@ class PassageCache:
         return self._writer.flush(timeout)
 
     def info(self) -> dict[str, Any]:
-        """The store's bound and bytes held, the passages looked up, found and stored, the hit rate, the decoded
-        tier's hits, misses and bytes (`KVStore.stats`), and the prompts kept exact (`HeadCache.prompt_stats`).
-        """
+        """The store's bound, bytes held and segments (`BoundedDiskStore.popularity`), the passages looked up, found
+        and stored, the hit rate, the decoded tier's stats (`KVStore.stats`), the prompts kept (`HeadCache`)."""
         return {"store": type(self.store).__name__, "max_bytes": self.store.max_bytes,
-                "held_bytes": self.store.held(), "evicted": self.store.evicted, **asdict(self.stats),
+                "held_bytes": self.store.held(), "evicted": self.store.evicted, **self.store.popularity(),
+                **asdict(self.stats),
                 "hit_rate": self.stats.hit_rate, **self.kvstore.decoded.stats(), **self.heads.prompt_stats()}
 
     def close(self) -> None:

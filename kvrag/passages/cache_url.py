@@ -5,8 +5,8 @@ Contract: `open_cache_store(url)` builds the store a ``cache=`` argument names:
 - None: `default_cache_dir` (``$KVRAG_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvrag``, else ``~/.cache/kvrag``) under
   ``passages/``, bounded by `DEFAULT_MAX_BYTES`;
 - ``file:///abs/path?max_bytes=5GB`` or a plain path (absolute, or starting with ``~`` or ``.``): an
-  `LRUDiskStore` there;
-- ``redis://[[USER]:PASSWORD@]HOST:PORT/DB?max_bytes=1GB`` (``rediss://`` over TLS): an `LRURedisStore`; its
+  `BoundedDiskStore` there;
+- ``redis://[[USER]:PASSWORD@]HOST:PORT/DB?max_bytes=1GB`` (``rediss://`` over TLS): an `BoundedRedisStore`; its
   other query options are redis-py's connection options.
 
 The store is opened by `kvrag.storage.stores.make_store`, with ``max_bytes`` and the store's own query options; an

@@ -55,8 +55,8 @@ The store backend (`load_from_store`, `publish_in_store`):
 - `publish_in_store` stores the state ``codec`` was just fitted with, unless another process stored one first, and
   loads whichever is stored, so that every writer codes with the same state; it returns that state's digest.
 - The state travels as one zip of the files `Codec.save_state` writes (each with its CRC); the digest goes into
-  every passage key, so a refitted state never decodes another's blobs. The store is an `LRUDiskStore` or
-  `LRURedisStore` (``get_state``/``put_state``, outside the byte bound).
+  every passage key, so a refitted state never decodes another's blobs. The store is an `BoundedDiskStore` or
+  `BoundedRedisStore` (``get_state``/``put_state``, outside the byte bound).
 """
 
 from __future__ import annotations

@@ -69,7 +69,8 @@ class KVStore:
 
     def stats(self) -> dict[str, int]:
         """Caches found and missing (`reader`), the decoded tier's (`DecodedTier.stats`), and for a store bounded in
-        bytes its bytes held and bound.
+        bytes its bytes held, its bound and what it evicts by (``popularity``: the eviction clock, blobs counted,
+        those used more than once, the most uses of one).
         """
         out = {"found": self.found, "missing": self.missing, **self.decoded.stats()}
         bounded = self.store
@@ -78,6 +79,8 @@ class KVStore:
         if hasattr(bounded, "held"):
             try:
                 out.update(held_bytes=int(bounded.held()), max_bytes=int(getattr(bounded, "max_bytes", 0)))
+                if hasattr(bounded, "popularity"):
+                    out.update(bounded.popularity())
             except StoreUnavailableError:  # unreachable now: the counts still stand
                 pass
         return out

@@ -14,8 +14,8 @@ Contract:
   builds it with the whole URL as its ``url`` option; other stores take only local locations.
 - A URL's query options are the store class's own (`ByteStore.url_options`, `kvrag.storage.stores.store_url`):
   one it does not take is refused in one line. ``max_bytes`` (in the URL or as a keyword) bounds a store that
-  has a bounded kind (`ByteStore.bounded`: ``file`` → ``lru-file``, ``redis`` → ``lru-redis``), least recently
-  used evicted first.
+  has a bounded kind (`ByteStore.bounded`: ``file`` → ``bounded-file``, ``redis`` → ``bounded-redis``), blobs not
+  read since stored evicted first (a segmented LRU).
 - `available_stores` lists every name `make_store` accepts; `store_class` looks one up; `network_class`
   says whether a URL names a network store. The stores shipped with kvrag register when
   `kvrag.storage.stores` is imported.
@@ -91,8 +91,8 @@ class ByteStore(ABC):
             `make_store` then hands it the whole URL as ``url=``.
         meter: the `LinkMeter` of a store read over a link, None for local stores.
         url_options: the query options the store's URL may carry, each with its parser (`store_url`).
-        bounded: the registered name of the store a ``max_bytes`` bound opens instead (its least recently used
-            blobs evicted), empty when the store has no bounded kind.
+        bounded: the registered name of the store a ``max_bytes`` bound opens instead (blobs not read since stored
+            evicted), empty when the store has no bounded kind.
     """
 
     name: str = ""
@@ -140,12 +140,12 @@ class ByteStore(ABC):
         """Remove ``key``'s blob if present."""
 
     def touch(self, key: str) -> None:
-        """Mark ``key``'s blob as just used, where the store evicts by use (a read served from memory, never
-        opened here); nothing elsewhere or when it is absent.
+        """Count a use of ``key``'s blob, where the store evicts by use (a read served from memory, never opened
+        here); nothing elsewhere or when it is absent.
         """
 
     def nbytes(self, key: str) -> int:
-        """Size of ``key``'s blob in bytes (0 when absent)."""
+        """Size of ``key``'s blob in bytes (0 when absent); not a use of it."""
         fh = self.open(key)
         if fh is None:
             return 0

@@ -10,6 +10,7 @@ link, not its target), and a ``put`` into a folder that is a link raises `IndexC
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
@@ -23,11 +24,11 @@ from kvrag.storage.stores.base import ByteStore, register_store
 @register_store("file", "disk")
 class DiskStore(ByteStore):
     """One file per chunk under ``root/ab/abcdef….kvc``, written atomically; ``?max_bytes=`` (a size) opens
-    the bounded kind, ``lru-file`` (`kvrag.storage.stores.lru_disk.LRUDiskStore`).
+    the bounded kind, ``bounded-file`` (`kvrag.storage.stores.bounded_disk.BoundedDiskStore`).
     """
 
     url_options: ClassVar[Mapping[str, Callable[[str], Any]]] = {"max_bytes": parse_bytes}
-    bounded: ClassVar[str] = "lru-file"
+    bounded: ClassVar[str] = "bounded-file"
 
     def __init__(self, root: str | os.PathLike[str], fsync: bool = True) -> None:
         self.root = Path(root)
@@ -71,6 +72,14 @@ class DiskStore(ByteStore):
     def contains(self, key: str) -> bool:
         path = self._path(key)
         return path.is_file() and not path.is_symlink()
+
+    def nbytes(self, key: str) -> int:
+        """The blob's size from its file's metadata (0 when absent or a link); not a read."""
+        try:
+            st = os.stat(self._path(key), follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return 0
+        return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)

@@ -4,8 +4,8 @@ Contract: `open_index_store` opens an index's chunk store: its ``chunks/`` folde
 (`kvrag.storage.index_layout`), or the URL its manifest records (`store_record`, written at build time), or one
 given to override it; a remote one comes behind a `kvrag.storage.stores.cached.CachedStore`, its keys under the
 index's own namespace, so that indexes share one Redis database. A bound in bytes (``StoreConfig.max_bytes``,
-recorded as the record's ``max_bytes``, or ``?max_bytes=`` in its URL) opens its bounded kind (`LRUDiskStore`,
-`LRURedisStore`; `kvrag.storage.stores.base.make_store`). `is_remote_url` tells a network store's URL from a
+recorded as the record's ``max_bytes``, or ``?max_bytes=`` in its URL) opens its bounded kind (`BoundedDiskStore`,
+`BoundedRedisStore`; `kvrag.storage.stores.base.make_store`). `is_remote_url` tells a network store's URL from a
 local one.
 """
 

@@ -82,7 +82,7 @@ class RedisStore(ByteStore):
 
     network = True  # located by its URL: make_store("redis://host:port/db") builds it
     url_options: ClassVar[Mapping[str, Callable[[str], Any]]] = {"max_bytes": parse_bytes}
-    bounded: ClassVar[str] = "lru-redis"
+    bounded: ClassVar[str] = "bounded-redis"
 
     @classmethod
     def client_url_options(cls) -> frozenset[str]:

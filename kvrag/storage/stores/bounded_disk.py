@@ -1,22 +1,28 @@
-"""The ``lru-file`` store: a `DiskStore` bounded in bytes, evicting the least recently used blobs.
+"""The ``bounded-file`` store (alias ``lru-file``): a `DiskStore` bounded in bytes, evicting blobs not read
+again first.
 
 Contract:
 
 - Blobs are files as in `DiskStore`, written atomically (a temporary file renamed into place), so a reader in any
   process sees a whole blob or none, and two processes may share one root.
 - ``max_bytes`` bounds the blobs under the root. Before a `put` would take this process's count of them past the
-  bound, the root is scanned and the least recently used blobs are deleted until the blobs, the new one included,
+  bound, the root is scanned and blobs are deleted in the order below until the blobs, the new one included,
   hold at most `LOW_WATER` of the bound. The root is also scanned every `RESCAN_PUTS` puts, so blobs that other
   processes wrote are counted. With one writer the bound always holds; with several, each may add one blob
   before it sees the others' (at most one blob per concurrent writer over it).
-- Recency is a blob file's modification time: `open` of a blob marks it used (``os.utime``), as `put` does.
-  A blob deleted while another process reads it stays readable through the open file.
+- Eviction is a segmented LRU (`kvrag.storage.stores.protected_blobs`): a stored blob is on probation until read,
+  then protected, up to `PROTECTED_SHARE` of the bound; probation's least recently used go first. So a passage read
+  again outlives a stream of passages stored once, which an LRU bound would let evict it. Recency is a blob file's
+  modification time, set by `put`, `open` and `touch` (``os.utime``); the protected set is kept in
+  ``root/protected.sqlite``, shared by the processes on the root. `nbytes` and `contains` are not reads. A blob
+  stored by an older kvrag is on probation. A blob deleted while another process reads it stays readable through
+  the open file.
 - A blob larger than ``max_bytes`` is not stored (`put` returns, logging why); the text it was computed from is
   always there to compute it again.
 - `put_state`/`get_state` keep small named blobs (a codec's fitted state) in ``root/state/``, never evicted;
   `put_state` writes only when the name is absent and returns what is stored, so racing writers agree on one.
 - ``evicted`` counts the blobs this process deleted; `held` is the bytes of blobs at the last scan plus those this
-  process wrote since.
+  process wrote since; `popularity` gives the blobs and bytes protected and on probation at the last scan.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any, BinaryIO
 from kvrag.atomic_files import atomic_write_bytes
 from kvrag.storage.stores.base import register_store
 from kvrag.storage.stores.disk import DiskStore
+from kvrag.storage.stores.protected_blobs import ProtectedBlobs, eviction_order
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +45,9 @@ RESCAN_PUTS = 64  # puts between scans that count other processes' blobs
 _STATE = "state"
 
 
-@register_store("lru-file")
-class LRUDiskStore(DiskStore):
-    """A disk store of at most ``max_bytes`` of blobs, least recently used evicted first (see the module contract).
+@register_store("bounded-file", "lru-file")
+class BoundedDiskStore(DiskStore):
+    """A disk store of at most ``max_bytes`` of blobs, those not read again evicted first (see the module contract).
 
     Args:
         root: the folder (created if missing).
@@ -56,10 +63,12 @@ class LRUDiskStore(DiskStore):
         self.evicted = 0
         self._lock = threading.Lock()
         self._puts = 0
+        self.protected = ProtectedBlobs(self.root)
+        self._segments = {"protected_blobs": 0, "protected_bytes": 0, "probation_blobs": 0, "probation_bytes": 0}
         self._held = self._scan_total()
 
     @classmethod
-    def create(cls, root: Path | None, fsync: bool = True, **options: Any) -> LRUDiskStore:
+    def create(cls, root: Path | None, fsync: bool = True, **options: Any) -> BoundedDiskStore:
         """A store at ``root`` bounded by ``options["max_bytes"]``."""
         if root is None or "max_bytes" not in options or set(options) != {"max_bytes"}:
             raise ValueError(f"the {cls.name!r} store needs a root and max_bytes=, and takes nothing else")
@@ -84,17 +93,34 @@ class LRUDiskStore(DiskStore):
         return sum(size for _, size, _ in self._blobs())
 
     def _make_room(self, size: int) -> None:
-        """Scan the root and delete the least recently used blobs until ``size`` more bytes fit under the low water."""
-        blobs = sorted(self._blobs())
-        total = sum(s for _, s, _ in blobs)
+        """Scan the root and delete blobs, least valuable first, until ``size`` more bytes fit under the low water."""
+        scanned = sorted(self._blobs())  # least recently used first
+        paths = {path.stem: path for _, _, path in scanned}
+        blobs = [(path.stem, blob_size) for _, blob_size, path in scanned]
+        protected = self.protected.keys()
+        order, demoted = eviction_order(blobs, protected, self.max_bytes)
+        self.protected.demote([*demoted, *protected.difference(paths)])
+        protected = protected.difference(demoted)
+        total = sum(blob_size for _, blob_size in blobs)
         target = int(self.max_bytes * LOW_WATER) - size
-        for _, blob_size, path in blobs:
+        sizes, gone = dict(blobs), []
+        for key in order:
             if total <= target:
                 break
-            path.unlink(missing_ok=True)
-            total -= blob_size
-            self.evicted += 1
+            paths[key].unlink(missing_ok=True)
+            total -= sizes[key]
+            gone.append(key)
+        self.protected.demote(k for k in gone if k in protected)
+        removed = set(gone)
+        for key in demoted:  # back on probation as if just stored
+            if key not in removed:
+                self._mark_used(paths[key])
+        self.evicted += len(gone)
         self._held = total
+        kept = [(k, n) for k, n in blobs if k not in removed]
+        guarded = [n for k, n in kept if k in protected]
+        self._segments = {"protected_blobs": len(guarded), "protected_bytes": sum(guarded),
+                          "probation_blobs": len(kept) - len(guarded), "probation_bytes": total - sum(guarded)}
 
     def put(self, key: str, data: bytes) -> None:
         """Store ``data`` under ``key`` after making room for it (a blob over ``max_bytes`` is not stored)."""
@@ -113,22 +139,43 @@ class LRUDiskStore(DiskStore):
         """The bytes of the blobs held: at the last scan, plus those this process wrote since."""
         return self._held
 
+    @staticmethod
+    def _mark_used(where: Path | int) -> bool:
+        """Set the blob's modification time (a path or an open file's descriptor) to now; False when absent."""
+        try:
+            os.utime(where)
+        except FileNotFoundError:
+            return False
+        except OSError:  # a read-only cache still serves its blobs
+            pass
+        return True
+
     def open(self, key: str) -> BinaryIO | None:
-        """The blob's file, marked as just used; None when absent."""
+        """The blob's file, marked as read (protected, just used); None when absent."""
         fh = super().open(key)
         if fh is not None:
-            try:
-                os.utime(fh.fileno())
-            except OSError:  # a read-only cache still serves its blobs
-                pass
+            self._mark_used(fh.fileno())
+            self.protected.promote(key)
         return fh
 
     def touch(self, key: str) -> None:
-        """Mark the blob as just used (its modification time), as `open` does."""
-        try:
-            os.utime(self._path(key))
-        except OSError:  # absent, or a read-only cache
-            pass
+        """Mark the blob as read (a read served from memory), as `open` does; nothing when it is absent."""
+        if self._mark_used(self._path(key)):
+            self.protected.promote(key)
+
+    def delete(self, key: str) -> None:
+        """Remove the blob (and its place among the protected)."""
+        super().delete(key)
+        self.protected.demote([key])
+
+    def popularity(self) -> dict[str, int]:
+        """The blobs and bytes protected (read since stored) and on probation, at the last scan."""
+        return dict(self._segments)
+
+    def close(self) -> None:
+        """Close the protected set's database."""
+        self.protected.close()
+        super().close()
 
     def _state_path(self, name: str) -> Path:
         if not name or not all(c.isalnum() or c in "-_." for c in name):

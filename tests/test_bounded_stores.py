@@ -1,6 +1,7 @@
-"""Stores bounded in bytes (`LRUDiskStore`, `LRURedisStore` on a real ``redis-server``): the bound holds under a
-stream of distinct blobs, recently read blobs outlive older ones, several processes share one store without a
-half-written read, and racing writers of a codec state agree on one.
+"""Stores bounded in bytes (`BoundedDiskStore`, `BoundedRedisStore` on a real ``redis-server``): the bound holds under a
+stream of distinct blobs, blobs read again outlive a stream of blobs stored once (segmented LRU) up to the protected
+share, several processes share one store without a half-written read, and racing writers of a codec state agree on
+one.
 """
 
 from __future__ import annotations
@@ -8,11 +9,12 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import random
+import time
 
 import pytest
 
 from kvrag.passages.cache_url import open_cache_store, parse_bytes
-from kvrag.storage.stores import LRUDiskStore, LRURedisStore
+from kvrag.storage.stores import BoundedDiskStore, BoundedRedisStore
 
 
 def _blob(i: int, size: int) -> tuple[str, bytes]:
@@ -25,7 +27,7 @@ def _whole(data: bytes) -> bool:
     return hashlib.sha256(data[32:]).digest() == data[:32]
 
 
-def _disk_bytes(store: LRUDiskStore) -> int:
+def _disk_bytes(store: BoundedDiskStore) -> int:
     return sum(p.stat().st_size for p in store.root.glob("*/*.kvc"))
 
 
@@ -35,7 +37,7 @@ def test_sizes_and_urls_are_parsed_or_refused_in_one_line(tmp_path):
         with pytest.raises(ValueError, match="max_bytes"):
             parse_bytes(bad)
     store = open_cache_store(f"file://{tmp_path}/c?max_bytes=2MB")
-    assert isinstance(store, LRUDiskStore) and store.max_bytes == 2 * 10**6 and store.root == tmp_path / "c"
+    assert isinstance(store, BoundedDiskStore) and store.max_bytes == 2 * 10**6 and store.root == tmp_path / "c"
     assert open_cache_store(str(tmp_path / "d"), max_bytes="1kB").max_bytes == 1000
     with pytest.raises(ValueError, match="cache must be") as err:
         open_cache_store("s3://bucket/x")
@@ -48,7 +50,7 @@ def test_sizes_and_urls_are_parsed_or_refused_in_one_line(tmp_path):
 
 
 def test_the_disk_bound_holds_over_a_thousand_blobs_and_recent_reads_survive(tmp_path):
-    store = LRUDiskStore(tmp_path, max_bytes=200_000, fsync=False)
+    store = BoundedDiskStore(tmp_path, max_bytes=200_000, fsync=False)
     hot = [_blob(i, 2000) for i in range(5)]
     for key, data in hot:
         store.put(key, data)
@@ -62,18 +64,104 @@ def test_the_disk_bound_holds_over_a_thousand_blobs_and_recent_reads_survive(tmp
             fh.close()
     assert store.evicted > 500 and store.held() == _disk_bytes(store)
     with pytest.raises(ValueError, match="max_bytes"):
-        LRUDiskStore(tmp_path / "x", max_bytes=0)
+        BoundedDiskStore(tmp_path / "x", max_bytes=0)
+
+
+@pytest.fixture(params=["disk", "redis"])
+def bounded(request, tmp_path):
+    """A factory of bounded stores sharing one place: a folder, or a flushed Redis database."""
+    if request.param == "disk":
+        yield lambda max_bytes: BoundedDiskStore(tmp_path, max_bytes=max_bytes, fsync=False)
+        return
+    import redis
+
+    url = request.getfixturevalue("redis_server").url(db=6)
+    redis.Redis.from_url(url).flushdb()
+    yield lambda max_bytes: BoundedRedisStore(url, max_bytes=max_bytes, namespace="b:")
+    redis.Redis.from_url(url).flushdb()
+
+
+def _read(store, key: str) -> bool:
+    fh = store.open(key)
+    if fh is not None:
+        fh.close()
+    return fh is not None
+
+
+def test_a_passage_read_again_outlives_a_stream_of_passages_stored_once(bounded):
+    store, other = bounded(100_000), bounded(100_000)  # two handles, as two processes would have
+    hot = [_blob(i, 2000)[0] for i in range(5)]
+    for key in hot:
+        store.put(key, bytes(2000))
+        store.nbytes(key)  # not a read
+        assert store.contains(key)  # nor this
+    cold = _blob(99, 2000)[0]
+    store.put(cold, bytes(2000))
+    for key in hot:
+        assert _read(other, key)  # read once, by the other handle
+    for i in range(100, 400):  # 600 kB of blobs nobody reads again: an LRU bound keeps none of the hot ones
+        store.put(_blob(i, 2000)[0], bytes(2000))
+        assert store.held() <= store.max_bytes
+    assert all(store.contains(key) for key in hot) and not store.contains(cold)
+    segments = store.popularity()
+    assert segments["protected_blobs"] == 5 and segments["protected_bytes"] == 5 * 2000
+    assert 0 < segments["probation_bytes"] + segments["protected_bytes"] <= store.held()  # disk: at its last scan
+
+
+def test_blobs_read_again_hold_at_most_the_protected_share_and_the_least_recent_go_back(bounded):
+    store = bounded(100_000)
+    hot = [_blob(i, 2000)[0] for i in range(45)]  # 90 kB read again: over the protected 80 kB
+    for key in hot:
+        store.put(key, bytes(2000))
+    for key in hot:
+        assert _read(store, key)
+        time.sleep(0.01)  # distinct last uses, beyond the file system's clock tick
+    for i in range(100, 400):
+        store.put(_blob(i, 2000)[0], bytes(2000))
+    kept = [store.contains(key) for key in hot]
+    assert kept == [False] * 5 + [True] * 40  # the five read longest ago went back on probation, then out
+    assert store.popularity()["protected_bytes"] == 40 * 2000
+
+
+def test_a_disk_store_whose_read_record_cannot_be_opened_evicts_least_recently_used(tmp_path, caplog):
+    (tmp_path / "protected.sqlite").mkdir()  # not a database
+    store = BoundedDiskStore(tmp_path, max_bytes=20_000, fsync=False)
+    keys = [_blob(i, 2000)[0] for i in range(30)]
+    for key in keys:
+        store.put(key, bytes(2000))
+        assert _read(store, key) and store.held() <= store.max_bytes
+    assert store.contains(keys[-1]) and not store.contains(keys[0])
+    assert "not recorded" in caplog.text
+
+
+def test_a_redis_namespace_kept_in_last_use_order_is_taken_over_by_the_first_put(redis_server):
+    import redis
+
+    url = redis_server.url(db=7)
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    old = [_blob(i, 1000)[0] for i in range(10)]
+    for n, key in enumerate(old):  # as an earlier kvrag left it: the blobs, one last-use order, their bytes
+        client.set("o:" + key, bytes(1000))
+        client.zadd("o:lru", {key: 1000.0 + n})
+    client.set("o:bytes", 10_000)
+    store = BoundedRedisStore(url, max_bytes=12_000, namespace="o:")
+    assert sorted(store.keys()) == sorted(old)
+    store.put(_blob(50, 3000)[0], bytes(3000))  # passes the bound: the oldest go first
+    assert not client.exists("o:lru") and store.held() <= 12_000
+    assert [store.contains(key) for key in old] == [False] * 3 + [True] * 7
+    client.flushdb()
 
 
 def test_a_blob_over_the_bound_is_not_stored(tmp_path):
-    store = LRUDiskStore(tmp_path, max_bytes=1000, fsync=False)
+    store = BoundedDiskStore(tmp_path, max_bytes=1000, fsync=False)
     key, data = _blob(1, 2000)
     store.put(key, data)
     assert not store.contains(key) and _disk_bytes(store) == 0
 
 
 def _disk_worker(root: str, seed: int, out: multiprocessing.Queue) -> None:
-    store = LRUDiskStore(root, max_bytes=300_000, fsync=False)
+    store = BoundedDiskStore(root, max_bytes=300_000, fsync=False)
     torn = 0
     for n in range(400):
         i = random.Random(seed * 1000 + n).randrange(600)  # both processes write and read the same keys
@@ -97,13 +185,13 @@ def test_two_processes_share_a_disk_store_without_a_torn_read(tmp_path):
         p.join(30)
         assert p.exitcode == 0
     assert torn == [0, 0]
-    store = LRUDiskStore(tmp_path, max_bytes=300_000)
+    store = BoundedDiskStore(tmp_path, max_bytes=300_000)
     assert _disk_bytes(store) <= store.max_bytes + 2 * 4000  # at most a blob over per concurrent writer
     assert all(_whole(store.open(k).read()) for k in store.keys())  # type: ignore[union-attr]
 
 
 def _state_race(root: str, seed: int, out: multiprocessing.Queue) -> None:
-    out.put(LRUDiskStore(root, max_bytes=10_000).put_state("codec-m", f"state {seed}".encode()))
+    out.put(BoundedDiskStore(root, max_bytes=10_000).put_state("codec-m", f"state {seed}".encode()))
 
 
 def test_racing_writers_of_a_state_agree_on_one(tmp_path):
@@ -115,12 +203,12 @@ def test_racing_writers_of_a_state_agree_on_one(tmp_path):
     got = {out.get(timeout=60) for _ in procs}
     for p in procs:
         p.join(30)
-    assert len(got) == 1 and LRUDiskStore(tmp_path, max_bytes=10).get_state("codec-m") in got
+    assert len(got) == 1 and BoundedDiskStore(tmp_path, max_bytes=10).get_state("codec-m") in got
     assert not list((tmp_path / "state").glob(".*")), "a temporary file was left behind"
 
 
 def _redis_worker(url: str, seed: int, out: multiprocessing.Queue) -> None:
-    store = LRURedisStore(url, max_bytes=200_000, namespace="t:")
+    store = BoundedRedisStore(url, max_bytes=200_000, namespace="t:")
     for n in range(300):
         key, data = _blob(seed * 10_000 + n, 1000 + n % 9 * 400)
         store.put(key, data)
@@ -141,7 +229,7 @@ def test_the_redis_bound_holds_across_processes(redis_server):
     evicted = [out.get(timeout=120) for _ in procs]
     for p in procs:
         p.join(30)
-    store = LRURedisStore(url, max_bytes=200_000, namespace="t:")
+    store = BoundedRedisStore(url, max_bytes=200_000, namespace="t:")
     blobs = list(store.keys())
     held = sum(store.sizes(blobs))
     assert held == store.held() <= store.max_bytes and sum(evicted) > 0 and len(blobs) < 600
@@ -155,7 +243,7 @@ def test_the_redis_bound_holds_across_processes(redis_server):
 
 def test_a_redis_cache_url_carries_its_bound_and_redis_py_options(redis_server):
     store = open_cache_store(redis_server.url(db=4) + "?max_bytes=1MB&socket_keepalive=true&decoded_bytes=0")
-    assert isinstance(store, LRURedisStore) and store.max_bytes == 10**6
+    assert isinstance(store, BoundedRedisStore) and store.max_bytes == 10**6
     store.ping()
 
 

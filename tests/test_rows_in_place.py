@@ -3,11 +3,12 @@ keyed by the tokens before them, so a prompt with those same tokens before the p
 its text recomputed, and gets the full prefill's answer. Elsewhere they are read through a link, only after the
 passage they followed; a link never reaches another context's rows. A passage read from another context (warmed, or
 through a link) in a prompt answered from exact rows gets its in-place entry from that answer; a fused pass stores
-none. The tiny random Llama stands in for a user's model.
+none, but a run of passages fused a second time is prefilled after the answer and read in place from then on. The tiny random Llama stands in for a user's model.
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from kvrag.model.rope import layer_ropes, rotate_layers
 from kvrag.passages import PassageCache
+from kvrag.passages.exact_pass import prompt_pass
 from kvrag.passages.keys import PassageKeys
 from kvrag.passages.prompt_rows import find_run
 from kvrag.query.locate import chat_prompt, encode
@@ -176,3 +178,35 @@ def test_a_fused_pass_or_a_full_one_stores_no_rows_in_place_for_passages_found_e
     found, missing = raw_cache._lookup(chat_prompt(raw_cache.lm.tokenizer, _prompt(question)), PASSAGES)
     assert [c.text for c in found] == PASSAGES and not any(c.in_place for c in found)
     assert all(m.elsewhere for m in missing)  # to be stored in place only from an exact answer
+
+
+def test_a_run_of_passages_fused_twice_is_prefilled_after_the_answer_and_read_in_place_next(raw_cache: PassageCache):
+    question = "Where was the beta telescope built?"
+    full = _ask(raw_cache, question, mode="full")
+    assert raw_cache.warm(PASSAGES, show_progress=False) == 3  # stored alone: found, never in place
+    for seen in (1, 2):
+        fused = _ask(raw_cache, question, mode="probe", max_new_tokens=1)
+        assert [c.text for c in fused.chunks] == PASSAGES and not any(c.in_place for c in fused.chunks)
+        assert raw_cache.flush(60)
+        assert raw_cache.exact_passes.passes == seen - 1  # the second answer over the same run pays for one
+    assert raw_cache.info()["exact_passes"] == 1
+    raw_cache.heads.clear_prompts()  # as in a new process
+    raw_cache.kvstore.decoded.clear()
+    again = _ask(raw_cache, question)
+    assert again.gate is not None and again.gate.decision == "stored"
+    assert all(c.in_place for c in again.chunks) and again.token_ids == full.token_ids
+    _assert_rows_are_the_full_prefills(raw_cache, question)
+    _ask(raw_cache, question, mode="probe", max_new_tokens=1)  # read in place now: nothing left to prefill
+    assert raw_cache.flush(60) and raw_cache.exact_passes.passes == 1
+
+
+def test_a_prompt_pass_in_slices_gives_a_whole_prefills_rows(raw_cache: PassageCache):
+    lm = raw_cache.lm
+    ids = encode(lm.tokenizer, chat_prompt(lm.tokenizer, _prompt("Who designed the alpha reactor?")))
+    lock = threading.RLock()
+    whole, sliced = prompt_pass(lm, ids, lock, len(ids)), prompt_pass(lm, ids, lock, 7)
+    assert whole[0] == sliced[0] == ids
+    for (k1, v1), (k2, v2), (k3, v3) in zip(whole[1], sliced[1], _full_rows(lm, ids)):
+        torch.testing.assert_close(k2, k1, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(v2, v1, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(k1[:, :, :len(ids)], k3[:, :, :len(ids)], atol=1e-5, rtol=1e-4)

@@ -18,8 +18,9 @@ Contract:
   is a plain prefill of the prompt as one text: it looks nothing up and stores nothing.
 - A passage found but not in place (a cache `warm` stored, rows read after the same passage or first in another
   prompt) gets its in-place entry too when the pass that answered read no stored cache (a full prefill, or kept
-  exact rows and one pass over the rest): that prompt asked again then reads every passage in place. A fused pass
-  stores none: its rows attended to stored caches.
+  exact rows and one pass over the rest): that prompt asked again then reads every passage in place. A fused pass's
+  rows attended to stored caches: when the same run of passages comes back fused, a full prefill of it after the
+  answer stores them in place (`kvrag.passages.exact_pass`).
 - Caches are stored with the ``int8`` codec by default (`PASSAGE_CODEC`).
 - The store is bounded in bytes (`kvrag.passages.cache_url`: ``file://`` under the user's cache folder by default,
   or ``redis://``), those not read since stored evicted first (`kvrag.storage.stores.protected_blobs`); the
@@ -35,7 +36,6 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
-import math
 import threading
 import weakref
 from collections.abc import Generator, Iterable, Sequence
@@ -52,10 +52,12 @@ from kvrag.model import LoadedModel, hf_compat, load_model
 from kvrag.model.prefix import KV, PrefixCache, prefix_cache
 from kvrag.passages.background import BackgroundWork
 from kvrag.passages.cache_url import memory_bound, open_cache_store, url_codec
+from kvrag.passages.exact_pass import ExactPasses
 from kvrag.passages.finder import MIN_CHARS, find_passages, split_passages
 from kvrag.passages.keys import PassageKeys
+from kvrag.passages.lookup import look_up
 from kvrag.passages.pending import CacheStats, MissingPassage
-from kvrag.passages.prompt_rows import context_digest, rows_of_passes
+from kvrag.passages.prompt_rows import rows_of_passes
 from kvrag.prompt import build_layout
 from kvrag.query.answer import Answer, RetrievedChunk, finish
 from kvrag.query.head_cache import DEFAULT_PROMPT_BYTES, HeadCache
@@ -63,8 +65,6 @@ from kvrag.query.locate import encode
 from kvrag.query.pipeline import QueryContext
 from kvrag.query.plan import LoadController
 from kvrag.query.prepare import prepare_prompt, settings
-from kvrag.query.prompt_tokens import align, tokenize_prompt
-from kvrag.query.spans import find_chunk_spans
 from kvrag.storage.codec_state import load_from_store, publish_in_store
 from kvrag.storage.decoded_tier import DEFAULT_DECODED_BYTES
 from kvrag.storage.kvstore import KVStore
@@ -128,6 +128,7 @@ class PassageCache:
         self.stats = CacheStats()
         self.last_answer: Answer | None = None
         self._writer: BackgroundWork[MissingPassage] = BackgroundWork(self._store_missing, "kvrag-passage-writer")
+        self.exact_passes = ExactPasses(lm, self._lock, self._writer.submit, BATCH_TOKENS)
         _OPEN.add(self)
 
     @classmethod
@@ -183,42 +184,11 @@ class PassageCache:
         return encode(self.lm.tokenizer, text.strip())
 
     def _lookup(self, prompt: str, texts: Iterable[str]) -> tuple[list[RetrievedChunk], list[MissingPassage]]:
-        """The passages of ``texts`` in ``prompt`` whose caches are stored, and the passages whose rows here are to
-        be stored after the answer, in prompt order: the others, and those found but not in place (``elsewhere``:
-        stored in place only from an exact pass, `stream_prompt`). A passage is looked up
-        by its tokens in the prompt (`kvrag.query.prompt_tokens`: after ``"Context: "`` its first word carries the
-        space), else by its own tokens when enough of them meet those (`kvrag.query.prompt_tokens.align`; the prompt
-        then reads the rows that match, `kvrag.query.locate`). A passage found in neither is stored as the prompt
-        has it.
-
-        A passage is read, first found first: from rows computed after exactly the tokens before it here (in place:
-        no recompute needed, `kvrag.query.pipeline.LaidOut.in_place`), from rows computed after the same passage
-        before it (`PassageKeys.key`'s ``after``), or from a cache computed alone (or first in its prompt). A passage
-        with none is recomputed with the prompt, and its rows here are stored after the answer.
+        """The passages of ``texts`` in ``prompt`` whose caches are stored, and those to store after the answer
+        (`kvrag.passages.lookup.look_up`), counted in `stats`.
         """
-        texts = list(dict.fromkeys(t.strip() for t in texts if t.strip() and t.strip() in prompt))
-        tokens = tokenize_prompt(self.lm.tokenizer, prompt)
-        places: dict[str, tuple[int, int]] = {}
-        for span in find_chunk_spans(prompt, [RetrievedChunk("", t, math.nan, "", "prompt", 0) for t in texts]):
-            if tokens is not None and (cover := tokens.cover(span.start, span.end)) is not None:
-                places.setdefault(span.chunk.text, cover)
-        found, missing, before = [], [], cast(tuple[int, ...], ())
-        for seq, text in enumerate(sorted(texts, key=prompt.find)):  # in prompt order
-            own, place = self.passage_ids(text), places.get(text)
-            ids = own if tokens is None or place is None else tokens.ids[place[0]:place[1]]
-            context = None if tokens is None or place is None else context_digest(tokens.ids[:place[0]])
-            key = None if context is None else self.keys.stored(ids, context=context)
-            in_place = key is not None
-            key = key or self.keys.stored(ids, before) or self.keys.stored(ids)
-            here = tuple(ids)  # its tokens in this prompt (or its own, where the prompt has no run of them)
-            if key is None and ids != own and align(ids, own)[0] and (plain := self.keys.stored(own)):
-                ids, key = own, plain
-            if key is not None:
-                found.append(RetrievedChunk(key, text, math.nan, "", "prompt", seq, tuple(ids), in_place))
-            if key is None or (not in_place and context is not None):  # the prompt may read it in place next time
-                missing.append(MissingPassage(text, here, before, elsewhere=key is not None))
-            before = tuple(ids)
-        self.stats.looked_up += len(texts)
+        found, missing, looked_up = look_up(self.keys, self.lm.tokenizer, self.passage_ids, prompt, texts)
+        self.stats.looked_up += looked_up
         self.stats.found += len(found)
         return found, missing
 
@@ -256,6 +226,8 @@ class PassageCache:
             source = None if fused.prompt_ids is None else (fused.prompt_ids, hf_compat.cache_layers(fused.fused.cache))
             exact = fused.exact_rows  # a passage found elsewhere is stored in place from a full prefill's rows only
             self._writer.submit([replace(m, source=source, exact=exact) for m in missing if exact or not m.elsewhere])
+            if not exact:
+                self.exact_passes.after(prompt, missing)
         assert fused.answer is not None
         self.last_answer = fused.answer
         return fused.answer
@@ -376,19 +348,21 @@ class PassageCache:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the passages of earlier calls are stored; False when ``timeout`` passed first."""
-        return self._writer.flush(timeout)
+        return self.exact_passes.flush(timeout) and self._writer.flush(timeout)
 
     def info(self) -> dict[str, Any]:
-        """The store's bound, bytes held and segments (`BoundedDiskStore.popularity`), the passages looked up, found
-        and stored, the hit rate, the decoded tier's stats (`KVStore.stats`), the prompts kept (`HeadCache`)."""
-        return {"store": type(self.store).__name__, "max_bytes": self.store.max_bytes,
-                "held_bytes": self.store.held(), "evicted": self.store.evicted, **self.store.popularity(),
-                **asdict(self.stats),
-                "hit_rate": self.stats.hit_rate, **self.kvstore.decoded.stats(), **self.heads.prompt_stats()}
+        """The store's bound, bytes held and segments (`BoundedDiskStore.popularity`), `stats` and the hit rate, the
+        exact passes run (`ExactPasses`), the decoded tier's stats (`KVStore.stats`) and the prompts kept (`HeadCache`).
+        """
+        store = self.store
+        return {"store": type(store).__name__, "max_bytes": store.max_bytes, "held_bytes": store.held(),
+                "evicted": store.evicted, **store.popularity(), **asdict(self.stats), "hit_rate": self.stats.hit_rate,
+                "exact_passes": self.exact_passes.passes, **self.kvstore.decoded.stats(), **self.heads.prompt_stats()}
 
     def close(self) -> None:
         """Store what is pending, then release the store."""
         _OPEN.discard(self)
+        self.exact_passes.close()
         self._writer.close()
         self.store.close()
 

@@ -3,7 +3,8 @@ keyed by the tokens before them, so a prompt with those same tokens before the p
 its text recomputed, and gets the full prefill's answer. Elsewhere they are read through a link, only after the
 passage they followed; a link never reaches another context's rows. A passage read from another context (warmed, or
 through a link) in a prompt answered from exact rows gets its in-place entry from that answer; a fused pass stores
-none, but a run of passages fused a second time is prefilled after the answer and read in place from then on. The tiny random Llama stands in for a user's model.
+none, but a run of passages fused a second time is prefilled after the answer and read in place from then on. The
+tiny random Llama stands in for a user's model.
 """
 
 from __future__ import annotations
@@ -210,3 +211,4 @@ def test_a_prompt_pass_in_slices_gives_a_whole_prefills_rows(raw_cache: PassageC
         torch.testing.assert_close(k2, k1, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(v2, v1, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(k1[:, :, :len(ids)], k3[:, :, :len(ids)], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(v1[:, :, :len(ids)], v3[:, :, :len(ids)], atol=1e-5, rtol=1e-4)

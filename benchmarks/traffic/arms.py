@@ -16,7 +16,8 @@ Contract:
   ``llama.cpp`` (the same templated prompt text streamed from llama.cpp's server, `LlamaServer`, one server per
   framework, as one application runs one framework, so neither evicts the other's prompts); ``prefix-index``
   and ``prefix-passages`` (a plain prefix cache: kvrag with fusion off, `PREFIX_GATE`, over the index or over a
-  passage cache); ``kvrag-index`` and ``kvrag-passages`` (kvrag's default: fusion under the correctness gate).
+  passage cache); ``kvrag-index`` and ``kvrag-passages`` (kvrag's default gate: long prompts prefilled in full
+  unless read in place or kept); ``fuse-index`` and ``fuse-passages`` (fusion opted into, `FUSE_GATE`).
   Every kvrag arm has its own backend object (its own kept heads and prompts, decoded tier and, for a passage
   cache, its own store), sharing only the loaded model, so no arm reads what another kept.
 - `timed` streams one answer: TTFT to the first piece with more than whitespace, from the framework call (query
@@ -37,11 +38,13 @@ from typing import Any
 from kvrag.config import GateConfig
 
 FRAMEWORKS = ("langchain", "llamaindex")
-ARMS = ("full", "llama.cpp", "prefix-index", "prefix-passages", "kvrag-index", "kvrag-passages")
+ARMS = ("full", "llama.cpp", "prefix-index", "prefix-passages", "kvrag-index", "kvrag-passages", "fuse-index",
+        "fuse-passages")
 # a plain prefix cache: no prompt counts as long enough to fuse, and a short one is prefilled in full after the kept
 # prompt or head rows it starts with; a passage cache's rows read in place (`LaidOut.in_place`) are still read, as
 # `kvrag.query.answer_plan.plan_answer` checks them first
 PREFIX_GATE = GateConfig(full_below_tokens=1 << 30, short_mode="full")
+FUSE_GATE = GateConfig(fuse=True)  # fusion opted into: prompts of 512 stale tokens or more are fused
 # LangChain's documented RAG prompt (the hub's rlm/rag-prompt), as benchmarks/frameworks uses it
 RAG_PROMPT = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved context "
               "to answer the question. If you don't know the answer, just say that you don't know. Use three "
@@ -256,8 +259,8 @@ def open_arms(frameworks: list[str], arms: list[str], lm: Any, index: Path, cach
                 backend = KVRag.open(index, model=lm)
             else:
                 backend = PassageCache.open(lm, f"file://{caches}/{fw}-{name}?max_bytes=50GB")
-            if name.startswith("prefix-"):
-                settings["gate"] = PREFIX_GATE
+            if name.startswith(("prefix-", "fuse-")):
+                settings["gate"] = PREFIX_GATE if name.startswith("prefix-") else FUSE_GATE
             out.append(make(name, llm_class(rag=backend, **settings), backend, retrievers, k))
     return out
 

@@ -20,10 +20,12 @@ from typing import Any
 from kvrag.bench import common, metrics
 
 PHASES = ("cold", "warm", "from_disk")
-ARM_ORDER = ("full", "llama.cpp", "prefix-index", "prefix-passages", "kvrag-index", "kvrag-passages")
+ARM_ORDER = ("full", "llama.cpp", "prefix-index", "prefix-passages", "kvrag-index", "kvrag-passages", "fuse-index",
+             "fuse-passages")
 ARM_LABEL = {"full": "full (plain prefill)", "llama.cpp": "llama.cpp server (prompt cache)",
              "prefix-index": "prefix cache, index", "prefix-passages": "prefix cache, passage cache",
-             "kvrag-index": "kvrag fusion, index", "kvrag-passages": "kvrag fusion, passage cache"}
+             "kvrag-index": "kvrag default, index", "kvrag-passages": "kvrag default, passage cache",
+             "fuse-index": "kvrag fusion, index", "fuse-passages": "kvrag fusion, passage cache"}
 
 
 def _finite(values: Sequence[Any]) -> list[float]:

@@ -44,7 +44,8 @@ import traffic  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "data"
 FRAMEWORKS = ("langchain", "llamaindex")
-ARMS = ("full", "llama.cpp", "prefix-index", "prefix-passages", "kvrag-index", "kvrag-passages")
+ARMS = ("full", "llama.cpp", "prefix-index", "prefix-passages", "kvrag-index", "kvrag-passages", "fuse-index",
+        "fuse-passages")
 DEFAULT_CORPUS = ",".join(str(DATA / f) for f in ("directors_2k.jsonl", "directors.jsonl", "hotpotqa_ircot.jsonl",
                                                   "musique_hipporag100.jsonl"))
 # MuSiQue items 1-10 and 71-73 and HotpotQA items 1-10 chose kvrag's settings (benchmarks/any-retriever): left out
@@ -109,7 +110,8 @@ def _digest(args: argparse.Namespace) -> dict[str, Any]:
     for path in args.corpus.split(","):
         sha.update(Path(path).read_bytes())
     return {"corpus_sha256": sha.hexdigest(), "model": args.model, "max_chunk_tokens": args.max_chunk_tokens,
-            "llama_gguf": args.llama_gguf if "llama.cpp" in args.arms_list else None}
+            "llama_gguf": args.llama_gguf if "llama.cpp" in args.arms_list else None,
+            "index": any(arm.endswith("-index") for arm in args.arms_list)}
 
 
 def _child(command: str, spec: dict[str, Any], folder: Path, threads: int) -> dict[str, Any]:

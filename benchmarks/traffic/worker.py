@@ -4,7 +4,8 @@ lifetime of the stream). Run by ``run.py`` as ``python worker.py prepare|segment
 Contract:
 
 - ``prepare`` builds, under the spec's ``work`` folder, what exists before traffic arrives: the kvrag index over the
-  corpus (``KVRag.build``, one passage = one chunk, kvrag's default codec), the user's two vector stores
+  corpus when an index arm runs (``KVRag.build``, one passage = one chunk, kvrag's default codec), the user's two
+  vector stores
   (`arms.build_stores`) and, when llama.cpp runs, its GGUF (`llama_server.gguf_for`). It writes ``prepared.json``.
 - ``segment`` is one process lifetime: it starts llama.cpp's servers (when asked; one per framework), loads the
   model, opens every arm over the stores on disk (`arms.open_arms`), warms each arm up once on a prompt outside the
@@ -44,16 +45,18 @@ def prepare(spec: dict[str, Any]) -> dict[str, Any]:
     work = Path(spec["work"])
     passages = traffic.corpus_passages([Path(p) for p in spec["corpus"]])
     info: dict[str, Any] = {"passages": len(passages)}
-    t0 = time.perf_counter()
-    split = SplitConfig(mode="document", max_tokens=spec["max_chunk_tokens"], min_tokens=0)
-    rag = KVRag.build(passages, work / "index", model=spec["model"], split=split, device="cpu", show_progress=False)
-    info.update(index_build_s=time.perf_counter() - t0, chunks=len(rag.index), codec=rag.manifest["codec"],
-                corpus_tokens=sum(len(rag.context.chunk_ids(text)) for _, text in passages))
-    rag.close()
+    if spec["digest"]["index"]:  # only when an index arm runs
+        t0 = time.perf_counter()
+        split = SplitConfig(mode="document", max_tokens=spec["max_chunk_tokens"], min_tokens=0)
+        rag = KVRag.build(passages, work / "index", model=spec["model"], split=split, device="cpu",
+                          show_progress=False)
+        info.update(index_build_s=time.perf_counter() - t0, chunks=len(rag.index), codec=rag.manifest["codec"],
+                    corpus_tokens=sum(len(rag.context.chunk_ids(text)) for _, text in passages))
+        rag.close()
     info.update(arms_mod.build_stores(passages, work / "stores"))
     if spec.get("llama_gguf"):
         info["gguf"] = str(gguf_for(spec["llama_gguf"], work / "gguf"))
-    info["index_bytes"] = arms_mod.folder_bytes(work / "index")
+    info["index_bytes"] = arms_mod.folder_bytes(work / "index") if (work / "index").is_dir() else 0
     (work / "prepared.json").write_text(json.dumps({**spec["digest"], **info}, indent=2) + "\n")
     return info
 
@@ -121,7 +124,7 @@ def _answer(spec: dict[str, Any], work: Path, out: Path, servers: dict[str, Llam
         info["servers"][fw].update(tokens_match=list(ours) == list(theirs),
                                    tokens={"kvrag": len(ours), "server": len(theirs)},
                                    rss_after_warm_up=server_base[fw])
-    index_bytes = arms_mod.folder_bytes(work / "index")
+    index_bytes = arms_mod.folder_bytes(work / "index") if (work / "index").is_dir() else 0
     stream = [json.loads(line) for line in Path(spec["stream"]).read_text().splitlines() if line.strip()]
     phases = traffic.phases(len(stream), spec["restarts"], spec["window"])
     ids = {text: pid for pid, text in traffic.corpus_passages([Path(p) for p in spec["corpus"]])}

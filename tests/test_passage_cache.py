@@ -130,7 +130,9 @@ def test_a_second_process_reads_what_the_first_stored(tiny_lm, tiny_model_dir: P
     with PassageCache(tiny_lm, _store(tmp_path), codec=make_codec(codec)) as cache:
         assert cache.warm(PASSAGES, show_progress=False) == 3
         raw = _prompt("Who designed the alpha reactor?")
-        for _ in range(2):  # the first call stores the first passage as the prompt has it (after "Context: ")
+        # the first call stores the first passage as the prompt has it (after "Context: "); the second, fused over
+        # the same run again, pays for its exact pass (`kvrag.passages.exact_pass`); the third reads those rows
+        for _ in range(3):
             here = cache.answer_prompt(chat_prompt(tiny_lm.tokenizer, raw), "probe", passages=find_passages(raw),
                                        max_new_tokens=3)
             cache.flush(60)

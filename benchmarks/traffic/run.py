@@ -215,7 +215,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = read_rows(out)
     run = {**common.stamp(args), "questions": args.n, "zipf_s": args.zipf, "seed": args.seed, "k": args.k,
            "threads": args.threads, "max_new_tokens": args.max_new_tokens, "restarts": args.restarts,
-           "window": args.window, "corpus_passages": prepared["passages"], "corpus_tokens": prepared["corpus_tokens"],
+           "window": args.window, "corpus_passages": prepared["passages"],
+           "corpus_tokens": prepared.get("corpus_tokens"),  # counted where the index was built
            "prepared": prepared, "stream": stream_info, "segments": segments, "popularity": popularity(rows)}
     payload = report.write(out, rows, run)
     print(report.markdown(payload["summary"], run))

@@ -266,7 +266,7 @@ def open_arms(frameworks: list[str], arms: list[str], lm: Any, index: Path, cach
 
 
 def folder_bytes(path: Path) -> int:
-    """The bytes of every file under ``path``."""
+    """The bytes of every file under ``path`` (0 when it is absent)."""
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 

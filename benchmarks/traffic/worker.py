@@ -56,7 +56,7 @@ def prepare(spec: dict[str, Any]) -> dict[str, Any]:
     info.update(arms_mod.build_stores(passages, work / "stores"))
     if spec.get("llama_gguf"):
         info["gguf"] = str(gguf_for(spec["llama_gguf"], work / "gguf"))
-    info["index_bytes"] = arms_mod.folder_bytes(work / "index") if (work / "index").is_dir() else 0
+    info["index_bytes"] = arms_mod.folder_bytes(work / "index")  # 0 without an index
     (work / "prepared.json").write_text(json.dumps({**spec["digest"], **info}, indent=2) + "\n")
     return info
 
@@ -124,7 +124,7 @@ def _answer(spec: dict[str, Any], work: Path, out: Path, servers: dict[str, Llam
         info["servers"][fw].update(tokens_match=list(ours) == list(theirs),
                                    tokens={"kvrag": len(ours), "server": len(theirs)},
                                    rss_after_warm_up=server_base[fw])
-    index_bytes = arms_mod.folder_bytes(work / "index") if (work / "index").is_dir() else 0
+    index_bytes = arms_mod.folder_bytes(work / "index")
     stream = [json.loads(line) for line in Path(spec["stream"]).read_text().splitlines() if line.strip()]
     phases = traffic.phases(len(stream), spec["restarts"], spec["window"])
     ids = {text: pid for pid, text in traffic.corpus_passages([Path(p) for p in spec["corpus"]])}

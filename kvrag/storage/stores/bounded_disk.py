@@ -96,31 +96,27 @@ class BoundedDiskStore(DiskStore):
         """Scan the root and delete blobs, least valuable first, until ``size`` more bytes fit under the low water."""
         scanned = sorted(self._blobs())  # least recently used first
         paths = {path.stem: path for _, _, path in scanned}
-        blobs = [(path.stem, blob_size) for _, blob_size, path in scanned]
+        sizes = {path.stem: blob_size for _, blob_size, path in scanned}
         protected = self.protected.keys()
-        order, demoted = eviction_order(blobs, protected, self.max_bytes)
-        self.protected.demote([*demoted, *protected.difference(paths)])
-        protected = protected.difference(demoted)
-        total = sum(blob_size for _, blob_size in blobs)
-        target = int(self.max_bytes * LOW_WATER) - size
-        sizes, gone = dict(blobs), []
+        order, demoted = eviction_order(list(sizes.items()), protected, self.max_bytes)
+        total, target, gone = sum(sizes.values()), int(self.max_bytes * LOW_WATER) - size, set()
         for key in order:
             if total <= target:
                 break
             paths[key].unlink(missing_ok=True)
             total -= sizes[key]
-            gone.append(key)
-        self.protected.demote(k for k in gone if k in protected)
-        removed = set(gone)
-        for key in demoted:  # back on probation as if just stored
-            if key not in removed:
-                self._mark_used(paths[key])
+            gone.add(key)
+        # one transaction: put back, evicted while protected, or vanished since their last read
+        self.protected.demote({*demoted, *(protected & gone), *protected.difference(paths)})
+        for key in set(demoted) - gone:  # back on probation as if just stored
+            self._mark_used(paths[key])
+        protected = protected.intersection(paths).difference(demoted, gone)
+        guarded = sum(sizes[key] for key in protected)
         self.evicted += len(gone)
         self._held = total
-        kept = [(k, n) for k, n in blobs if k not in removed]
-        guarded = [n for k, n in kept if k in protected]
-        self._segments = {"protected_blobs": len(guarded), "protected_bytes": sum(guarded),
-                          "probation_blobs": len(kept) - len(guarded), "probation_bytes": total - sum(guarded)}
+        self._segments = {"protected_blobs": len(protected), "protected_bytes": guarded,
+                          "probation_blobs": len(paths) - len(gone) - len(protected),
+                          "probation_bytes": total - guarded}
 
     def put(self, key: str, data: bytes) -> None:
         """Store ``data`` under ``key`` after making room for it (a blob over ``max_bytes`` is not stored)."""

@@ -38,18 +38,16 @@ def eviction_order(blobs: Sequence[tuple[str, int]], protected: Collection[str],
     """The order in which to evict ``blobs`` (``(key, size)``, least recently used first) and the protected keys
     put back on probation (see the module contract).
     """
-    kept = [(key, size) for key, size in blobs if key in protected]
-    over = sum(size for _, size in kept) - int(PROTECTED_SHARE * max_bytes)
+    guarded = [(key, size) for key, size in blobs if key in protected]  # least recently used first
+    over = sum(size for _, size in guarded) - int(PROTECTED_SHARE * max_bytes)
     demoted = []
-    for key, _size in kept:
+    for key, size in guarded:
         if over <= 0:
             break
         demoted.append(key)
-        over -= _size
-    back = set(demoted)
+        over -= size
     probation = [key for key, _ in blobs if key not in protected]
-    still = [key for key, _ in kept if key not in back]
-    return probation + demoted + still, demoted
+    return probation + demoted + [key for key, _ in guarded[len(demoted):]], demoted
 
 
 class ProtectedBlobs:

@@ -231,7 +231,6 @@ def open_arms(frameworks: list[str], arms: list[str], lm: Any, index: Path, cach
     """
     from kvrag.integrations import langchain as lc
     from kvrag.integrations import llama_index as li
-
     from kvrag.passages import PassageCache
     from kvrag.query.locate import chat_prompt
     from kvrag.rag import KVRag

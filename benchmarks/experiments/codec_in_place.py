@@ -9,7 +9,8 @@ decodes them, and the prompt is read again with the decoded rows in place of the
 head before the first passage, which kvrag never stores (it computes that prefix at question time). Nothing else
 differs from the full prefill, so what moves is the codec's doing. Per question and codec: bits per element (the
 blobs' bytes, container included), the teacher-forced \\|ΔNLL\\| of the full prefill's greedy answer, whether the
-first token and the whole greedy answer are the same, and the answers' token F1.
+first token and the whole greedy answer are the same, and their agreement (`kvrag.bench.metrics.agreement`,
+the token F1 of the answers' words).
 
 Codec specs (comma-separated): ``int8``, ``raw``, ``cachegen@LEVEL``, and ``steps@K1/K2/K3:V1/V2/V3`` (``cachegen``
 with its quantisation steps per layer third replaced, in units of each layer's RMS). A ``+kv:0-9`` suffix keeps the
@@ -26,7 +27,6 @@ import json
 import os
 import statistics
 import sys
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ os.environ.setdefault("KVRAG_NATIVE_MODELS", "0")
 
 import torch  # noqa: E402
 
+from kvrag.bench.metrics import agreement, first_token_agreement  # noqa: E402
 from kvrag.bench.qa_data import load_questions, passage_text  # noqa: E402
 from kvrag.codec.base import Codec, make_codec  # noqa: E402
 from kvrag.codec.cachegen import CacheGenCodec  # noqa: E402
@@ -70,7 +71,7 @@ class HookedModel:
 
     def _hook(self, kind: str, layer: int) -> Any:
         def hook(module: Any, args: Any, out: torch.Tensor) -> torch.Tensor:
-            if kind in self.recorded:
+            if kind in self.recorded and self.recorded[kind][layer] is None:  # the prompt's pass only
                 self.recorded[kind][layer] = out[0].detach().clone()
             rows = self.replacing.get(kind)
             if rows is not None and out.shape[1] >= rows[layer].shape[0]:
@@ -90,32 +91,41 @@ class HookedModel:
         head = len(self.tok(head_text, add_special_tokens=False)["input_ids"])
         return torch.tensor(ids), head
 
-    @torch.no_grad()
-    def record(self, ids: torch.Tensor) -> Rows:
-        n = len(self.layers)
-        self.recorded = {"k": [None] * n, "v": [None] * n}
-        self.model(ids[None])
-        keys, values = self.recorded["k"], self.recorded["v"]
-        self.recorded = {}
-        return Rows([t for t in keys if t is not None], [t for t in values if t is not None])
+    def record(self, ids: torch.Tensor, n: int = 1) -> tuple[Rows, list[int], float]:
+        """The prompt's exact rows, with `read`'s greedy answer and its NLL."""
+        layers = len(self.layers)
+        self.recorded = {"k": [None] * layers, "v": [None] * layers}
+        try:
+            tokens, nll = self.read(ids, n)
+            keys, values = self.recorded["k"], self.recorded["v"]
+        finally:
+            self.recorded = {}
+        return Rows([t for t in keys if t is not None], [t for t in values if t is not None]), tokens, nll
 
     @torch.no_grad()
-    def greedy(self, ids: torch.Tensor, n: int) -> list[int]:
+    def read(self, ids: torch.Tensor, n: int, reference: list[int] | None = None) -> tuple[list[int], float]:
+        """One prefill of ``ids`` (rows replaced where `replacing` says, keys and values recorded where `recorded`
+        is set), then the greedy answer of up to ``n`` tokens and the teacher-forced NLL per token of ``reference``
+        (of the greedy answer itself when None) over the same prompt cache.
+        """
         out = self.model(ids[None], use_cache=True)
-        replacing, self.replacing = self.replacing, {}  # decoding steps are the model's own
+        cache, last = out.past_key_values, out.logits[0, -1]
+        replacing, self.replacing = self.replacing, {}  # later steps are the model's own
         try:
-            tokens = [int(out.logits[0, -1].argmax())]
+            tokens = [int(last.argmax())]
             while len(tokens) < n and tokens[-1] != self.tok.eos_token_id:
-                out = self.model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+                out = self.model(torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
                 tokens.append(int(out.logits[0, -1].argmax()))
+            target = tokens if reference is None else reference
+            if extra := cache.get_seq_length() - len(ids):  # back to the prompt's rows
+                cache.crop(-extra)
+            logits = [last[None]]
+            if len(target) > 1:
+                logits.append(self.model(torch.tensor([target[:-1]]), past_key_values=cache).logits[0])
+            nll = float(torch.nn.functional.cross_entropy(torch.cat(logits), torch.tensor(target)))
         finally:
             self.replacing = replacing
-        return tokens
-
-    @torch.no_grad()
-    def nll(self, ids: torch.Tensor, answer: list[int]) -> float:
-        logits = self.model(torch.cat([ids, torch.tensor(answer)])[None]).logits[0, len(ids) - 1 : -1]
-        return float(torch.nn.functional.cross_entropy(logits, torch.tensor(answer)))
+        return tokens, nll
 
     def split(self, flat: torch.Tensor) -> torch.Tensor:
         return flat.view(-1, self.heads, self.head_dim).transpose(0, 1)  # [H, T, D]
@@ -131,7 +141,11 @@ class Spec:
     layers: range | None = None
 
 
-def parse_specs(text: str, fitted: CacheGenCodec) -> list[Spec]:
+def parse_specs(text: str, samples: list[tuple[torch.Tensor, torch.Tensor]], n_layers: int) -> list[Spec]:
+    """The codecs ``text`` names; the ``cachegen`` ones fitted on ``samples``."""
+    fitted = CacheGenCodec(level=2)
+    if "cachegen@" in text:
+        fitted.fit(samples, n_layers=n_layers)
     specs = []
     for part in text.split(","):
         name, _, only = part.partition("+")
@@ -140,7 +154,7 @@ def parse_specs(text: str, fitted: CacheGenCodec) -> list[Spec]:
         elif name.startswith("steps@"):
             k, v = (tuple(float(x) for x in half.split("/")) for half in name.split("@")[1].split(":"))
             codec = CacheGenCodec(level=2, steps={2: (k, v)})
-            codec.fit(fitted.fit_samples, n_layers=fitted.fit_layers)  # type: ignore[attr-defined]
+            codec.fit(samples, n_layers=n_layers)
         else:
             codec = make_codec(name)
         spec = Spec(part, codec)
@@ -152,22 +166,19 @@ def parse_specs(text: str, fitted: CacheGenCodec) -> list[Spec]:
     return specs
 
 
-def fit_cachegen(hm: HookedModel, items: list[dict[str, Any]]) -> CacheGenCodec:
+def fit_samples(hm: HookedModel, items: list[dict[str, Any]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``items``' exact caches cut into `FIT_CHUNK`-token chunks ``[L, H, S, D]``, what `cachegen` fits on."""
     keys: list[list[torch.Tensor]] = [[] for _ in hm.layers]
     values: list[list[torch.Tensor]] = [[] for _ in hm.layers]
     for item in items:
-        rows = hm.record(hm.prompt(item)[0])
+        rows = hm.record(hm.prompt(item)[0])[0]
         for i in range(len(hm.layers)):
             keys[i].append(rows.keys[i])
             values[i].append(rows.values[i])
     k_all, v_all = [torch.cat(x) for x in keys], [torch.cat(x) for x in values]
-    samples = [(torch.stack([hm.split(k[a : a + FIT_CHUNK]) for k in k_all]),
+    return [(torch.stack([hm.split(k[a : a + FIT_CHUNK]) for k in k_all]),
                 torch.stack([hm.split(v[a : a + FIT_CHUNK]) for v in v_all]))
-               for a in range(0, k_all[0].shape[0] - FIT_CHUNK + 1, FIT_CHUNK)]
-    codec = CacheGenCodec(level=2)
-    codec.fit(samples, n_layers=len(hm.layers))
-    codec.fit_samples, codec.fit_layers = samples, len(hm.layers)  # type: ignore[attr-defined]
-    return codec
+            for a in range(0, k_all[0].shape[0] - FIT_CHUNK + 1, FIT_CHUNK)]
 
 
 def round_trip(hm: HookedModel, rows: Rows, spec: Spec, head: int) -> tuple[Rows, float]:
@@ -187,14 +198,6 @@ def round_trip(hm: HookedModel, rows: Rows, spec: Spec, head: int) -> tuple[Rows
     return out, 8 * nbytes / elements
 
 
-def token_f1(a: list[int], b: list[int]) -> float:
-    common = sum((Counter(a) & Counter(b)).values())
-    if common == 0:
-        return float(a == b)
-    p, r = common / len(a), common / len(b)
-    return 2 * p * r / (p + r)
-
-
 def span(text: str) -> tuple[int, int]:
     lo, hi = (int(x) for x in text.split(":"))
     return lo, hi
@@ -202,7 +205,7 @@ def span(text: str) -> tuple[int, int]:
 
 def summarise(rows: list[dict[str, Any]]) -> str:
     lines = ["| codec | questions | bits/element | × smaller than bf16 | mean \\|ΔNLL\\| | median | same first token "
-             "| same answer | token F1 |", "|---|---|---|---|---|---|---|---|---|"]
+             "| same answer | agreement |", "|---|---|---|---|---|---|---|---|---|"]
     for spec in dict.fromkeys(r["codec"] for r in rows):
         mine = [r for r in rows if r["codec"] == spec]
         bits = statistics.mean(r["bits"] for r in mine)
@@ -232,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     fit, evaluated = span(args.fit), span(args.eval)
     items = load_questions(args.data, max(fit[1], evaluated[1]))
     hm = HookedModel(args.model)
-    specs = parse_specs(args.codecs, fit_cachegen(hm, items[fit[0] - 1 : fit[1]]))
+    specs = parse_specs(args.codecs, fit_samples(hm, items[fit[0] - 1 : fit[1]]), len(hm.layers))
     rows = []
     sink = None
     if args.out:
@@ -240,19 +243,19 @@ def main(argv: list[str] | None = None) -> int:
         sink = (args.out / "rows.jsonl").open("w")
     for item in items[evaluated[0] - 1 : evaluated[1]]:
         ids, head = hm.prompt(item)
-        exact = hm.record(ids)
-        answer = hm.greedy(ids, args.max_new_tokens)
-        base = hm.nll(ids, answer)
+        exact, answer, base = hm.record(ids, args.max_new_tokens)
+        reference = hm.tok.decode(answer, skip_special_tokens=True)
         for spec in specs:
             read, bits = round_trip(hm, exact, spec, head)
             hm.replacing = {"k": read.keys, "v": read.values}
             try:
-                nll, tokens = hm.nll(ids, answer), hm.greedy(ids, args.max_new_tokens)
+                tokens, nll = hm.read(ids, args.max_new_tokens, reference=answer)
             finally:
                 hm.replacing = {}
             row = {"item": item["id"], "tokens": len(ids), "head": head, "codec": spec.text, "bits": bits,
-                   "dnll": abs(nll - base), "first_same": tokens[0] == answer[0], "same": tokens == answer,
-                   "f1": token_f1(tokens, answer)}
+                   "dnll": abs(nll - base), "first_same": bool(first_token_agreement(tokens, answer)),
+                   "same": tokens == answer,
+                   "f1": agreement(hm.tok.decode(tokens, skip_special_tokens=True), reference)}
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
             if sink:

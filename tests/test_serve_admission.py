@@ -15,7 +15,7 @@ from _serve_process import ServeProcess, metric
 
 from kvrag import KVRag, SplitConfig
 from kvrag.serve.admission import ADMIT_HEADROOM, WAIT_SCALE_RANGE, Pending, ServiceTimes, expected_wait
-from kvrag.serve.scheduler import Job, Scheduler, WaitTooLong
+from kvrag.serve.scheduler import Done, Failed, Job, Scheduler, WaitTooLong
 
 DOCS = ["The alpha reactor was designed by Mira Okafor. It runs on molten salt.",
         "Beta station orbits the moon. Its commander is Jonas Reyes."]
@@ -106,6 +106,46 @@ def test_replayed_waits_are_scaled_by_how_admitted_waits_compared():
     for _ in range(40):  # one odd stretch cannot blow the scale up without bound
         times.observe_wait(1.0, 100.0)
     assert times.wait_scale == 4.0
+
+
+def test_a_cold_first_step_stands_only_until_a_warm_one_replaces_it():
+    times = ServiceTimes()
+    times.observe_first(6.0, cold=True)  # a server started without its warm-up: the first job loads what it uses
+    assert times.first_cold and expected_wait(times, [], [], 4) == 6.0  # an estimate, the only one there is
+    times.observe_first(0.3)
+    assert not times.first_cold and times.first_s == 0.3 and times.first_dev == 0.0  # replaced, not averaged in
+    times.observe_first(0.8)
+    assert abs(times.first_s - 0.4) < 1e-9 and times.first_dev > 0  # warm steps average as before
+    warm = ServiceTimes()
+    warm.observe_first(6.0)  # measured after the warm-up answer: an estimate like any other
+    warm.observe_first(0.3)
+    assert warm.first_s > 4.0 and not warm.first_cold
+
+
+def test_a_scheduler_without_warm_up_measures_its_first_job_as_cold(index: Path):
+    rag = KVRag.open(index)
+    scheduler = Scheduler(rag, max_active=1, max_wait=60.0)
+    finished = threading.Semaphore(0)
+
+    def ask() -> Job:
+        job = Job([{"role": "user", "content": "Who designed the alpha reactor?"}], {"max_new_tokens": 3},
+                  lambda event: finished.release() if isinstance(event, (Done, Failed)) else None)
+        scheduler.submit(job)
+        return job
+
+    scheduler.start()
+    try:
+        assert ask().replayed_wait is None  # nothing measured yet
+        assert finished.acquire(timeout=120)
+        assert scheduler.times.first_cold  # what it measured loaded the model's first-use costs
+        assert ask().replayed_wait is None  # a wait replayed from a cold step calibrates nothing
+        assert finished.acquire(timeout=120)
+        assert not scheduler.times.first_cold and scheduler.times.first_dev == 0.0  # the warm step replaced it
+        assert ask().replayed_wait is not None
+        assert finished.acquire(timeout=120)
+    finally:
+        scheduler.stop()
+        rag.close()
 
 
 def test_admission_keeps_headroom_below_the_bound():

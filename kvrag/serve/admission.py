@@ -7,7 +7,10 @@ tokens a finished job generated; and the recent rounds of token steps as ``(answ
 `ServiceTimes.round_s` fits what a round of ``n`` answers' tokens costs (``a + b·n``: the steps of a round run as
 one pass that reads the weights once, so a round of eight costs far less than eight rounds of one). First steps vary
 (a short prompt is prefilled in full, a long one fused), and the bound is on the slow ones, so a first step counts
-as its mean plus twice its deviation (`first_high`). `expected_wait(times, active, queued, max_active)` replays the
+as its mean plus twice its deviation (`first_high`). A server started without its warm-up answer measures its first
+job's first step cold (the embedder, the decoder's compiled code and the caches load on first use, seconds that no
+later first step pays): that measurement is the estimate only until the first warm one replaces it, and waits
+replayed from it give no ratio (`first_cold`). `expected_wait(times, active, queued, max_active)` replays the
 worker over the jobs ahead (their first steps one after another, then rounds of a token each until a slot frees) and
 returns the seconds until the new job's first token, or None while nothing has been measured. Each job is given as
 the tokens it may still generate and whether its first step is done. The replay misses what it does not model (later
@@ -61,6 +64,7 @@ class ServiceTimes:
         tokens: tokens a finished job generated; None until a job finished.
         wait_ratios: the last admitted jobs' measured waits for a first token over their replayed ones.
         rounds: the last rounds of token steps, as ``(answers, seconds)``.
+        first_cold: whether ``first_s`` is one cold first step, to be replaced by the first warm one.
     """
 
     first_s: float | None = None
@@ -69,6 +73,7 @@ class ServiceTimes:
     tokens: float | None = None
     wait_ratios: deque[float] = field(default_factory=lambda: deque(maxlen=WAIT_SAMPLES))
     rounds: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=ROUND_SAMPLES))
+    first_cold: bool = False
     _round_fit: tuple[float, float] = field(default=(0.0, 0.0), init=False, repr=False)  # (a, b) of `round_s`
 
     def observe_wait(self, replayed: float | None, measured: float) -> None:
@@ -92,11 +97,16 @@ class ServiceTimes:
         """A replayed wait scaled by `wait_scale` (None stays None)."""
         return None if replayed is None else replayed * self.wait_scale
 
-    def observe_first(self, seconds: float) -> None:
-        """Record a first step's duration (without the other answers' steps run between its slices)."""
+    def observe_first(self, seconds: float, cold: bool = False) -> None:
+        """Record a first step's duration (without the other answers' steps run between its slices); ``cold``: it
+        paid what loads on first use, and stands only until a warm one is measured (the module contract).
+        """
         seconds = max(seconds, 0.0)
-        if self.first_s is not None:
-            self.first_dev = _average(self.first_dev, abs(seconds - self.first_s))
+        if self.first_s is None or self.first_cold:  # the first measured, or the first warm one after a cold one
+            self.first_cold = cold and self.first_s is None
+            self.first_s, self.first_dev = seconds, 0.0
+            return
+        self.first_dev = _average(self.first_dev, abs(seconds - self.first_s))
         self.first_s = _average(self.first_s, seconds)
 
     @property

@@ -331,6 +331,11 @@ class GateConfig:
         if any(not 0 < r <= 1 for r in self.ladder) or list(self.ladder) != sorted(set(self.ladder)):
             raise ValueError(f"ladder must be increasing ratios in (0, 1], got {self.ladder}")
 
+    @property
+    def fuses(self) -> bool:
+        """Whether prompts past the short ones are fused (``fuse`` or ``strict``) rather than prefilled in full."""
+        return self.fuse or self.strict
+
 
 @dataclass(frozen=True)
 class GenerateConfig:

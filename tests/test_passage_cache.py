@@ -17,6 +17,7 @@ from kvrag import GateConfig
 from kvrag.codec import make_codec
 from kvrag.passages import PassageCache, find_passages
 from kvrag.passages.finder import split_passages
+from kvrag.passages.lookup import look_up
 from kvrag.query.locate import chat_prompt
 
 PASSAGES = [
@@ -86,10 +87,13 @@ def test_an_edited_passage_is_a_new_key_never_served_stale(cache: PassageCache):
     cache.flush(60)
     edited = [PASSAGES[0].replace("1961", "1962"), *PASSAGES[1:]]
     raw = _prompt("Who?", edited)
-    answer = cache.answer_prompt(chat_prompt(cache.lm.tokenizer, raw), "probe", passages=find_passages(raw),
-                                 max_new_tokens=1)
-    # the edited passage is new; the next one's stored rows followed the old text, so it is recomputed too
-    assert [c.text for c in answer.chunks] == PASSAGES[2:]
+    prompt, texts = chat_prompt(cache.lm.tokenizer, raw), find_passages(raw)
+    # the edited passage is new; the next one's stored rows followed the old text: an answer that does not fuse
+    # reads no such rows, one that fuses does (its context is what fusion recomputes), never the old passage's
+    unfused, _, _ = look_up(cache.keys, cache.lm.tokenizer, cache.passage_ids, prompt, texts)
+    assert [c.text for c in unfused] == PASSAGES[2:]
+    answer = cache.answer_prompt(prompt, "probe", passages=texts, max_new_tokens=1)
+    assert [c.text for c in answer.chunks] == PASSAGES[1:] and not any(c.in_place for c in answer.chunks)
     keys = {cache.keys.key(cache.context.chunk_ids(text)) for text in [PASSAGES[0], edited[0]]}
     assert len(keys) == 2
 
@@ -172,11 +176,11 @@ def test_langchain_tutorial_chain_over_faiss_swaps_only_the_llm(tiny_model_dir: 
     assert llm.last_answer.chunks == []
     llm.rag.flush(60)
     second = chain.invoke("Who built the beta telescope?")  # a new question before the same passages: fused
-    # each passage's stored rows are read where the passage before it is the one it followed in the first prompt
+    # a fusing answer reads each passage's stored rows wherever it stands, where its tokens are those it had in the
+    # first prompt: the first passage's first word follows "Context: " (a space), the others' a line break
     order = [[d.page_content for d in retriever.invoke(q)]
              for q in ("Who designed the alpha reactor?", "Who built the beta telescope?")]
-    before = [{p: (o[i - 1] if i else None) for i, p in enumerate(o)} for o in order]
-    expected = [p for p in order[1] if before[1][p] == before[0][p]]
+    expected = [p for p in order[1] if (order[1].index(p) == 0) == (order[0].index(p) == 0)]
     assert expected and [c.text for c in llm.last_answer.chunks] == expected
     assert llm.last_answer.gate.decision == "fused"
     assert isinstance(first, str) and isinstance(second, str)

@@ -11,6 +11,7 @@ import torch
 from kvrag.model import hf_compat
 from kvrag.model.rope import layer_ropes, rotate_layers
 from kvrag.passages import PassageCache
+from kvrag.passages.lookup import look_up
 from kvrag.passages.prompt_rows import context_digest, find_run, rows_in_prompt
 from kvrag.query.locate import chat_prompt, encode
 from tests.test_passage_cache import PASSAGES, _prompt
@@ -69,17 +70,24 @@ def test_rows_are_not_taken_from_a_cache_shorter_than_the_prompt_or_for_a_run_it
     assert rows_in_prompt(tiny_lm, ids, windowed, [ids[2:4]]) == {}
 
 
-def test_stored_rows_are_read_only_after_the_passage_they_followed(raw_cache: PassageCache):
+def test_stored_rows_are_read_after_the_passage_they_followed_and_anywhere_by_a_fusing_answer(
+        raw_cache: PassageCache):
+    def prompt_of(order: list[str]) -> str:
+        return chat_prompt(raw_cache.lm.tokenizer, _prompt("Who designed the alpha reactor?", order))
+
     def ask(order: list[str], **options):
-        prompt = chat_prompt(raw_cache.lm.tokenizer, _prompt("Who designed the alpha reactor?", order))
-        return raw_cache.answer_prompt(prompt, passages=order, max_new_tokens=1, **options)
+        return raw_cache.answer_prompt(prompt_of(order), passages=order, max_new_tokens=1, **options)
 
     ask(PASSAGES)  # first sight: each passage's rows stored after the one before it
     assert raw_cache.flush(60)
     moved = [PASSAGES[0], PASSAGES[2], PASSAGES[1]]
-    assert [c.text for c in ask(moved, mode="probe").chunks] == PASSAGES[:1]  # the others follow another passage now
-    assert raw_cache.flush(60)  # their rows in this order are stored too
+    # an answer that does not fuse reads them only after the passage they followed: the others follow another now
+    unfused, _, _ = look_up(raw_cache.keys, raw_cache.lm.tokenizer, raw_cache.passage_ids, prompt_of(moved), moved)
+    assert [c.text for c in unfused] == PASSAGES[:1]
+    # one that fuses reads every passage's rows wherever it stands: their context is what fusion recomputes
     assert [c.text for c in ask(moved, mode="probe").chunks] == moved
+    assert raw_cache.flush(60)
     assert raw_cache.warm([PASSAGES[2]], show_progress=False) == 1  # computed alone: read wherever it stands
-    # the warmed passage first; the next after the one it followed before; the last after another one
+    # the warmed passage first; the next after the one it followed before; the last never stood after a passage
+    # (its tokens there, after a line break, differ from its first ones, after "Context: "): recomputed
     assert [c.text for c in ask([PASSAGES[2], PASSAGES[1], PASSAGES[0]], mode="probe").chunks] == moved[1:]

@@ -67,8 +67,8 @@ def test_a_blob_gone_after_the_lookup_is_answered_by_a_full_prefill(raw_cache: P
     raw_cache.kvstore.decoded.clear()
     lookup = raw_cache._lookup
 
-    def lookup_then_evict(prompt, texts):
-        found, missing = lookup(prompt, texts)
+    def lookup_then_evict(prompt, texts, anywhere=False):
+        found, missing = lookup(prompt, texts, anywhere)
         raw_cache.store.delete(found[1].key)  # another process evicts it between the lookup and the read
         return found, missing
 
@@ -89,13 +89,20 @@ def test_a_link_reaches_only_the_blob_it_names_while_it_is_stored(raw_cache: Pas
     assert keys.stored(ids, before) is None  # the blob it names is not stored
     raw_cache.kvstore.store.put(in_place, b"blob")
     assert keys.stored(ids, before) == in_place and keys.stored(ids) is None
+    assert keys.stored(ids, seen=True) == in_place  # found wherever the passage stands, by a fusing answer
     assert keys.stored(ids, context="d" * 40) is None  # in-place keys are never reached through a link
     raw_cache.kvstore.store.delete(in_place)  # evicted: the dangling link is a miss, and the next link replaces it
+    assert keys.stored(ids, seen=True) is None
     other = keys.key(ids, context="e" * 40)
     assert other is not None
     raw_cache.kvstore.store.put(other, b"blob")
     keys.link(ids, before, other)
-    assert keys.stored(ids, before) == other
+    assert keys.stored(ids, before) == other == keys.stored(ids, seen=True)
+    first = keys.key([8, 9], context="f" * 40)  # a prompt's first passage: its plain key is the link, no seen one
+    assert first is not None
+    raw_cache.kvstore.store.put(first, b"blob")
+    keys.link([8, 9], (), first)
+    assert keys.stored([8, 9]) == first and keys.stored([8, 9], seen=True) is None
 
 
 def test_passage_caches_default_to_int8_and_the_url_names_another_codec(tiny_lm, tmp_path: Path):
@@ -111,16 +118,16 @@ def test_passage_caches_default_to_int8_and_the_url_names_another_codec(tiny_lm,
 
 def test_rows_of_a_fused_pass_are_read_after_their_neighbour_never_in_place(raw_cache: PassageCache):
     question = "Who designed the alpha reactor?"
-    _ask(raw_cache, question, max_new_tokens=1)  # a full prefill: each passage's rows stored in place
+    _ask(raw_cache, question, PASSAGES[:2], max_new_tokens=1)  # a full prefill: these passages' rows stored in place
     assert raw_cache.flush(60)
     moved = [PASSAGES[0], PASSAGES[2], PASSAGES[1]]
-    fused = _ask(raw_cache, question, moved, mode="probe", max_new_tokens=1)  # reads the first, recomputes the rest
-    assert [c.text for c in fused.chunks] == PASSAGES[:1]
-    assert raw_cache.flush(60)  # the others' rows in this pass attended to a stored cache: not a full prefill's
+    fused = _ask(raw_cache, question, moved, mode="probe", max_new_tokens=1)  # the new passage recomputed
+    assert [c.text for c in fused.chunks] == [PASSAGES[0], PASSAGES[1]]
+    assert raw_cache.flush(60)  # the new one's rows in this pass attended to stored caches: not a full prefill's
     raw_cache.heads.clear_prompts()
-    again = _ask(raw_cache, question, moved)
-    assert [c.text for c in again.chunks] == moved
-    assert [c.in_place for c in again.chunks] == [True, False, False]
+    again = _ask(raw_cache, question, moved)  # the default gate: no rows computed after other text but after the same
+    assert [c.text for c in again.chunks] == moved[:2]
+    assert [c.in_place for c in again.chunks] == [True, False]
     assert again.gate is not None and again.gate.decision != "stored"
 
 

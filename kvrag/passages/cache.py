@@ -12,10 +12,11 @@ Contract:
   that answered are stored as its cache (`kvrag.passages.prompt_rows`: they carry the passages before it as
   context, at no cost), keyed by the tokens before it there and linked after the passage before it. A prompt with
   those same tokens before it reads them in place, with nothing recomputed but its text (the gate's ``stored``
-  plan); another prompt reads them only after the same passage. A passage the pass did not compute as one run is
-  prefilled alone (between the calls' fusions, one batch at a time), read anywhere. So no stored cache is taken as
-  exact right after kvrag's prompt prefix (``prefix_exact=False``). A mode that recomputes everything (``full``)
-  is a plain prefill of the prompt as one text: it looks nothing up and stores nothing.
+  plan); another prompt reads them after the same passage, and an answer that fuses (``GateConfig(fuse=True)``, or
+  no gate) reads them wherever the passage stands (`kvrag.passages.keys`' seen links). A passage the pass did not
+  compute as one run is prefilled alone (between the calls' fusions, one batch at a time), read anywhere. So no
+  stored cache is taken as exact right after kvrag's prompt prefix (``prefix_exact=False``). A mode that recomputes
+  everything (``full``) is a plain prefill of the prompt as one text: it looks nothing up and stores nothing.
 - A passage found but not in place (a cache `warm` stored, rows read after the same passage or first in another
   prompt) gets its in-place entry too when the pass that answered read no stored cache (a full prefill, or kept
   exact rows and one pass over the rest): that prompt asked again then reads every passage in place. A fused pass's
@@ -183,11 +184,13 @@ class PassageCache:
         """
         return encode(self.lm.tokenizer, text.strip())
 
-    def _lookup(self, prompt: str, texts: Iterable[str]) -> tuple[list[RetrievedChunk], list[MissingPassage]]:
-        """The passages of ``texts`` in ``prompt`` whose caches are stored, and those to store after the answer
+    def _lookup(self, prompt: str, texts: Iterable[str], anywhere: bool = False,
+                ) -> tuple[list[RetrievedChunk], list[MissingPassage]]:
+        """The passages of ``texts`` in ``prompt`` whose caches are stored (``anywhere``: also rows computed after
+        other text, for an answer that fuses), and those to store after the answer
         (`kvrag.passages.lookup.look_up`), counted in `stats`.
         """
-        found, missing, looked_up = look_up(self.keys, self.lm.tokenizer, self.passage_ids, prompt, texts)
+        found, missing, looked_up = look_up(self.keys, self.lm.tokenizer, self.passage_ids, prompt, texts, anywhere)
         self.stats.looked_up += looked_up
         self.stats.found += len(found)
         return found, missing
@@ -214,7 +217,7 @@ class PassageCache:
         plain = asked.kind.recomputes_all  # a full prefill: the prompt as one text, nothing stored
         with self._lock:
             texts = [] if plain else self.passages_in(written or prompt) if passages is None else passages
-            found, missing = self._lookup(prompt, texts)
+            found, missing = self._lookup(prompt, texts, anywhere=gate_config is None or gate_config.fuses)
             recovered = self.recovered
             fused = prepare_prompt(self.context, prompt, found, asked, gate_config)
             if fused.gate is not None and fused.gate.decision == "stored" and self.recovered != recovered:
@@ -318,7 +321,7 @@ class PassageCache:
             done_later = ((rest[i][0], rest[i][1], kv) for i, kv in self._caches([m for m, _ in rest]))
             for m, key, kv in itertools.chain(done, done_later):
                 self.stats.stored_bytes += self.kvstore.put(key, kv[0].cpu(), kv[1].cpu())
-                if m in contexts:
+                if m in rows:  # rows taken from a prompt: found after the same passage again, and by fusing answers
                     self.keys.link(m.ids, m.after, key)
                 self.stats.stored, stored = self.stats.stored + 1, stored + 1
                 if hold:

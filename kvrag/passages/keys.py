@@ -3,16 +3,20 @@
 Contract:
 
 - A key hashes the model's fingerprint, the codec with its fitted state's digest, kvrag's prompt prefix, the
-  passage's token ids and where its rows were computed (`kvrag.storage.keys.chunk_key`). There are three kinds:
+  passage's token ids and where its rows were computed (`kvrag.storage.keys.chunk_key`). There are four kinds:
   - **in place** (``context``, a `kvrag.passages.prompt_rows.context_digest`): rows a prompt's pass computed after
     exactly those tokens. Any prompt with the same tokens before the passage needs these very rows there.
   - **after** (``after``, the token ids of the passage before it in that prompt): where rows may be read with some
     of their context, after the same passage.
   - **plain** (neither): a cache computed alone after kvrag's prompt prefix, or rows taken from a prompt's first
     passage; read anywhere.
-- Rows taken from a prompt are stored once, under their in-place key. Their after (or plain) key is a **link**: a
-  small entry in the same store naming the in-place key (`link`). A link never names an entry its key does not
-  describe, so an evicted or rewritten blob is a miss, never another context's rows. `stored` follows a link to a
+  - **seen** (``seen``): rows a prompt computed after whatever stood before the passage there, whichever prompt
+    stored them first; read anywhere by a fusing answer, which recomputes what their context changed (an answer that
+    does not fuse reads no rows computed after other text).
+- Rows taken from a prompt are stored once, under their in-place key (a fused pass's: under their after key).
+  Their other keys (after or plain, and seen) are **links**: a small entry in the same store naming the stored key
+  (`link`). A link never names an entry its key does not describe, so an evicted or rewritten blob is a miss, never
+  another context's rows. `stored` follows a link to a
   blob that is present; a dangling link is overwritten by the next `link`.
 - Keys are None while the codec has no fitted state (`digest` None): nothing is read or stored yet.
 """
@@ -50,9 +54,10 @@ class PassageKeys:
         self.store, self.kvstore, self.fingerprint = store, kvstore, fingerprint
         self.prefix_ids, self.digest = list(prefix_ids), digest
 
-    def key(self, ids: Sequence[int], after: Sequence[int] = (), context: str | None = None) -> str | None:
+    def key(self, ids: Sequence[int], after: Sequence[int] = (), context: str | None = None,
+            seen: bool = False) -> str | None:
         """The key of a passage's entry: in place after the tokens ``context`` digests, else after the passage
-        ``after``, else plain; None while the codec has no state.
+        ``after``, else seen (``seen``), else plain; None while the codec has no state.
         """
         if self.digest is None:
             return None
@@ -62,13 +67,16 @@ class PassageKeys:
             space += "|in:" + context
         elif after:
             space += "|after:" + ",".join(map(str, after))
+        elif seen:
+            space += "|seen"
         return chunk_key(space, self.prefix_ids, ids)
 
-    def stored(self, ids: Sequence[int], after: Sequence[int] = (), context: str | None = None) -> str | None:
+    def stored(self, ids: Sequence[int], after: Sequence[int] = (), context: str | None = None,
+               seen: bool = False) -> str | None:
         """The key of the blob stored for this entry: its own, or the in-place key its link names when that blob is
         present; None when neither.
         """
-        key = self.key(ids, after, context)
+        key = self.key(ids, after, context, seen)
         return None if key is None else self._reached(key, linked=context is None)  # in-place blobs have no link
 
     def _reached(self, key: str, linked: bool = True) -> str | None:
@@ -88,9 +96,9 @@ class PassageKeys:
         return target if len(target) == 40 and set(target) <= _KEY_CHARS else None
 
     def link(self, ids: Sequence[int], after: Sequence[int], target: str) -> None:
-        """Make the after (or, with no ``after``, plain) key of ``ids`` name the in-place blob ``target``, unless it
-        already reaches a stored blob.
+        """Make the after (or, with no ``after``, plain) key of ``ids`` name the blob ``target`` (stored under
+        another key), and its seen key too where it has an ``after``, each unless it already reaches a stored blob.
         """
-        key = self.key(ids, after)
-        if key is not None and self._reached(key) is None:
-            self.store.put(_link_key(key), target.encode("ascii"))
+        for key in (self.key(ids, after), self.key(ids, seen=True) if after else None):
+            if key is not None and key != target and self._reached(key) is None:
+                self.store.put(_link_key(key), target.encode("ascii"))

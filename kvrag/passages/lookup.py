@@ -11,8 +11,9 @@ word carries the space), else by its own tokens when enough of them meet those (
 the prompt then reads the rows that match, `kvrag.query.locate`). A passage found in neither is stored as the
 prompt has it. A passage is read, first found first: from rows computed after exactly the tokens before it here
 (in place: no recompute needed, `kvrag.query.pipeline.LaidOut.in_place`), from rows computed after the same passage
-before it (`kvrag.passages.keys.PassageKeys.key`'s ``after``), or from a cache computed alone (or first in its
-prompt). A passage with none is recomputed with the prompt, and its rows here are stored after the answer.
+before it (`kvrag.passages.keys.PassageKeys.key`'s ``after``), from a cache computed alone (or first in its
+prompt), or, ``anywhere`` (an answer that fuses), from rows some prompt computed after other text before it
+(``seen``). A passage with none is recomputed with the prompt, and its rows here are stored after the answer.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from kvrag.query.spans import find_chunk_spans
 
 
 def look_up(keys: PassageKeys, tokenizer: Any, passage_ids: Callable[[str], list[int]], prompt: str,
-            texts: Iterable[str]) -> tuple[list[RetrievedChunk], list[MissingPassage], int]:
+            texts: Iterable[str], anywhere: bool = False) -> tuple[list[RetrievedChunk], list[MissingPassage], int]:
     """The passages found stored, those to store after the answer, and the number looked up (the contract)."""
     texts = list(dict.fromkeys(t.strip() for t in texts if t.strip() and t.strip() in prompt))
     tokens = tokenize_prompt(tokenizer, prompt)
@@ -47,7 +48,7 @@ def look_up(keys: PassageKeys, tokenizer: Any, passage_ids: Callable[[str], list
         context = None if tokens is None or place is None else context_digest(tokens.ids[:place[0]])
         key = None if context is None else keys.stored(ids, context=context)
         in_place = key is not None
-        key = key or keys.stored(ids, before) or keys.stored(ids)
+        key = key or keys.stored(ids, before) or keys.stored(ids) or (keys.stored(ids, seen=True) if anywhere else None)
         here = tuple(ids)  # its tokens in this prompt (or its own, where the prompt has no run of them)
         if key is None and ids != own and align(ids, own)[0] and (plain := keys.stored(own)):
             ids, key = own, plain

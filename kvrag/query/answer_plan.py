@@ -78,7 +78,7 @@ def plan_answer(laid: LaidOut, asked: Attempt, gate: GateConfig | None) -> Answe
     if stale < gate.full_below_tokens:
         short = asked.with_mode(gate.short_mode) if laid.first_exact and not gate.strict else asked.exact()
         return AnswerPlan((short,), gate, "short", stale, mode)
-    if not (gate.fuse or gate.strict):  # one chunk's cache saves less here than the fusion loop costs over a prefill
+    if not gate.fuses:  # one chunk's cache saves less here than the fusion loop costs over a prefill
         return AnswerPlan((asked.exact(),), gate, "exact", stale, mode)
     if laid.text_share > gate.fuse_max_text_share:
         return AnswerPlan((asked.exact(),), gate, "text", stale, mode)

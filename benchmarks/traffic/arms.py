@@ -317,6 +317,7 @@ def timed(arm: Arm, question: str, count_tokens: Callable[[str], int]) -> dict[s
     gate = answer.gate.to_json() if answer.gate is not None else None
     row.update(prompt_tokens=answer.n_prompt_tokens, read_share=max(0.0, 1.0 - answer.recompute_fraction),
                answered_mode=answer.mode, ratio=answer.ratio, gate=gate["decision"] if gate else None,
+               gate_attempts=gate["attempts"] if gate else None,
                chunks=len(answer.chunks), kvrag_ttft_s=answer.ttft_s,
                timings={k: v for k, v in answer.timings.items() if isinstance(v, float)})
     return row

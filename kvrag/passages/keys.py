@@ -16,8 +16,8 @@ Contract:
 - Rows taken from a prompt are stored once, under their in-place key (a fused pass's: under their after key).
   Their other keys (after or plain, and seen) are **links**: a small entry in the same store naming the stored key
   (`link`). A link never names an entry its key does not describe, so an evicted or rewritten blob is a miss, never
-  another context's rows. `stored` follows a link to a
-  blob that is present; a dangling link is overwritten by the next `link`.
+  another context's rows. `stored` follows a link to a blob that is present; a dangling link is overwritten by the
+  next `link`.
 - Keys are None while the codec has no fitted state (`digest` None): nothing is read or stored yet.
 """
 

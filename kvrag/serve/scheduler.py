@@ -77,7 +77,6 @@ class Scheduler:
         self._stepping: Job | None = None  # the job whose next() runs now
         self._sliced_s = 0.0  # seconds the stepping job's next() spent running other jobs' steps between slices
         self.times = ServiceTimes()  # written by the worker thread, read by submitters
-        self._warm = False  # whatever loads on first use has loaded (the warm-up answer or a first job ran)
         self._lock = threading.Condition()
         self._line = WaitingLine(max_queue)  # refused for their wait, by ticket, in arrival order
         self._arrived: deque[Job] = deque()  # submitted, not yet seen by the worker (no expect() yet)
@@ -109,7 +108,6 @@ class Scheduler:
         took, ttft = time.perf_counter() - began, float(getattr(answer, "ttft_s", 0.0) or 0.0)
         first = ttft if 0.0 < ttft <= took else took
         self.times.observe_first(first)
-        self._warm = True
         self.times.observe_step((took - first) / max(len(answer.token_ids) - 1, 1))
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -311,8 +309,8 @@ class Scheduler:
         took = time.perf_counter() - began - self._sliced_s  # other jobs' steps between slices are theirs
         self._record_rounds()
         if job.steps == 0:
-            self.times.observe_first(took, cold=not self._warm)
-            self._warm = True
+            # nothing measured before: no warm-up answer ran, so this first step loaded what loads on first use
+            self.times.observe_first(took, cold=self.times.first_s is None)
             with self._lock:  # submitters read the ratios under the lock
                 self.times.observe_wait(job.replayed_wait, time.perf_counter() - job.submitted)
         else:

@@ -42,22 +42,17 @@ class ProbeSelector(Selector):
         """``probe_from``: the suffix's attention is summed over the layers from ``int(probe_from * n_layers)`` up
         (0 sums every layer), in [0, 1); ``probe_to``: the probe pass stops before layer ``ceil(probe_to *
         n_layers)`` (at least one layer after ``probe_from``'s), in (``probe_from``, 1]. Below 1 the probe pass
-        costs that share of a pass and gives no first token (`FusionResult.probe_logits` is None);
-        ``whole_share``: the share of the budget, in [0, 1], spent on whole stale chunks, those the suffix attends
-        to most in total first, each taken only while it fits; the rest goes to single tokens as with 0.
+        costs that share of a pass and gives no first token (`FusionResult.probe_logits` is None).
         """
 
         probe_from: float = 0.33
         probe_to: float = 1.0
-        whole_share: float = 0.0
 
         def __post_init__(self) -> None:
             if not (isinstance(self.probe_from, (int, float)) and 0.0 <= self.probe_from < 1.0):
                 raise ValueError(f"probe_from must be in [0, 1), got {self.probe_from!r}")
             if not (isinstance(self.probe_to, (int, float)) and self.probe_from < self.probe_to <= 1.0):
                 raise ValueError(f"probe_to must be in (probe_from, 1], got {self.probe_to!r}")
-            if not (isinstance(self.whole_share, (int, float)) and 0.0 <= self.whole_share <= 1.0):
-                raise ValueError(f"whole_share must be in [0, 1], got {self.whole_share!r}")
 
     value_field, option_field = "ratio", "probe_from"
     scales_with_ratio = True
@@ -67,7 +62,6 @@ class ProbeSelector(Selector):
         self.ratio = float(config.ratio)
         options = self.options(config)
         self.from_fraction, self.to_fraction = float(options.probe_from), float(options.probe_to)
-        self.whole_share = float(options.whole_share)
         self.attention: torch.Tensor | None = None  # the last probe's reading (`choose`)
         self.picked: torch.Tensor | None = None
 
@@ -98,32 +92,11 @@ class ProbeSelector(Selector):
         """Bool mask ``[N]`` of the main pass: forced tokens and the most attended candidates.
 
         The probe's reading stays on the selector for inspection: ``attention`` (the summed suffix
-        attention ``[N]``) and ``picked`` (the candidate positions chosen: whole chunks' first, then single
-        tokens, most attended first).
+        attention ``[N]``) and ``picked`` (the candidate positions chosen, most attended first).
         """
-        import torch
-
         mask = seg.forced.clone()
         candidates = self.candidates(seg)
         keep_n = min(math.ceil(self.ratio * seg.chunk_tokens - 1e-9), int(candidates.numel()))
-        whole = self._whole_chunks(attention, seg, int(self.whole_share * keep_n))
-        mask[whole] = True
-        rest = candidates[~mask[candidates]]
-        single = rest[attention[rest].topk(max(0, min(keep_n - int(whole.numel()), int(rest.numel())))).indices]
-        self.attention, self.picked = attention, torch.cat([whole, single])
+        self.attention, self.picked = attention, candidates[attention[candidates].topk(keep_n).indices]
         mask[self.picked] = True
         return mask
-
-    @staticmethod
-    def _whole_chunks(attention: torch.Tensor, seg: Segments, budget: int) -> torch.Tensor:
-        """Positions of the stale chunks taken whole within ``budget`` tokens, the most attended in total first."""
-        import torch
-
-        spans = [(start, n) for start, n in seg.stale if n and not bool(seg.forced[start])]
-        order = sorted(spans, key=lambda span: -float(attention[span[0] : span[0] + span[1]].sum()))
-        taken: list[torch.Tensor] = []
-        for start, n in order:
-            if n <= budget:
-                taken.append(torch.arange(start, start + n))
-                budget -= n
-        return torch.cat(taken) if taken else torch.zeros(0, dtype=torch.long)

@@ -40,7 +40,7 @@ Rule = Callable[[dict[str, Any]], bool]
 
 def fused_rows(folder: Path, encode: Callable[[str], list[int]], horizon: int) -> list[dict[str, Any]]:
     """One row per prompt a fusing arm fused: its signals, its label and what both arms answered."""
-    rows = [json.loads(line) for line in open(folder / "rows.jsonl")]
+    rows = [json.loads(line) for line in (folder / "rows.jsonl").read_text(encoding="utf-8").splitlines() if line]
     full = {(r["framework"], r["position"]): r for r in rows if r["arm"] == "full"}
     out = []
     for r in rows:

@@ -151,7 +151,7 @@ def prepare(args: argparse.Namespace, work: Path, specs: Path) -> dict[str, Any]
             target.unlink()
     print(f"building the index and vector stores in {work}", flush=True)
     spec = {"work": str(work), "corpus": args.corpus.split(","), "model": args.model, "threads": args.threads,
-            "max_chunk_tokens": args.max_chunk_tokens, "digest": digest,
+            "max_chunk_tokens": args.max_chunk_tokens, "index_codec": args.index_codec, "digest": digest,
             "llama_gguf": args.llama_gguf if "llama.cpp" in args.arms_list else None}
     _child("prepare", spec, specs, args.threads)
     return {**json.loads(done.read_text()), "reused": False}

@@ -15,6 +15,10 @@ the token F1 of the answers' words).
 Codec specs (comma-separated): ``int8``, ``raw``, ``cachegen@LEVEL``, and ``steps@K1/K2/K3:V1/V2/V3`` (``cachegen``
 with its quantisation steps per layer third replaced, in units of each layer's RMS). A ``+kv:0-9`` suffix keeps the
 decoded rows of only those kinds (``k``, ``v``) and layers and the exact rows elsewhere: where the rounding matters.
+A ``~err:0.02`` suffix reads the exact rows of the 2 % of the prompt's tokens (after the head) whose rounding error
+is largest, summed over layers and K/V, each layer's error relative to its mean (an oracle); ``~norm:0.02`` those
+whose exact rows have the largest norms (what a codec could see); ``~kerr:0.05`` by the keys' error alone. Their
+bits count the kept tokens at 16 bits an element on top of the codec's own: whether the damage sits in few tokens.
 ``cachegen`` is fitted once on the ``--fit`` questions' caches (none of them evaluated).
 
 The model runs through transformers' modules (``KVRAG_NATIVE_MODELS=0``), whose projections can be hooked.
@@ -139,6 +143,7 @@ class Spec:
     codec: Codec
     kinds: str = "kv"
     layers: range | None = None
+    keep: tuple[str, float] | None = None  # (criterion, fraction) of tokens read exact (module docstring)
 
 
 def parse_specs(text: str, samples: list[tuple[torch.Tensor, torch.Tensor]], n_layers: int) -> list[Spec]:
@@ -148,6 +153,7 @@ def parse_specs(text: str, samples: list[tuple[torch.Tensor, torch.Tensor]], n_l
         fitted.fit(samples, n_layers=n_layers)
     specs = []
     for part in text.split(","):
+        part, _, keep = part.partition("~")
         name, _, only = part.partition("+")
         if name.startswith("cachegen@"):
             codec: Codec = fitted.with_level(int(name.split("@")[1]))
@@ -157,7 +163,12 @@ def parse_specs(text: str, samples: list[tuple[torch.Tensor, torch.Tensor]], n_l
             codec.fit(samples, n_layers=n_layers)
         else:
             codec = make_codec(name)
-        spec = Spec(part, codec)
+        spec = Spec(part + (f"~{keep}" if keep else ""), codec)
+        if keep:
+            criterion, _, fraction = keep.partition(":")
+            if criterion not in ("err", "kerr", "norm"):
+                raise ValueError(f"unknown criterion {criterion!r} in {part}~{keep}: err, kerr or norm")
+            spec.keep = (criterion, float(fraction))
         if only:
             kinds, _, span = only.partition(":")
             lo, hi = (int(x) for x in span.split("-"))
@@ -195,7 +206,29 @@ def round_trip(hm: HookedModel, rows: Rows, spec: Spec, head: int) -> tuple[Rows
             row = decoded.transpose(0, 1).reshape(exact.shape) if used and kind in spec.kinds else exact.clone()
             row[:head] = exact[:head]
             dest.append(row)
-    return out, 8 * nbytes / elements
+    bits = 8 * nbytes / elements
+    if spec.keep is not None:
+        bits += 16 * keep_exact(rows, out, head, *spec.keep)
+    return out, bits
+
+
+def keep_exact(exact: Rows, read: Rows, head: int, criterion: str, fraction: float) -> float:
+    """Put back the exact rows of ``fraction`` of the tokens after ``head``, chosen by ``criterion`` (module
+    docstring), in ``read``; the share of the prompt's tokens kept.
+    """
+    score = torch.zeros(exact.keys[0].shape[0])
+    for layer in range(len(exact.keys)):
+        for kind, rows, back in (("k", exact.keys, read.keys), ("v", exact.values, read.values)):
+            if criterion == "kerr" and kind != "k":
+                continue
+            part = ((back[layer] - rows[layer]) ** 2 if criterion != "norm" else rows[layer] ** 2).sum(-1)
+            score += part / part.mean()
+    score[:head] = -1
+    picked = torch.topk(score, round(fraction * (score.numel() - head))).indices
+    for layer in range(len(exact.keys)):
+        read.keys[layer][picked] = exact.keys[layer][picked]
+        read.values[layer][picked] = exact.values[layer][picked]
+    return picked.numel() / score.numel()
 
 
 def span(text: str) -> tuple[int, int]:

@@ -68,6 +68,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--max-chunk-tokens", type=int, default=2048, help="a longer passage is split")
     p.add_argument("--index-codec", default=None, help="the index's codec (KVRag.build codec; default kvrag's own)")
+    p.add_argument("--neighbour-context", type=int, default=None,
+                   help="the index's neighbour context (KVRag.build neighbour_context; default none)")
     p.add_argument("--threads", type=int, default=2, help="torch threads and llama.cpp threads")
     p.add_argument("--restart-at", default="120", help="comma list of stream positions (0-based) before which every "
                    "process restarts over the stores on disk; empty for none")
@@ -106,14 +108,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _digest(args: argparse.Namespace) -> dict[str, Any]:
-    """What the prepared stores depend on: the corpus files' contents, the model, the chunk bound, the index's codec,
-    the GGUF.
+    """What the prepared stores depend on: the corpus files' contents, the model, the chunk bound, the index's codec and
+    neighbour context, the GGUF.
     """
     sha = hashlib.sha256()
     for path in args.corpus.split(","):
         sha.update(Path(path).read_bytes())
     return {"corpus_sha256": sha.hexdigest(), "model": args.model, "max_chunk_tokens": args.max_chunk_tokens,
-            "index_codec": args.index_codec,
+            "index_codec": args.index_codec, "neighbour_context": args.neighbour_context,
             "llama_gguf": args.llama_gguf if "llama.cpp" in args.arms_list else None,
             "index": any(arm.endswith("-index") for arm in args.arms_list)}
 
@@ -151,7 +153,8 @@ def prepare(args: argparse.Namespace, work: Path, specs: Path) -> dict[str, Any]
             target.unlink()
     print(f"building the index and vector stores in {work}", flush=True)
     spec = {"work": str(work), "corpus": args.corpus.split(","), "model": args.model, "threads": args.threads,
-            "max_chunk_tokens": args.max_chunk_tokens, "index_codec": args.index_codec, "digest": digest,
+            "max_chunk_tokens": args.max_chunk_tokens, "index_codec": args.index_codec,
+            "neighbour_context": args.neighbour_context, "digest": digest,
             "llama_gguf": args.llama_gguf if "llama.cpp" in args.arms_list else None}
     _child("prepare", spec, specs, args.threads)
     return {**json.loads(done.read_text()), "reused": False}

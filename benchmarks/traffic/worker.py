@@ -49,7 +49,8 @@ def prepare(spec: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         split = SplitConfig(mode="document", max_tokens=spec["max_chunk_tokens"], min_tokens=0)
         rag = KVRag.build(passages, work / "index", model=spec["model"], split=split, device="cpu",
-                          codec=spec.get("index_codec"), show_progress=False)
+                          codec=spec.get("index_codec"), neighbour_context=spec.get("neighbour_context") or 0,
+                          show_progress=False)
         info.update(index_build_s=time.perf_counter() - t0, chunks=len(rag.index), codec=rag.manifest["codec"],
                     corpus_tokens=sum(len(rag.context.chunk_ids(text)) for _, text in passages))
         rag.close()

@@ -152,8 +152,8 @@ def parse_specs(text: str, samples: list[tuple[torch.Tensor, torch.Tensor]], n_l
     if "cachegen@" in text:
         fitted.fit(samples, n_layers=n_layers)
     specs = []
-    for part in text.split(","):
-        part, _, keep = part.partition("~")
+    for whole in text.split(","):
+        part, _, keep = whole.partition("~")
         name, _, only = part.partition("+")
         if name.startswith("cachegen@"):
             codec: Codec = fitted.with_level(int(name.split("@")[1]))
@@ -163,11 +163,11 @@ def parse_specs(text: str, samples: list[tuple[torch.Tensor, torch.Tensor]], n_l
             codec.fit(samples, n_layers=n_layers)
         else:
             codec = make_codec(name)
-        spec = Spec(part + (f"~{keep}" if keep else ""), codec)
+        spec = Spec(whole, codec)
         if keep:
             criterion, _, fraction = keep.partition(":")
             if criterion not in ("err", "kerr", "norm"):
-                raise ValueError(f"unknown criterion {criterion!r} in {part}~{keep}: err, kerr or norm")
+                raise ValueError(f"unknown criterion {criterion!r} in {whole}: err, kerr or norm")
             spec.keep = (criterion, float(fraction))
         if only:
             kinds, _, span = only.partition(":")

@@ -35,10 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     def place_scaled(layer: Any, kv: tuple[torch.Tensor, torch.Tensor], seg: Segments, cos: torch.Tensor,
                      sin: torch.Tensor) -> None:
         _place(layer, kv, seg, cos, sin)
-        keys = layer.full()[0]
-        start = seg.chunk_starts[1] if seg.first_exact and len(seg.chunk_starts) > 1 else seg.prefix_len
-        if not seg.first_exact or len(seg.chunk_starts) > 1:
-            keys[:, :, start:seg.suffix_start] *= scale
+        start = seg.prefix_len + (seg.chunk_lens[0] if seg.first_exact else 0)  # the first chunk's rows are exact
+        layer.full()[0][:, :, start:seg.suffix_start] *= scale
 
     placement.place_layer = place_scaled
     return cli.main(rest)

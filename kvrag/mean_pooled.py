@@ -3,7 +3,8 @@
 Contract: `is_mean_pooled(folder)` says whether a local sentence-transformers folder is exactly that pipeline
 (``modules.json``: a ``Transformer``, a ``Pooling`` that averages the token embeddings and nothing else, and
 optionally ``Normalize``), such as the default embedder, all-MiniLM-L6-v2. `MeanPooledEncoder` loads such a folder
-(a plain BERT, the default's, with `kvrag.native_bert`; any other with `transformers.AutoModel` and `AutoTokenizer`)
+(a plain BERT, the default's, with `kvrag.native_bert` and kvrag's own tokenizer, `kvrag.model.native_tokenizer`,
+so that embedding imports no transformers; any other with `transformers.AutoModel` and `AutoTokenizer`)
 and embeds as sentence-transformers does: texts tokenized with padding and truncation at the folder's
 ``max_seq_length``, the last hidden states averaged over the attention mask, each row scaled to unit length
 (``normalize_embeddings``, or always with ``Normalize``). Its embeddings equal sentence-transformers' to float
@@ -22,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedTokenizerFast
 
+from kvrag.model.native_tokenizer import load_fast_tokenizer
 from kvrag.native_bert import NativeBert, native_bert_reason
 
 _TRANSFORMER = "sentence_transformers.models.Transformer"
@@ -72,7 +73,7 @@ class MeanPooledEncoder:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model: Any
         if native_bert_reason(root) is None:  # transformers' BERT modules cost a cold process ~2.5 s to import
-            self.tokenizer = PreTrainedTokenizerFast.from_pretrained(root)
+            self.tokenizer = load_fast_tokenizer(root)
             self.model = NativeBert.load(root).to(self.device)
         else:
             # lazy: transformers' auto classes cost a cold process 0.3 s to import; a native BERT does not need them

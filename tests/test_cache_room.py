@@ -1,17 +1,31 @@
-"""Rows appended into a cache layer's room (`kvrag.generation.cache_room`) equal transformers' concatenation, and
-never write rows that a view handed out before still holds."""
+"""Rows appended into a cache layer's room (`kvrag.generation.cache_room`) equal the layer's own concatenation, and
+never write rows that a view handed out before still holds: for transformers' dynamic layers and kvrag's `RowLayer`."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvrag.generation.cache_room import ROOM_ROWS, append_rows, appendable
 from kvrag.model import hf_compat
 
 
-def _layer(n: int, seed: int = 0):
+class _NativeModel:
+    kvrag_row_cache = True  # as kvrag's own models say: they grow a `RowCache`
+
+
+MODELS = {"transformers": object(), "kvrag": _NativeModel()}
+
+
+@pytest.fixture(params=sorted(MODELS))
+def model(request):
+    return MODELS[request.param]
+
+
+def _layer(model, n: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    cache = hf_compat.dynamic_cache([(torch.randn(1, 2, n, 4, generator=g), torch.randn(1, 2, n, 4, generator=g))])
+    kv = [(torch.randn(1, 2, n, 4, generator=g), torch.randn(1, 2, n, 4, generator=g))]
+    cache = hf_compat.dynamic_cache(model, kv)
     return cache, cache.layers[0]
 
 
@@ -20,8 +34,13 @@ def _rows(m: int, seed: int):
     return torch.randn(1, 2, m, 4, generator=g), torch.randn(1, 2, m, 4, generator=g)
 
 
-def test_appended_rows_equal_concatenation_and_reuse_the_room():
-    cache, layer = _layer(5)
+def test_the_cache_kind_follows_the_model():
+    assert type(hf_compat.full_cache(MODELS["kvrag"])).__name__ == "RowCache"
+    assert type(hf_compat.full_cache(MODELS["transformers"])).__name__ == "DynamicCache"
+
+
+def test_appended_rows_equal_concatenation_and_reuse_the_room(model):
+    cache, layer = _layer(model, 5)
     expected_k, expected_v = layer.keys.clone(), layer.values.clone()
     buffers = set()
     for step in range(ROOM_ROWS + 3):  # past the first room: one more buffer, no per-step copies
@@ -34,20 +53,20 @@ def test_appended_rows_equal_concatenation_and_reuse_the_room():
     assert len(buffers) == 2
 
 
-def test_a_crop_or_transformers_own_update_gets_fresh_room_and_held_views_keep_their_rows():
-    cache, layer = _layer(6, seed=1)
+def test_a_crop_or_the_layers_own_update_gets_fresh_room_and_held_views_keep_their_rows(model):
+    cache, layer = _layer(model, 6, seed=1)
     append_rows(layer, *_rows(1, 10))
     held = layer.keys  # a view of the room's 7 rows, handed out
     before = held.clone()
     hf_compat.crop_cache(cache, 4)
     new_k, _ = append_rows(layer, *_rows(2, 11))  # after the crop: rows 4..5 are new, the held view is untouched
     assert torch.equal(held, before) and new_k.shape[2] == 6
-    cache.update(*_rows(1, 12), 0)  # transformers' concatenation: a new tensor the room does not know
+    cache.update(*_rows(1, 12), 0)  # the layer's own concatenation: a new tensor the room does not know
     k, _ = append_rows(layer, *_rows(1, 13))
     assert k.shape[2] == 8 and torch.equal(k[:, :, :4], before[:, :, :4])
 
 
-def test_only_dynamic_layers_with_rows_are_appendable():
-    assert appendable(_layer(3)[0])
-    assert not appendable(hf_compat.full_cache())
+def test_only_growing_layers_with_rows_are_appendable(model):
+    assert appendable(_layer(model, 3)[0])
+    assert not appendable(hf_compat.full_cache(model))
     assert not appendable(object())

@@ -32,7 +32,7 @@ def _transformers_llama(folder: Path) -> torch.nn.Module:
 def _greedy(model: torch.nn.Module, ids: torch.Tensor, steps: int) -> list[int]:
     """Greedy tokens after ``ids``: one prefill, then one token a step over the returned cache."""
     with torch.no_grad():
-        out = model(input_ids=ids, **hf_compat.with_cache(model, hf_compat.full_cache()), use_cache=True)
+        out = model(input_ids=ids, **hf_compat.with_cache(model, hf_compat.full_cache(model)), use_cache=True)
         tokens, cache = [], hf_compat.returned_cache(out)
         for step in range(steps):
             tokens.append(int(out.logits[0, -1].argmax()))
@@ -70,11 +70,11 @@ def test_the_native_llama_forward_equals_transformers(tiny_llama_dir: Path) -> N
     with torch.no_grad():
         torch.testing.assert_close(native(input_ids=ids).logits, reference(input_ids=ids).logits, atol=ATOL, rtol=0)
         # after cached rows: a block of queries that also attends to the rows before it (lower-right causal)
-        head = hf_compat.full_cache()
+        head = hf_compat.full_cache(native)
         native.model(input_ids=ids[:1, :25], cache=head)
         got = native(input_ids=ids[:1, 25:], position_ids=torch.arange(25, 40)[None], cache=head).logits
         torch.testing.assert_close(got, reference(input_ids=ids[:1]).logits[:, 25:], atol=ATOL, rtol=0)
-        older = hf_compat.full_cache()  # the cache under transformers' older keyword is extended the same way
+        older = hf_compat.full_cache(native)  # the cache under transformers' older keyword is extended the same way
         native.model(input_ids=ids[:1, :25], past_key_values=older)
         assert older.get_seq_length() == 25
     assert _greedy(native, ids[:1], 12) == _greedy(reference, ids[:1], 12)
@@ -160,21 +160,27 @@ def test_the_native_bert_equals_transformers(tmp_path: Path) -> None:
     assert "relative" in (native_bert_reason(tmp_path) or "")
 
 
-def test_a_cold_load_of_both_models_imports_no_transformers_modeling_code() -> None:
+def test_a_cold_answer_with_both_models_imports_no_transformers() -> None:
     script = (
         "import sys\n"
         "from kvrag.embedder import Embedder\n"
         "from kvrag.model.loading import load_model\n"
         "lm = load_model('smollm2', device='cpu')\n"
         "Embedder(None, device='cpu').encode(['a question'])\n"
-        "heavy = [m for m in ('transformers.modeling_utils', 'torch._dynamo', 'sentence_transformers')\n"
-        "         if m in sys.modules]\n"
-        "print(type(lm.model).__name__, heavy)\n"
+        "import tempfile\n"
+        "from kvrag.passages import PassageCache, open_cache_store\n"
+        "cache = PassageCache(lm, open_cache_store(tempfile.mkdtemp()))\n"
+        "passage = 'Paris is the capital of France. It lies on the Seine, in the north, and is its largest city.'\n"
+        "for _ in range(3):  # seen, stored, then read back\n"
+        "    cache.answer_prompt(f'Passages:\\n{passage}\\n\\nQuestion: Where is Paris?', passages=[passage],\n"
+        "                        max_new_tokens=3)\n"
+        "heavy = [m for m in ('transformers', 'torch._dynamo', 'sentence_transformers') if m in sys.modules]\n"
+        "print(type(lm.model).__name__, heavy, cache.stats.found > 0)\n"
     )
     env = {**os.environ, "KVRAG_NATIVE_MODELS": "1"}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split("\n")[-2] == "NativeLlamaForCausalLM []"
+    assert out.stdout.split("\n")[-2] == "NativeLlamaForCausalLM [] True"
 
 
 def _hub_cache(root: Path, repo_id: str, model_dir: Path, skip: str = "") -> Path:

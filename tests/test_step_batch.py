@@ -17,7 +17,7 @@ CONFIG = GenerateConfig(max_new_tokens=6, temperature=0)
 
 def _prefilled(model, n: int, seed: int):
     ids = torch.randint(3, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
-    cache = hf_compat.full_cache()
+    cache = hf_compat.full_cache(model)
     with torch.no_grad():
         out = model(ids[None], use_cache=True, **hf_compat.with_cache(model, cache))
     return hf_compat.returned_cache(out), out.logits[0, -1].float()

@@ -87,10 +87,11 @@ def extend(lm: LoadedModel, history: HistoryKV | None, pieces: Sequence[tuple[in
     device = lm.device
     ids = torch.tensor(new_ids, dtype=torch.long, device=device)[None]
     positions = torch.arange(start, start + len(new_ids), device=device)[None]
-    past = hf_compat.full_cache()
+    past = hf_compat.full_cache(lm.model)
     if history is not None:
-        past = hf_compat.dynamic_cache([(history.keys[i][None].to(device), history.values[i][None].to(device))
-                                        for i in range(history.keys.shape[0])])
+        past = hf_compat.dynamic_cache(lm.model, [(history.keys[i][None].to(device),
+                                                   history.values[i][None].to(device))
+                                                  for i in range(history.keys.shape[0])])
     base = hf_compat.base_model(lm.model)
     piece = slicing.budget_tokens() or len(new_ids)  # a serve worker's slices (`kvrag.fusion.slicing`), else whole
     with torch.no_grad():

@@ -99,7 +99,7 @@ def _timings_text(answer: Any, phases: dict[str, float | None]) -> str:
     ttft, total = float(answer.ttft_s), float(t.get("total_s", answer.ttft_s))
     retrieve, load, fuse = (float(t.get(name, 0.0)) for name in ("retrieve_s", "load_s", "fuse_s"))
     rows = [("start (Python, kvrag's CLI, arguments)", phases["start"]),
-            ("imports (torch, transformers, kvrag)", phases["import"]),
+            ("imports (torch, kvrag)", phases["import"]),
             ("open (model, index, caches' store)", phases["open"]),
             ("warm-up answers", phases["warmup"]),
             ("retrieve (with the embedder's first load)", retrieve),

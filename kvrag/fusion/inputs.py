@@ -79,7 +79,7 @@ class Segments:
 class FusionResult:
     """The fused cache, the last token's logits and what was recomputed."""
 
-    cache: Any  # transformers DynamicCache over all N tokens
+    cache: Any  # the model's growing cache over all N tokens (`hf_compat.dynamic_cache`)
     logits: torch.Tensor  # [vocab] float32, of the last prompt token
     n_tokens: int
     n_selected: list[int]  # per layer: how many tokens its attention and MLP ran on (a check layer also

@@ -85,7 +85,7 @@ def fuse(lm: LoadedModel, inp: FusionInput, config: FuseConfig, selector: Select
         llama_layer.forget_rotations()
         if feed is not None:
             feed.close()
-    return FusionResult(cache.to_dynamic(), logits, seg.total, n_selected,
+    return FusionResult(cache.to_dynamic(lm.model), logits, seg.total, n_selected,
                         time.perf_counter() - t0, sel, feed.wait_s if feed is not None else 0.0, probe_logits)
 
 

@@ -1,6 +1,6 @@
 """Decoding from a fused cache: the first token comes from the fusion pass's last-token logits,
-the rest from ordinary single-token forward steps over the (growing) `DynamicCache` (run together with other
-answers' steps where a `kvrag.generation.step_batch.StepBatch` is installed).
+the rest from ordinary single-token forward steps over the growing cache (kvrag's `RowCache` or transformers'
+`DynamicCache`; run together with other answers' steps where a `kvrag.generation.step_batch.StepBatch` is installed).
 
 The decoder knows nothing about retrieval; it sees a cache, logits and the next position.
 """

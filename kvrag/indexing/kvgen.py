@@ -45,6 +45,7 @@ def _forward(lm: LoadedModel, prefix: PrefixCache, chunks: list[list[int]]) -> t
         ids[row, : len(chunk)] = torch.tensor(chunk, dtype=torch.long)
     positions = torch.arange(p, p + n_max, device=lm.device)
     cache = hf_compat.dynamic_cache(
+        lm.model,
         [(k.expand(len(chunks), -1, -1, -1).clone(), v.expand(len(chunks), -1, -1, -1).clone())
          for k, v in prefix.kv]
     )

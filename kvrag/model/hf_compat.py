@@ -2,6 +2,11 @@
 runs Llama-family decoder layers from their parts (`run_decoder_layer` chooses it), and in the families
 (`kvrag.model.families`), which say what differs from a Llama in each architecture.
 
+Caches: a model kvrag runs itself (`kvrag.model.native_llama`, ``kvrag_row_cache`` set) grows a `RowCache`, so that
+answering with it never imports transformers; every other model a transformers ``DynamicCache``, imported when the
+first one is made (`dynamic_cache`, `full_cache`). A fusion's `ScatterCache` serves both: decoder layers only call
+its ``update``.
+
 Layout: ``[batch, kv_heads, seq, head_dim]``.
 """
 
@@ -12,10 +17,9 @@ import inspect
 from typing import Any
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer
 
 from kvrag.model import llama_layer
+from kvrag.model.row_cache import RowCache
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -96,13 +100,24 @@ def crop_cache(cache: Any, length: int) -> None:
         cache.value_cache[i] = cache.value_cache[i][..., :length, :]
 
 
-def dynamic_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    """A `DynamicCache` holding the given per-layer ``(keys, values)`` (``[B, H, S, D]``) themselves, not copies.
+def makes_row_cache(model: Any) -> bool:
+    """Whether ``model`` (an LM or its base model) grows kvrag's own `RowCache` instead of a transformers cache."""
+    return bool(getattr(model, "kvrag_row_cache", False))
 
-    ``update`` would concatenate them onto an empty layer: a second copy of the whole cache while the first is
-    still held. A dynamic layer only ever concatenates onto its tensors (new tensors), so the given ones are
-    never written through it.
+
+def dynamic_cache(model: Any, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """A cache for ``model`` holding the given per-layer ``(keys, values)`` (``[B, H, S, D]``) themselves, not
+    copies: a `RowCache` for a model kvrag runs itself, else a transformers ``DynamicCache``.
+
+    A dynamic layer's ``update`` would concatenate them onto an empty layer: a second copy of the whole cache while
+    the first is still held. A dynamic layer only ever concatenates onto its tensors (new tensors), so the given
+    ones are never written through it.
     """
+    if makes_row_cache(model):
+        return RowCache(kv)
+    # lazy: transformers costs a cold process 0.6 s to import, and a model kvrag runs itself never needs it
+    from transformers import DynamicCache
+
     cache = DynamicCache()
     for i, (k, v) in enumerate(kv):
         cache.update(k[..., :0, :], v[..., :0, :], i)  # the layer made and initialised as this version does it
@@ -115,22 +130,26 @@ def dynamic_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
     return cache
 
 
-def full_cache() -> DynamicCache:
-    """An empty cache that keeps every row of every layer: given none, a model with windowed layers makes one that
-    keeps only their last window.
+def full_cache(model: Any) -> Any:
+    """An empty cache for ``model`` that keeps every row of every layer: given none, a model with windowed layers
+    makes one that keeps only their last window.
     """
-    return dynamic_cache([])
+    return dynamic_cache(model, [])
 
 
 def first_layer_keys(model: Any, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotated layer-0 keys ``[1, H, S, D]`` of ``ids`` placed at ``positions``."""
+    """Rotated layer-0 keys ``[1, H, S, D]`` of ``ids`` placed at ``positions``, from the model's own forward (kvrag's
+    own models stop it after layer 0: a thirtieth of the work for SmolLM2, at every cold start).
+    """
     with torch.no_grad():
         base = base_model(model)
-        out = base(input_ids=ids, position_ids=positions, **with_cache(base, full_cache()), use_cache=True)
+        first_only = {"n_layers": 1} if makes_row_cache(base) else {}
+        out = base(input_ids=ids, position_ids=positions, **with_cache(base, full_cache(base)), use_cache=True,
+                   **first_only)
     return cache_layers(returned_cache(out))[0][0]
 
 
-class ScatterLayer(DynamicLayer):
+class ScatterLayer:
     """A cache layer over the full K/V of a sequence that writes fresh rows for selected positions.
 
     Before the decoder layer runs, `rows` is set to the sequence positions of the selected tokens;
@@ -140,7 +159,6 @@ class ScatterLayer(DynamicLayer):
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        super().__init__()
         self.keys, self.values = keys, values  # [1, H, N, D]
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
@@ -160,23 +178,27 @@ class ScatterLayer(DynamicLayer):
 
     def full(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The full keys and values ``[1, H, N, D]`` and the selected rows."""
-        assert self.keys is not None and self.values is not None
         return self.keys, self.values, self.rows
 
 
-class ScatterCache(Cache):
-    """A `Cache` of `ScatterLayer`s: the full K/V of ``[prefix][chunks…][suffix]``, updated in place."""
+class ScatterCache:
+    """`ScatterLayer`s over the full K/V of ``[prefix][chunks…][suffix]``, updated in place. A decoder layer run on
+    its own (transformers' or kvrag's) calls only ``update``, which is all this cache offers it.
+    """
 
     def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        super().__init__(layers=[ScatterLayer(k, v) for k, v in kv])
+        self.layers = [ScatterLayer(k, v) for k, v in kv]
 
     def layer(self, idx: int) -> ScatterLayer:
-        layer = self.layers[idx]
-        assert isinstance(layer, ScatterLayer)
-        return layer
+        return self.layers[idx]
 
-    def to_dynamic(self) -> DynamicCache:
-        return dynamic_cache([self.layer(i).full()[:2] for i in range(len(self.layers))])
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def to_dynamic(self, model: Any) -> Any:
+        """The full rows as ``model``'s growing cache (`dynamic_cache`), for decoding after the fused pass."""
+        return dynamic_cache(model, [layer.full()[:2] for layer in self.layers])
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

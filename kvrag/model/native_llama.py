@@ -6,16 +6,17 @@ quantisation, and its weights are safetensors; `load_native(folder, dtype)` then
 its tokenizer. `cached_hub_folder(repo_id)` finds a hub id's snapshot in the Hugging Face cache, so a model
 transformers downloaded once runs natively afterwards (kvrag downloads nothing itself). Importing transformers'
 Llama modules costs a cold process about 3 s on a 2-core machine (its configuration module alone imports torch's
-compiler and torch.distributed), more than loading the weights; this module imports only transformers' configuration
-base, cache classes and tokenizer backend.
+compiler and torch.distributed), more than loading the weights; this module imports no transformers at all: its
+configuration is the file's fields (`NativeLlamaConfig`), its cache kvrag's `RowCache`, and its tokenizer kvrag's
+`NativeTokenizer` wherever that reads the folder as transformers would (else transformers' fast tokenizer).
 
 The module tree, parameter names and their order are transformers' ``LlamaForCausalLM``'s, so a checkpoint loads
 the same weights under the same names and `kvrag.model.loading.model_fingerprint` gives the same fingerprint: an
 index built with either opens with the other. The forward is the Llama's, computed with the operations of
 `kvrag.model.llama_layer` (the same ones kvrag's selective recompute and token steps run); it equals transformers'
 forward to float rounding and gives the same greedy tokens (`tests/test_native_models.py`). It takes what kvrag
-passes: token ids, positions, a transformers `Cache` to extend; a padding mask is refused. Set
-``KVRAG_NATIVE_MODELS=0`` to load every model through transformers instead.
+passes: token ids, positions, a cache to extend (a `RowCache`, or a transformers cache); a padding mask is
+refused. Set ``KVRAG_NATIVE_MODELS=0`` to load every model through transformers instead.
 """
 
 from __future__ import annotations
@@ -27,24 +28,34 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from huggingface_hub import try_to_load_from_cache
 from safetensors.torch import load_file
 from torch import nn
-from transformers import PreTrainedTokenizerFast
-from transformers.cache_utils import Cache, DynamicCache
-from transformers.configuration_utils import PretrainedConfig
 
 from kvrag.model import hf_compat, llama_layer
+from kvrag.model.native_tokenizer import load_fast_tokenizer
+from kvrag.model.row_cache import RowCache
+
+Cache = Any  # a `RowCache` or a transformers cache: anything with ``update(keys, values, idx)``
 
 ENV_SWITCH = "KVRAG_NATIVE_MODELS"
 # Tokenizer classes whose fast tokenizer is tokenizer.json as it stands (`PreTrainedTokenizerFast` loads it alike).
 _PLAIN_TOKENIZERS = frozenset({"GPT2Tokenizer", "GPT2TokenizerFast", "PreTrainedTokenizerFast", "TokenizersBackend"})
 
 
-class NativeLlamaConfig(PretrainedConfig):
-    """A Llama ``config.json`` as transformers' configuration base reads it (its attributes as the file gives them)."""
+class NativeLlamaConfig:
+    """A Llama ``config.json``'s fields as attributes, as they stand in the file (a field it lacks is no attribute)."""
 
     model_type = "llama"
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+        self._attn_implementation = "sdpa"
+
+    def __getattr__(self, name: str) -> Any:  # a field the file lacks (typed as any field, for readers)
+        raise AttributeError(f"config.json has no {name!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {key: value for key, value in self.__dict__.items() if not key.startswith("_")}
 
 
 def _head_dim(config: NativeLlamaConfig) -> int:
@@ -76,6 +87,8 @@ def cached_hub_folder(repo_id: str, cache_dir: str | Path | None = None) -> Path
     """
     if repo_id.count("/") != 1 or Path(repo_id).exists():
         return None
+    from huggingface_hub import try_to_load_from_cache  # lazy: a local folder never needs the hub's client
+
     try:
         found = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache_dir)
     except ValueError:  # not a valid repository id
@@ -195,7 +208,7 @@ class NativeDecoderLayer(nn.Module):
 
 @dataclass
 class _AppendedRows:
-    """Layer ``idx`` of a transformers cache as a `llama_layer.RowWriter`: the rows are appended."""
+    """Layer ``idx`` of a cache as a `llama_layer.RowWriter`: the rows are appended."""
 
     cache: Cache
     idx: int
@@ -249,6 +262,8 @@ def _causal_mask(n: int, past: int, device: torch.device) -> torch.Tensor | None
 class NativeLlamaModel(nn.Module):
     """Embeddings, decoder layers, final norm and the rotary embedding (transformers' ``LlamaModel``'s names)."""
 
+    kvrag_row_cache = True  # grows a `RowCache` (`kvrag.model.hf_compat.dynamic_cache`)
+
     def __init__(self, config: NativeLlamaConfig) -> None:
         super().__init__()
         self.config = config
@@ -259,28 +274,31 @@ class NativeLlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cache: Cache | None = None,
                 use_cache: bool = True, attention_mask: torch.Tensor | None = None,
-                past_key_values: Cache | None = None, **_: Any) -> NativeOutput:
+                past_key_values: Cache | None = None, n_layers: int | None = None, **_: Any) -> NativeOutput:
         """The last hidden states of ``input_ids`` ``[B, n]`` after ``cache``'s rows (which it extends;
-        ``past_key_values`` is the same argument under transformers' older name).
+        ``past_key_values`` is the same argument under transformers' older name). ``n_layers``: run only the first
+        that many decoder layers (the cache then holds their rows only), for what needs no more.
         """
         cache = past_key_values if cache is None else cache
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("kvrag's native Llama takes no padding mask; pad on the right and read each row's own "
                              "positions, or load the model through transformers (KVRAG_NATIVE_MODELS=0)")
-        cache = DynamicCache() if cache is None else cache
+        cache = RowCache() if cache is None else cache
         past, n = cache.get_seq_length(), input_ids.shape[1]
         if position_ids is None:
             position_ids = torch.arange(past, past + n, device=input_ids.device)[None]
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb(hidden, position_ids)
         mask = _causal_mask(n, past, hidden.device)
-        for layer in self.layers:
+        for layer in self.layers[:n_layers]:
             hidden = layer(hidden, attention_mask=mask, position_embeddings=rope, cache=cache)
         return NativeOutput(last_hidden_state=self.norm(hidden), cache=cache)
 
 
 class NativeLlamaForCausalLM(nn.Module):
     """A Llama with its LM head (transformers' ``LlamaForCausalLM``'s names); see the module docstring."""
+
+    kvrag_row_cache = True
 
     def __init__(self, config: NativeLlamaConfig) -> None:
         super().__init__()
@@ -328,7 +346,6 @@ def load_native(folder: str | Path, dtype: torch.dtype) -> tuple[NativeLlamaForC
     """
     root = Path(folder)
     config = NativeLlamaConfig(**_read_config(root))
-    config._attn_implementation = "sdpa"
     model = NativeLlamaForCausalLM(config)
     weights = {name: tensor.to(dtype) for name, tensor in _load_weights(_weight_files(root)).items()}
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -346,4 +363,5 @@ def load_native(folder: str | Path, dtype: torch.dtype) -> tuple[NativeLlamaForC
                          f"{str(exc).splitlines()[-1].strip()}") from None
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval(), PreTrainedTokenizerFast.from_pretrained(root)
+    return model.eval(), load_fast_tokenizer(root)
+

@@ -34,7 +34,7 @@ def prefix_cache(lm: LoadedModel, prefix_ids: Sequence[int]) -> PrefixCache:
     ids = torch.tensor(list(prefix_ids), dtype=torch.long, device=lm.device)
     with torch.no_grad():
         base = hf_compat.base_model(lm.model)
-        out = base(input_ids=ids[None], **hf_compat.with_cache(base, hf_compat.full_cache()), use_cache=True)
+        out = base(input_ids=ids[None], **hf_compat.with_cache(base, hf_compat.full_cache(base)), use_cache=True)
     kv = [(k.clone(), v.clone()) for k, v in hf_compat.cache_layers(hf_compat.returned_cache(out))]
     return PrefixCache(ids, kv)
 

@@ -46,7 +46,7 @@ RUNS_KEPT = 4096  # runs whose answers are counted
 def prompt_pass(lm: LoadedModel, ids: Sequence[int], lock: threading.RLock, slice_tokens: int) -> PromptPass:
     """Prefill ``ids`` in slices of at most ``slice_tokens``, holding ``lock`` for one slice at a time."""
     tokens = torch.tensor([int(t) for t in ids], dtype=torch.long, device=lm.device)
-    base, cache = hf_compat.base_model(lm.model), hf_compat.full_cache()
+    base, cache = hf_compat.base_model(lm.model), hf_compat.full_cache(lm.model)
     for start in range(0, len(tokens), slice_tokens):
         with lock, torch.no_grad():
             out = base(input_ids=tokens[None, start:start + slice_tokens], **hf_compat.with_cache(base, cache),

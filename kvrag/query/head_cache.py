@@ -188,7 +188,7 @@ def _extend(lm: LoadedModel, start: PrefixCache, ids: tuple[int, ...]) -> Prefix
     device = lm.device
     new = torch.tensor(ids[n:], dtype=torch.long, device=device)[None]
     positions = torch.arange(n, len(ids), device=device)[None]
-    past = hf_compat.dynamic_cache(list(start.kv))
+    past = hf_compat.dynamic_cache(lm.model, list(start.kv))
     with torch.no_grad():
         base = hf_compat.base_model(lm.model)
         out = base(input_ids=new, position_ids=positions, **hf_compat.with_cache(base, past), use_cache=True)

@@ -114,6 +114,8 @@ def test_the_template_environment_is_transformers(tmp_path: Path) -> None:
     for prompt in (True, False):
         assert (ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
                 == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert ours.apply_chat_template(messages[:1], tokenize=False, tools=tools).endswith("FalseTrue")
     with pytest.raises(jinja2.exceptions.TemplateError, match="no bad roles"):
         ours.apply_chat_template([{"role": "bad", "content": ""}], tokenize=False)
     with pytest.raises(jinja2.exceptions.SecurityError):

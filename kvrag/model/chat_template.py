@@ -6,8 +6,8 @@ strings, lists and numbers): the template compiled once in jinja2's immutable sa
 ``lstrip_blocks``, the loop controls, a ``{% generation %}`` block that renders its body, a ``tojson`` that keeps
 non-ASCII text, and the globals ``raise_exception``, ``strftime_now``, ``dict`` and ``namespace`` (one that refuses
 names starting with ``_``). The template sees ``messages`` (keys whose value is None dropped; a message's reasoning
-under any of its names also given as ``reasoning_content`` and ``thinking``), ``tools`` and ``documents`` (None),
-``add_generation_prompt``, and the tokenizer's named special tokens.
+under any of its names also given as ``reasoning_content`` and ``thinking``), ``tools`` and ``documents`` (None
+unless given, as JSON-like data), ``add_generation_prompt``, and the tokenizer's named special tokens.
 """
 
 from __future__ import annotations
@@ -103,8 +103,11 @@ def _message(message: Mapping[str, Any]) -> dict[str, Any]:
 
 def render(template: str, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
            specials: Mapping[str, Any]) -> str:
-    """``messages`` in ``template`` (see the module docstring); ``specials``: the named special tokens' texts."""
+    """``messages`` in ``template`` (see the module docstring); ``specials``: the named special tokens' texts and
+    any other variable the caller gives the template (``tools`` and ``documents`` as JSON-like data among them).
+    """
     if not messages:
         raise ValueError("cannot apply a chat template to an empty conversation")
-    return compiled(template).render(messages=[_message(m) for m in messages], tools=None, documents=None,
-                                     add_generation_prompt=add_generation_prompt, **specials)
+    context = {"tools": None, "documents": None, **specials}
+    return compiled(template).render(messages=[_message(m) for m in messages],
+                                     add_generation_prompt=add_generation_prompt, **context)

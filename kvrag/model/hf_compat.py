@@ -60,9 +60,13 @@ def final_logits(model: Any, hidden: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
+def _parameters(forward: Any) -> frozenset[str]:
+    """The names a forward method takes."""
+    return frozenset(inspect.signature(forward).parameters)
+
+
 def _cache_keyword(forward: Any) -> str:
-    params = inspect.signature(forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    return "cache" if "cache" in _parameters(forward) else "past_key_values"
 
 
 def with_cache(module: Any, cache: Any) -> dict[str, Any]:
@@ -138,12 +142,13 @@ def full_cache(model: Any) -> Any:
 
 
 def first_layer_keys(model: Any, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotated layer-0 keys ``[1, H, S, D]`` of ``ids`` placed at ``positions``, from the model's own forward (kvrag's
-    own models stop it after layer 0: a thirtieth of the work for SmolLM2, at every cold start).
+    """Rotated layer-0 keys ``[1, H, S, D]`` of ``ids`` placed at ``positions``, from the model's own forward (stopped
+    after layer 0 where it takes ``n_layers``, as kvrag's own models do: a thirtieth of the work for SmolLM2, at every
+    cold start).
     """
     with torch.no_grad():
         base = base_model(model)
-        first_only = {"n_layers": 1} if makes_row_cache(base) else {}
+        first_only = {"n_layers": 1} if "n_layers" in _parameters(type(base).forward) else {}
         out = base(input_ids=ids, position_ids=positions, **with_cache(base, full_cache(base)), use_cache=True,
                    **first_only)
     return cache_layers(returned_cache(out))[0][0]
@@ -160,8 +165,7 @@ class ScatterLayer:
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.keys, self.values = keys, values  # [1, H, N, D]
-        self.dtype, self.device = keys.dtype, keys.device
-        self.is_initialized = True
+        self.dtype = keys.dtype
         self.rows: torch.Tensor | None = None
         self.limit: int | None = None
 

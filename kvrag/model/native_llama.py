@@ -364,4 +364,3 @@ def load_native(folder: str | Path, dtype: torch.dtype) -> tuple[NativeLlamaForC
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval(), load_fast_tokenizer(root)
-

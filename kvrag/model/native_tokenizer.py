@@ -64,16 +64,14 @@ def _special_texts(settings: Mapping[str, Any]) -> list[str]:
     return [t for t in texts if t is not None]
 
 
-def _read(root: Path) -> tuple[Tokenizer, dict[str, Any]] | str:
-    """The folder's backend tokenizer and settings, or why they cannot be read (one phrase)."""
+def _open(root: Path) -> tuple[Tokenizer, dict[str, Any]] | str:
+    """The folder's backend tokenizer and settings, or why `NativeTokenizer` does not read them (one phrase):
+    unreadable, or read otherwise by transformers.
+    """
     try:
-        return Tokenizer.from_file(str(root / "tokenizer.json")), _settings(root)
+        backend, settings = Tokenizer.from_file(str(root / "tokenizer.json")), _settings(root)
     except Exception as exc:  # the tokenizers library raises its own exception type for a malformed file
         return f"no readable tokenizer.json and tokenizer_config.json ({type(exc).__name__})"
-
-
-def _refusal(root: Path, backend: Tokenizer, settings: Mapping[str, Any]) -> str | None:
-    """Why transformers would read this folder's tokenizer otherwise than `NativeTokenizer` does, or None."""
     held = {token.content for token in backend.get_added_tokens_decoder().values()}
     checks = {
         "special or added tokens that tokenizer.json does not hold": not set(_special_texts(settings)) <= held,
@@ -81,13 +79,13 @@ def _refusal(root: Path, backend: Tokenizer, settings: Mapping[str, Any]) -> str
                                          or (root / "additional_chat_templates").is_dir()),
         "a vocabulary of more than 100,000 tokens": backend.get_vocab_size(with_added_tokens=True) > _LARGE_VOCAB,
     }
-    return next((reason for reason, failed in checks.items() if failed), None)
+    return next((reason for reason, failed in checks.items() if failed), (backend, settings))
 
 
 def native_tokenizer_reason(folder: str | Path) -> str | None:
     """Why ``folder``'s tokenizer is not read by `NativeTokenizer` (one phrase), or None when it is."""
-    read = _read(Path(folder))
-    return read if isinstance(read, str) else _refusal(Path(folder), *read)
+    opened = _open(Path(folder))
+    return opened if isinstance(opened, str) else None
 
 
 class Encoded(dict[str, Any]):
@@ -114,7 +112,7 @@ class NativeTokenizer:
         """``backend`` as ``tokenizer.json`` (``source``, where a padded copy is read from) gives it, ``settings`` as
         ``tokenizer_config.json`` gives them.
         """
-        self._padded: dict[int | None, Tokenizer] = {}
+        self._padded: dict[int, Tokenizer] = {}  # by max_length
         self._source = source
         pad, cut = backend.padding or {}, backend.truncation or {}
         self._pad_side, self._pad_type = str(pad.get("direction", "right")), int(pad.get("pad_type_id", 0))
@@ -132,12 +130,10 @@ class NativeTokenizer:
     def from_folder(cls, folder: str | Path) -> NativeTokenizer:
         """The tokenizer of a folder `native_tokenizer_reason` accepts (`ValueError` for one it refuses)."""
         root = Path(folder)
-        read = _read(root)
-        reason = read if isinstance(read, str) else _refusal(root, *read)
-        if reason is not None:
-            raise ValueError(f"kvrag's tokenizer cannot read {root} as transformers would: {reason}")
-        assert not isinstance(read, str)
-        return cls._made(root, *read)
+        opened = _open(root)
+        if isinstance(opened, str):
+            raise ValueError(f"kvrag's tokenizer cannot read {root} as transformers would: {opened}")
+        return cls._made(root, *opened)
 
     @classmethod
     def _made(cls, root: Path, backend: Tokenizer, settings: Mapping[str, Any]) -> NativeTokenizer:
@@ -161,15 +157,9 @@ class NativeTokenizer:
     bos_token_id = property(lambda self: self.special_token_id("bos_token"))
     eos_token_id = property(lambda self: self.special_token_id("eos_token"))
     pad_token_id = property(lambda self: self.special_token_id("pad_token"))
-    unk_token_id = property(lambda self: self.special_token_id("unk_token"))
 
     def __len__(self) -> int:
         return int(self.backend_tokenizer.get_vocab_size(with_added_tokens=True))
-
-    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | None | list[int | None]:
-        if isinstance(tokens, str):
-            return self.backend_tokenizer.token_to_id(tokens)
-        return [self.backend_tokenizer.token_to_id(t) for t in tokens]
 
     def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True,
                  return_offsets_mapping: bool = False, padding: bool | str = False, truncation: bool | str = False,
@@ -238,9 +228,9 @@ def load_fast_tokenizer(folder: str | Path) -> Any:
     transformers' ``PreTrainedTokenizerFast`` (imported then), which reads it as it stands either way.
     """
     root = Path(folder)
-    read = _read(root)
-    if not isinstance(read, str) and _refusal(root, *read) is None:
-        return NativeTokenizer._made(root, *read)
+    opened = _open(root)
+    if not isinstance(opened, str):
+        return NativeTokenizer._made(root, *opened)
     from transformers import PreTrainedTokenizerFast  # lazy: 0.6 s of a cold process
 
     return PreTrainedTokenizerFast.from_pretrained(root)

@@ -75,6 +75,8 @@ def test_a_padded_cut_batch_equals_transformers(folder: Path) -> None:
         for key in got:
             assert torch.equal(got[key], want[key]), key
     assert ours("plain", padding=False)["input_ids"] == theirs("plain")["input_ids"]  # later calls stay unpadded
+    one, want_one = ours("one text", return_tensors="pt"), theirs("one text", return_tensors="pt")
+    assert torch.equal(one["input_ids"], want_one["input_ids"])  # [1, n], as transformers gives one text
 
 
 def test_chat_templates_render_as_transformers_renders_them(folder: Path) -> None:

@@ -165,7 +165,7 @@ class NativeTokenizer:
                  return_offsets_mapping: bool = False, padding: bool | str = False, truncation: bool | str = False,
                  max_length: int | None = None, return_tensors: str | None = None, **_: Any) -> Encoded:
         """``text``'s (or each text's) ids and attention mask; padded to the longest and cut at ``max_length`` when
-        asked; as torch tensors with ``return_tensors="pt"``.
+        asked; as torch tensors ``[n_texts, n]`` with ``return_tensors="pt"`` (one text too, as transformers does).
         """
         backend = self._backend(padding, truncation, max_length)
         texts = [text] if isinstance(text, str) else list(text)
@@ -177,7 +177,9 @@ class NativeTokenizer:
             out = Encoded({key: torch.tensor(rows) for key, rows in out.items()})
         elif return_tensors is not None:
             raise ValueError(f"return_tensors must be 'pt' or None, got {return_tensors!r}")
-        return Encoded({key: rows[0] for key, rows in out.items()}) if isinstance(text, str) else out
+        if isinstance(text, str) and return_tensors is None:  # one text's lists unbatched; its tensors keep [1, n]
+            return Encoded({key: rows[0] for key, rows in out.items()})
+        return out
 
     def _backend(self, padding: bool | str, truncation: bool | str, max_length: int | None) -> Tokenizer:
         """The plain backend, or a copy that pads to the longest and cuts at ``max_length`` (made once per length)."""

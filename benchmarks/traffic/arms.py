@@ -17,7 +17,8 @@ Contract:
   framework, as one application runs one framework, so neither evicts the other's prompts); ``prefix-index``
   and ``prefix-passages`` (a plain prefix cache: kvrag with fusion off, `PREFIX_GATE`, over the index or over a
   passage cache); ``kvrag-index`` and ``kvrag-passages`` (kvrag's default gate: long prompts prefilled in full
-  unless read in place or kept); ``fuse-index`` and ``fuse-passages`` (fusion opted into, `FUSE_GATE`).
+  unless read in place or kept); ``fuse-index`` and ``fuse-passages`` (fusion opted into, `FUSE_GATE`). A passage
+  arm named ``NAME@SIZE`` (``fuse-passages@400MB``) bounds its store to SIZE, beside the same arm unbounded.
   Every kvrag arm has its own backend object (its own kept heads and prompts, decoded tier and, for a passage
   cache, its own store), sharing only the loaded model, so no arm reads what another kept.
 - `timed` streams one answer: TTFT to the first piece with more than whitespace, from the framework call (query
@@ -256,8 +257,10 @@ def open_arms(frameworks: list[str], arms: list[str], lm: Any, index: Path, cach
                 settings["mode"] = "full"
             elif name.endswith("-index"):
                 backend = KVRag.open(index, model=lm)
-            else:
-                backend = PassageCache.open(lm, f"file://{caches}/{fw}-{name}?max_bytes=50GB")
+            else:  # NAME@SIZE: the passage cache bounded to SIZE (50 GB, more than any stream fills, otherwise)
+                bound = name.partition("@")[2] or "50GB"
+                folder = f"{fw}-{name.replace('@', '-bound-')}"
+                backend = PassageCache.open(lm, f"file://{caches}/{folder}?max_bytes={bound}")
             if name.startswith(("prefix-", "fuse-")):
                 settings["gate"] = PREFIX_GATE if name.startswith("prefix-") else FUSE_GATE
             out.append(make(name, llm_class(rag=backend, **settings), backend, retrievers, k))

@@ -28,6 +28,12 @@ ARM_LABEL = {"full": "full (plain prefill)", "llama.cpp": "llama.cpp server (pro
              "fuse-index": "kvrag fusion, index", "fuse-passages": "kvrag fusion, passage cache"}
 
 
+def arm_label(arm: str) -> str:
+    """The arm's name in tables and plots (``NAME@SIZE``: the arm's label with its store's bound)."""
+    name, _, bound = arm.partition("@")
+    return ARM_LABEL.get(name, name) + (f", bounded to {bound}" if bound else "")
+
+
 def _finite(values: Sequence[Any]) -> list[float]:
     return [float(v) for v in values if v is not None and math.isfinite(float(v))]
 
@@ -72,7 +78,7 @@ def summarise(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = with_agreement(rows)
     out = []
     frameworks = list(dict.fromkeys(r["framework"] for r in rows))
-    arms = [a for a in ARM_ORDER if any(r["arm"] == a for r in rows)]
+    arms = sorted({r["arm"] for r in rows}, key=lambda a: (ARM_ORDER.index(a.partition("@")[0]), a))
     for fw in frameworks:
         for arm in arms:
             mine = [r for r in rows if r["framework"] == fw and r["arm"] == arm]
@@ -99,7 +105,7 @@ def table(summary: Sequence[dict[str, Any]], phase: str) -> str:
     headers = ["framework", "arm", "n", "TTFT mean s", "TTFT p50 s", "TTFT p99 s", "prompt tokens",
                "read from cache", "disk MB", "memory MB", "same text as full", "agreement F1", "right"]
     return common.markdown_table(headers, [
-        [s["framework"], ARM_LABEL.get(s["arm"], s["arm"]), s["n"], s["ttft_mean_s"], s["ttft_p50_s"],
+        [s["framework"], arm_label(s["arm"]), s["n"], s["ttft_mean_s"], s["ttft_p50_s"],
          s["ttft_p99_s"], "–" if not math.isfinite(s["prompt_tokens_mean"]) else f"{s['prompt_tokens_mean']:.0f}",
          _pct(s["read_share"]), _mb(s["held_disk_bytes"]), _mb(s["held_memory_bytes"]), _pct(s["same_as_full"]),
          "–" if not math.isfinite(s["agreement_f1"]) else f"{s['agreement_f1']:.3f}", s["right"]]
@@ -141,7 +147,7 @@ def plot(rows: Sequence[dict[str, Any]], run: dict[str, Any], path: Path, window
                 half = window // 2
                 rolled = [statistics.median(ys[max(0, i - half): i + half + 1]) for i in range(len(ys))]
                 color = None if line is None else line.get_color()
-                label = ARM_LABEL.get(arm, arm) if line is None else None
+                label = arm_label(arm) if line is None else None
                 line = ax.plot(xs, rolled, label=label, linewidth=1.4, color=color)[0]
                 ax.scatter(xs, ys, s=5, alpha=0.25, color=line.get_color())
         for restart in run["restarts"]:

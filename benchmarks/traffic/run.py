@@ -63,7 +63,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1, help="the seed of the ranking and the draws")
     p.add_argument("--k", type=int, default=16, help="passages each retriever returns")
     p.add_argument("--frameworks", default=",".join(FRAMEWORKS))
-    p.add_argument("--arms", default=",".join(ARMS), help="comma list of " + ", ".join(ARMS))
+    p.add_argument("--arms", default=",".join(ARMS),
+                   help="comma list of " + ", ".join(ARMS) + "; a passage arm NAME@SIZE has its store bounded to SIZE")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--max-chunk-tokens", type=int, default=2048, help="a longer passage is split")
@@ -90,8 +91,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.frameworks_list = [f for f in args.frameworks.split(",") if f]
     args.arms_list = [a for a in args.arms.split(",") if a]
     args.restarts = sorted({int(t) for t in args.restart_at.split(",") if t.strip()})
-    if set(args.frameworks_list) - set(FRAMEWORKS) or set(args.arms_list) - set(ARMS):
+    if set(args.frameworks_list) - set(FRAMEWORKS) or {a.partition("@")[0] for a in args.arms_list} - set(ARMS):
         p.error(f"--frameworks takes {', '.join(FRAMEWORKS)}; --arms takes {', '.join(ARMS)}")
+    bounded = [a.partition("@") for a in args.arms_list if "@" in a]
+    if any(not (name.endswith("-passages") and bound) for name, _, bound in bounded):
+        p.error("only a passage arm takes a bound: NAME-passages@SIZE, e.g. fuse-passages@400MB")
     if "full" not in args.arms_list:
         p.error("--arms must include full: agreement is measured against it")
     if not (4 <= args.k <= 16):

@@ -123,6 +123,23 @@ def test_blobs_read_again_hold_at_most_the_protected_share_and_the_least_recent_
     assert store.popularity()["protected_bytes"] == 40 * 2000
 
 
+
+def test_a_peek_reads_a_blob_without_counting_a_use(bounded):
+    store = bounded(100_000)
+    peeked, read = [_blob(i, 2000)[0] for i in range(5)], [_blob(i, 2000)[0] for i in range(5, 10)]
+    for key in peeked + read:
+        store.put(key, bytes(2000))
+    for key in peeked:  # as a blob just stored is read back to be held decoded in memory
+        fh = store.peek(key)
+        assert fh is not None and fh.read() == bytes(2000)
+        fh.close()
+    for key in read:
+        assert _read(store, key)
+    for i in range(100, 400):
+        store.put(_blob(i, 2000)[0], bytes(2000))
+    assert not any(store.contains(key) for key in peeked)  # never asked for again: out with the stream
+    assert all(store.contains(key) for key in read)
+
 def test_a_disk_store_whose_read_record_cannot_be_opened_evicts_least_recently_used(tmp_path, caplog):
     (tmp_path / "protected.sqlite").mkdir()  # not a database
     store = BoundedDiskStore(tmp_path, max_bytes=20_000, fsync=False)

@@ -79,7 +79,7 @@ def test_passages_after_the_kept_run_are_fused_from_their_stored_caches(cache: P
     cache.warm([delta], show_progress=False)
     other = [*PASSAGES[:2], delta]
     prompt = chat_prompt(cache.lm.tokenizer, _prompt("Who built the telescope?", other))
-    found, _ = cache._lookup(prompt, other)
+    found, _, _ = cache._lookup(prompt, other)
     laid = lay_out_prompt(cache.context, prompt, found, kept=True)
     assert [c.text for c in laid.kept] == other[:2]  # inside the kept prompt's rows: read from them
     assert [c.text for c in laid.chunks if c is not None] == [delta]  # after them: its stored cache fused

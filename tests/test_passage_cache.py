@@ -90,7 +90,7 @@ def test_an_edited_passage_is_a_new_key_never_served_stale(cache: PassageCache):
     prompt, texts = chat_prompt(cache.lm.tokenizer, raw), find_passages(raw)
     # the edited passage is new; the next one's stored rows followed the old text: an answer that does not fuse
     # reads no such rows, one that fuses does (its context is what fusion recomputes), never the old passage's
-    unfused, _, _ = look_up(cache.keys, cache.lm.tokenizer, cache.passage_ids, prompt, texts)
+    unfused, _, _, _ = look_up(cache.keys, cache.lm.tokenizer, cache.passage_ids, prompt, texts)
     assert [c.text for c in unfused] == PASSAGES[2:]
     answer = cache.answer_prompt(prompt, "probe", passages=texts, max_new_tokens=1)
     assert [c.text for c in answer.chunks] == PASSAGES[1:] and not any(c.in_place for c in answer.chunks)

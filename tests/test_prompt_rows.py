@@ -34,7 +34,7 @@ def test_a_passage_is_stored_as_its_rows_in_the_prompt_that_first_held_it(raw_ca
     prompt = chat_prompt(lm.tokenizer, _prompt("Who designed the alpha reactor?"))
     assert raw_cache.answer_prompt(prompt, passages=PASSAGES, max_new_tokens=3).chunks == []  # first sight: a prefill
     assert raw_cache.flush(60) and raw_cache.stats.stored == 3
-    found, missing = raw_cache._lookup(prompt, PASSAGES)
+    found, missing, _ = raw_cache._lookup(prompt, PASSAGES)
     assert not missing and len(found) == 3
     prompt_ids = encode(lm.tokenizer, prompt)
     rows = _full_rows(lm, prompt_ids)
@@ -82,7 +82,7 @@ def test_stored_rows_are_read_after_the_passage_they_followed_and_anywhere_by_a_
     assert raw_cache.flush(60)
     moved = [PASSAGES[0], PASSAGES[2], PASSAGES[1]]
     # an answer that does not fuse reads them only after the passage they followed: the others follow another now
-    unfused, _, _ = look_up(raw_cache.keys, raw_cache.lm.tokenizer, raw_cache.passage_ids, prompt_of(moved), moved)
+    unfused, _, _, _ = look_up(raw_cache.keys, raw_cache.lm.tokenizer, raw_cache.passage_ids, prompt_of(moved), moved)
     assert [c.text for c in unfused] == PASSAGES[:1]
     # one that fuses reads every passage's rows wherever it stands: their context is what fusion recomputes
     assert [c.text for c in ask(moved, mode="probe").chunks] == moved

@@ -15,10 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvrag.codec import make_codec
 from kvrag.model.rope import layer_ropes, rotate_layers
-from kvrag.passages import PassageCache
+from kvrag.passages import PassageCache, open_cache_store
 from kvrag.passages.exact_pass import prompt_pass
 from kvrag.passages.keys import PassageKeys
+from kvrag.passages.pending import FoundPassage
 from kvrag.passages.prompt_rows import find_run
 from kvrag.query.locate import chat_prompt, encode
 from tests.test_passage_cache import PASSAGES, _prompt
@@ -68,9 +70,9 @@ def test_a_blob_gone_after_the_lookup_is_answered_by_a_full_prefill(raw_cache: P
     lookup = raw_cache._lookup
 
     def lookup_then_evict(prompt, texts, anywhere=False):
-        found, missing = lookup(prompt, texts, anywhere)
+        found, missing, reached = lookup(prompt, texts, anywhere)
         raw_cache.store.delete(found[1].key)  # another process evicts it between the lookup and the read
-        return found, missing
+        return found, missing, reached
 
     raw_cache._lookup = lookup_then_evict  # type: ignore[method-assign]
     again = _ask(raw_cache, question)
@@ -105,6 +107,58 @@ def test_a_link_reaches_only_the_blob_it_names_while_it_is_stored(raw_cache: Pas
     assert keys.stored([8, 9]) == first and keys.stored([8, 9], seen=True) is None
 
 
+
+
+def test_passages_stored_after_an_answer_wait_on_probation_until_a_prompt_asks_for_them(raw_cache: PassageCache):
+    question = "Who designed the alpha reactor?"
+    _ask(raw_cache, question, max_new_tokens=1)
+    assert raw_cache.flush(60)
+    assert len(raw_cache.kvstore.decoded) > 0  # read back and held decoded in memory, for the next prompt
+    assert raw_cache.store.protected.keys() == set()  # yet not counted as asked for again
+    raw_cache.heads.clear_prompts()
+    again = _ask(raw_cache, question)
+    assert again.chunks and raw_cache.store.protected.keys() >= {c.key for c in again.chunks}
+
+def test_a_passage_in_use_keeps_every_link_to_its_rows_under_a_byte_bound(tiny_lm, tmp_path: Path):
+    """Read after the same passage each time, a passage's seen link is never opened; without `keep` it ages on
+    probation and is evicted while its blob, read each time, is protected: the passage is then lost to any prompt
+    that places it after another passage.
+    """
+    store_url = f"file://{tmp_path}/c?max_bytes=100kB"
+    with PassageCache(tiny_lm, open_cache_store(store_url), codec=make_codec("raw")) as cache:
+        keys, store = cache.keys, cache.store
+        keys.digest = keys.digest or "none"
+        kept, aged = ((5, 6, 7), (1, 2)), ((8, 9), (3, 4))
+        blobs = {}
+        for ids, before in (kept, aged):
+            blobs[ids] = keys.key(ids, context=str(ids[0]) * 40)
+            store.put(blobs[ids], b"r" * 5_000)
+            keys.link(ids, before, blobs[ids])
+        for i in range(60):  # a stream of other passages, each stored once and never read again
+            store.put(f"{i:040x}", b"o" * 5_000)
+            for ids, before in (kept, aged):
+                assert keys.stored(ids, before) == blobs[ids]  # found after the same passage, as before
+                cache.kvstore.touch(blobs[ids])  # and read (fusion opens it, or the decoded tier touches it)
+            keys.keep([FoundPassage(kept[0], kept[1], blobs[kept[0]], prompt_rows=True)])
+        assert store.contains(blobs[kept[0]]) and store.contains(blobs[aged[0]])  # both blobs still held
+        assert keys.stored(kept[0], seen=True) == blobs[kept[0]]  # found wherever it stands, by a fusing answer
+        assert keys.stored(aged[0], seen=True) is None  # its seen link was evicted under the blob it names
+
+
+def test_keep_points_a_dangling_seen_key_at_rows_a_prompt_computed_not_at_a_plain_cache(raw_cache: PassageCache):
+    keys, store = raw_cache.keys, raw_cache.store
+    keys.digest = keys.digest or "none"
+    ids, before = (5, 6, 7), (1, 2)
+    in_place = keys.key(ids, context="c" * 40)
+    plain = keys.key((8, 9))
+    assert in_place is not None and plain is not None
+    for key in (in_place, plain):
+        store.put(key, b"blob")
+    assert keys.stored(ids, seen=True) is None and keys.stored((8, 9), seen=True) is None  # never linked
+    keys.keep([FoundPassage(ids, before, in_place, prompt_rows=True), FoundPassage((8, 9), (1, 2), plain, False)])
+    assert keys.stored(ids, seen=True) == in_place  # rows computed in a prompt: what a seen key describes
+    assert keys.stored((8, 9), seen=True) is None  # a cache computed alone is read through its plain key
+
 def test_passage_caches_default_to_int8_and_the_url_names_another_codec(tiny_lm, tmp_path: Path):
     with PassageCache.open(tiny_lm, f"file://{tmp_path}/a?max_bytes=50MB") as default:
         assert default.kvstore.codec.name == "int8"
@@ -135,7 +189,7 @@ def _assert_rows_are_the_full_prefills(cache: PassageCache, question: str) -> No
     """Every passage's stored in-place rows, placed back, equal a full prefill's rows of the prompt there."""
     lm = cache.lm
     prompt = chat_prompt(lm.tokenizer, _prompt(question))
-    found, missing = cache._lookup(prompt, PASSAGES)
+    found, missing, _ = cache._lookup(prompt, PASSAGES)
     assert not missing and [c.in_place for c in found] == [True] * len(PASSAGES)
     ids = encode(lm.tokenizer, prompt)
     rows = _full_rows(lm, ids)
@@ -183,7 +237,7 @@ def test_a_fused_pass_or_a_full_one_stores_no_rows_in_place_for_passages_found_e
     assert [c.text for c in fused.chunks] == PASSAGES and full.chunks == []
     assert raw_cache.flush(60) and raw_cache.stats.stored == stored
     raw_cache.heads.clear_prompts()
-    found, missing = raw_cache._lookup(chat_prompt(raw_cache.lm.tokenizer, _prompt(question)), PASSAGES)
+    found, missing, _ = raw_cache._lookup(chat_prompt(raw_cache.lm.tokenizer, _prompt(question)), PASSAGES)
     assert [c.text for c in found] == PASSAGES and not any(c.in_place for c in found)
     assert all(m.elsewhere for m in missing)  # to be stored in place only from an exact answer
 

@@ -99,7 +99,7 @@ def main() -> None:
             cache.flush()
             ctx.heads.clear_prompts()
             # the earlier prompt's caches, each keyed after its neighbour there, placed wherever the target has them
-            found, _ = cache._lookup(before, cache.passages_in(before))
+            found, _, _ = cache._lookup(before, cache.passages_in(before))
             laid = lay_out_prompt(ctx, target, found)
             read = [j for j, c in enumerate(laid.chunks) if c is not None]  # each piece read, prefilled alone
             alone = dict(chunk_caches(cache.lm, cache.prefix, [laid.piece_ids[j].tolist() for j in read]))

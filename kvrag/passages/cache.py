@@ -57,7 +57,7 @@ from kvrag.passages.exact_pass import ExactPasses
 from kvrag.passages.finder import MIN_CHARS, find_passages, split_passages
 from kvrag.passages.keys import PassageKeys
 from kvrag.passages.lookup import look_up
-from kvrag.passages.pending import CacheStats, MissingPassage
+from kvrag.passages.pending import CacheStats, FoundPassage, MissingPassage
 from kvrag.passages.prompt_rows import rows_of_passes
 from kvrag.prompt import build_layout
 from kvrag.query.answer import Answer, RetrievedChunk, finish
@@ -185,15 +185,16 @@ class PassageCache:
         return encode(self.lm.tokenizer, text.strip())
 
     def _lookup(self, prompt: str, texts: Iterable[str], anywhere: bool = False,
-                ) -> tuple[list[RetrievedChunk], list[MissingPassage]]:
+                ) -> tuple[list[RetrievedChunk], list[MissingPassage], list[FoundPassage]]:
         """The passages of ``texts`` in ``prompt`` whose caches are stored (``anywhere``: also rows computed after
-        other text, for an answer that fuses), and those to store after the answer
+        other text, for an answer that fuses), those to store after the answer, and how the found ones were reached
         (`kvrag.passages.lookup.look_up`), counted in `stats`.
         """
-        found, missing, looked_up = look_up(self.keys, self.lm.tokenizer, self.passage_ids, prompt, texts, anywhere)
+        found, missing, looked_up, reached = look_up(self.keys, self.lm.tokenizer, self.passage_ids, prompt, texts,
+                                                     anywhere)
         self.stats.looked_up += looked_up
         self.stats.found += len(found)
-        return found, missing
+        return found, missing, reached
 
     # -- answers ---------------------------------------------------------------------------------
 
@@ -217,7 +218,7 @@ class PassageCache:
         plain = asked.kind.recomputes_all  # a full prefill: the prompt as one text, nothing stored
         with self._lock:
             texts = [] if plain else self.passages_in(written or prompt) if passages is None else passages
-            found, missing = self._lookup(prompt, texts, anywhere=gate_config is None or gate_config.fuses)
+            found, missing, reached = self._lookup(prompt, texts, anywhere=gate_config is None or gate_config.fuses)
             recovered = self.recovered
             fused = prepare_prompt(self.context, prompt, found, asked, gate_config)
             if fused.gate is not None and fused.gate.decision == "stored" and self.recovered != recovered:
@@ -226,6 +227,7 @@ class PassageCache:
         try:
             yield from fused.stream(generate)
         finally:  # after the answer (or a stream closed early): never on its critical path
+            self.keys.keep(reached)  # before the stores below evict anything
             source = None if fused.prompt_ids is None else (fused.prompt_ids, hf_compat.cache_layers(fused.fused.cache))
             exact = fused.exact_rows  # a passage found elsewhere is stored in place from a full prefill's rows only
             self._writer.submit([replace(m, source=source, exact=exact) for m in missing if exact or not m.elsewhere])

@@ -18,15 +18,21 @@ Contract:
   (`link`). A link never names an entry its key does not describe, so an evicted or rewritten blob is a miss, never
   another context's rows. `stored` follows a link to a blob that is present; a dangling link is overwritten by the
   next `link`.
+- Links live in the same bounded store as the blobs and age as they do. A passage reached through one of its keys
+  leaves its others unread, and those would be evicted while its blob is still read: rows that come back after
+  another passage could no longer be found. So after each answer `keep` marks every found passage's blob used,
+  with each of its links (its after, plain and seen keys: opening a link is a use), and points its seen key at its
+  blob where that key reaches none and the blob holds a prompt's rows.
 - Keys are None while the codec has no fitted state (`digest` None): nothing is read or stored yet.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kvrag.passages.pending import FoundPassage
 from kvrag.storage.keys import chunk_key
 from kvrag.storage.kvstore import KVStore
 
@@ -102,3 +108,16 @@ class PassageKeys:
         for key in (self.key(ids, after), self.key(ids, seen=True) if after else None):
             if key is not None and key != target and self._reached(key) is None:
                 self.store.put(_link_key(key), target.encode("ascii"))
+
+    def keep(self, found: Iterable[FoundPassage]) -> None:
+        """Mark each found passage's blob used with the links that reach it, and point its seen key at the blob where
+        that key reaches none and the blob holds a prompt's rows (the module contract).
+        """
+        for passage in found:
+            self.kvstore.touch(passage.key)
+            for key in dict.fromkeys((self.key(passage.ids, passage.after), self.key(passage.ids))):
+                if key is not None:
+                    self._reached(key)  # a link is opened, so used, where the key has one
+            seen = self.key(passage.ids, seen=True)
+            if seen is not None and self._reached(seen) is None and passage.prompt_rows:
+                self.store.put(_link_key(seen), passage.key.encode("ascii"))

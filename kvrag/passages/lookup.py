@@ -4,7 +4,8 @@ Contract: `look_up(keys, tokenizer, passage_ids, prompt, texts)` returns, in pro
 found in ``prompt`` whose caches are stored (`RetrievedChunk`, ``in_place`` when their rows were computed after
 exactly the tokens before them here), the passages whose rows here are to be stored after the answer
 (`MissingPassage`: the others, and those found but not in place, ``elsewhere``, stored in place only from an exact
-pass), and how many passages were looked up.
+pass), how many passages were looked up, and how each found one was reached (`FoundPassage`, for
+`kvrag.passages.keys.PassageKeys.keep` after the answer).
 
 A passage is looked up by its tokens in the prompt (`kvrag.query.prompt_tokens`: after ``"Context: "`` its first
 word carries the space), else by its own tokens when enough of them meet those (`kvrag.query.prompt_tokens.align`;
@@ -23,7 +24,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvrag.passages.keys import PassageKeys
-from kvrag.passages.pending import MissingPassage
+from kvrag.passages.pending import FoundPassage, MissingPassage
 from kvrag.passages.prompt_rows import context_digest
 from kvrag.query.answer import RetrievedChunk
 from kvrag.query.prompt_tokens import align, tokenize_prompt
@@ -31,8 +32,11 @@ from kvrag.query.spans import find_chunk_spans
 
 
 def look_up(keys: PassageKeys, tokenizer: Any, passage_ids: Callable[[str], list[int]], prompt: str,
-            texts: Iterable[str], anywhere: bool = False) -> tuple[list[RetrievedChunk], list[MissingPassage], int]:
-    """The passages found stored, those to store after the answer, and the number looked up (the contract)."""
+            texts: Iterable[str], anywhere: bool = False,
+            ) -> tuple[list[RetrievedChunk], list[MissingPassage], int, list[FoundPassage]]:
+    """The passages found stored, those to store after the answer, the number looked up, and how each found one was
+    reached (the contract).
+    """
     texts = list(dict.fromkeys(t.strip() for t in texts if t.strip() and t.strip() in prompt))
     tokens = tokenize_prompt(tokenizer, prompt)
     places: dict[str, tuple[int, int]] = {}
@@ -41,6 +45,7 @@ def look_up(keys: PassageKeys, tokenizer: Any, passage_ids: Callable[[str], list
             places.setdefault(span.chunk.text, cover)
     found: list[RetrievedChunk] = []
     missing: list[MissingPassage] = []
+    reached: list[FoundPassage] = []
     before: tuple[int, ...] = ()
     for seq, text in enumerate(sorted(texts, key=prompt.find)):  # in prompt order
         own, place = passage_ids(text), places.get(text)
@@ -48,13 +53,20 @@ def look_up(keys: PassageKeys, tokenizer: Any, passage_ids: Callable[[str], list
         context = None if tokens is None or place is None else context_digest(tokens.ids[:place[0]])
         key = None if context is None else keys.stored(ids, context=context)
         in_place = key is not None
-        key = key or keys.stored(ids, before) or keys.stored(ids) or (keys.stored(ids, seen=True) if anywhere else None)
+        if key is None and before:
+            key = keys.stored(ids, before)  # rows computed after the same passage
+        prompt_rows = key is not None  # in place or after the same passage: rows a prompt's pass computed
+        key = key or keys.stored(ids)
+        if key is None and anywhere:
+            key = keys.stored(ids, seen=True)
+            prompt_rows = key is not None
         here = tuple(ids)  # its tokens in this prompt (or its own, where the prompt has no run of them)
         if key is None and ids != own and align(ids, own)[0] and (plain := keys.stored(own)):
             ids, key = own, plain
         if key is not None:
             found.append(RetrievedChunk(key, text, math.nan, "", "prompt", seq, tuple(ids), in_place))
+            reached.append(FoundPassage(tuple(ids), before, key, prompt_rows))
         if key is None or (not in_place and context is not None):  # the prompt may read it in place next time
             missing.append(MissingPassage(text, here, before, elsewhere=key is not None))
         before = tuple(ids)
-    return found, missing, len(texts)
+    return found, missing, len(texts), reached

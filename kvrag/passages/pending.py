@@ -1,8 +1,10 @@
-"""What a passage cache counts and what it has yet to store: `CacheStats` and `MissingPassage`.
+"""What a passage cache counts and what it has yet to do after an answer: `CacheStats`, `MissingPassage` and
+`FoundPassage`.
 
 A lookup (`kvrag.passages.cache.PassageCache`) gives, beside the passages it found, the ones whose rows in the
-prompt are to be stored after the answer, off its critical path; the stats count lookups, hits and stores since the
-cache was opened.
+prompt are to be stored after the answer, off its critical path, and how each found one was reached, whose blob
+and links are then marked used (`kvrag.passages.keys.PassageKeys.keep`); the stats count lookups, hits and stores
+since the cache was opened.
 """
 
 from __future__ import annotations
@@ -42,3 +44,16 @@ class MissingPassage:
     source: PromptPass | None = field(default=None, compare=False)  # the pass of the prompt that missed it
     exact: bool = field(default=False, compare=False)  # that pass read no stored cache: its rows are a full prefill's
     elsewhere: bool = field(default=False, compare=False)  # found, but not in place: only an in-place entry is stored
+
+
+@dataclass(frozen=True)
+class FoundPassage:
+    """A passage a lookup found stored under ``key``, reached from its tokens ``ids`` after the passage ``after``.
+    ``prompt_rows``: the blob holds rows a prompt's pass computed (found in place, after the same passage, or seen),
+    which the passage's seen key may name.
+    """
+
+    ids: tuple[int, ...]
+    after: tuple[int, ...]
+    key: str
+    prompt_rows: bool

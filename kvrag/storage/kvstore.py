@@ -152,11 +152,12 @@ class KVStore:
 
     def reader(self, key: str, level: int | None = None, counted: bool = True) -> ChunkReader:
         """An open, header-checked reader; `CorruptChunkError` when missing or damaged. ``counted``: in `found` and
-        `missing` (a read for a prompt; not `hold_decoded`'s).
+        `missing`, and a use of the blob where the store evicts by use (a read for a prompt; not `hold_decoded`'s,
+        which reads back a blob just stored: counted, every stored blob would look asked for again).
         """
         stored = self._key(key, level)
         try:
-            fh = self.store.open(stored)
+            fh = self.store.open(stored) if counted else self.store.peek(stored)
         except StoreUnavailableError as exc:
             self._sizes.pop(stored, None)
             raise ChunkUnavailableError(key, f"not read ({exc})") from None

@@ -144,6 +144,12 @@ class ByteStore(ABC):
         here); nothing elsewhere or when it is absent.
         """
 
+    def peek(self, key: str) -> BinaryIO | None:
+        """`open`, not counted as a use where the store evicts by use (a blob read back right after it was
+        stored, to keep it decoded in memory, has not been asked for again).
+        """
+        return self.open(key)
+
     def nbytes(self, key: str) -> int:
         """Size of ``key``'s blob in bytes (0 when absent); not a use of it."""
         fh = self.open(key)

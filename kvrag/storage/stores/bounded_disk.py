@@ -154,6 +154,10 @@ class BoundedDiskStore(DiskStore):
             self.protected.promote(key)
         return fh
 
+    def peek(self, key: str) -> BinaryIO | None:
+        """The blob's file, not marked as read (neither protected nor just used); None when absent."""
+        return super().open(key)
+
     def touch(self, key: str) -> None:
         """Mark the blob as read (a read served from memory), as `open` does; nothing when it is absent."""
         if self._mark_used(self._path(key)):

@@ -167,6 +167,10 @@ class BoundedRedisStore(RedisStore):
         data = self._call("GET", get)
         return None if data is None else io.BytesIO(data)
 
+    def peek(self, key: str) -> BinaryIO | None:
+        """``GET`` the blob without promoting it; None when absent."""
+        return super().open(key)
+
     def touch(self, key: str) -> None:
         """Promote the blob as a read does (nothing when absent)."""
         keys = self._read_keys(key)

@@ -196,6 +196,14 @@ class CachedStore(ByteStore):
         Raises:
             StoreUnavailableError: the store cannot be reached (warned about once per outage).
         """
+        return self._read(key, self.inner.open)
+
+    def peek(self, key: str) -> BinaryIO | None:
+        """`open`, through the store's own `peek` (not a use where it evicts by use)."""
+        return self._read(key, self.inner.peek)
+
+    def _read(self, key: str, fetch: Callable[[str], BinaryIO | None]) -> BinaryIO | None:
+        """The blob from memory, else ``fetch``ed from the store and remembered (`open`)."""
         data = self._local(key)
         if data is not None:
             self.hits += 1
@@ -204,7 +212,7 @@ class CachedStore(ByteStore):
         self.misses += 1
         t0 = time.perf_counter()
         try:
-            fh = self.inner.open(key)
+            fh = fetch(key)
             data = None if fh is None else fh.read()
         except StoreUnavailableError as exc:
             self._outage(exc)

@@ -65,6 +65,10 @@ class ThrottledStore(ByteStore):
         fh = self.inner.open(key)
         return None if fh is None else cast(BinaryIO, _ThrottledFile(fh, self))
 
+    def peek(self, key: str) -> BinaryIO | None:
+        fh = self.inner.peek(key)
+        return None if fh is None else cast(BinaryIO, _ThrottledFile(fh, self))
+
     def contains(self, key: str) -> bool:
         return self.inner.contains(key)
 

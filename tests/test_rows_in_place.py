@@ -9,6 +9,7 @@ tiny random Llama stands in for a user's model.
 
 from __future__ import annotations
 
+import socket
 import threading
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from kvrag.passages.keys import PassageKeys
 from kvrag.passages.pending import FoundPassage
 from kvrag.passages.prompt_rows import find_run
 from kvrag.query.locate import chat_prompt, encode
+from kvrag.storage.kvstore import KVStore
+from kvrag.storage.stores import BoundedRedisStore
 from tests.test_passage_cache import PASSAGES, _prompt
 from tests.test_prompt_rows import _full_rows
 
@@ -158,6 +161,15 @@ def test_keep_points_a_dangling_seen_key_at_rows_a_prompt_computed_not_at_a_plai
     keys.keep([FoundPassage(ids, before, in_place, prompt_rows=True), FoundPassage((8, 9), (1, 2), plain, False)])
     assert keys.stored(ids, seen=True) == in_place  # rows computed in a prompt: what a seen key describes
     assert keys.stored((8, 9), seen=True) is None  # a cache computed alone is read through its plain key
+
+
+def test_keeping_links_after_an_answer_skips_a_store_that_cannot_be_reached():
+    with socket.socket() as sock:  # a port nothing listens on: the connection is refused
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    store = BoundedRedisStore(f"redis://127.0.0.1:{port}/0", max_bytes=10**6)
+    keys = PassageKeys(store, KVStore(store, make_codec("raw"), "model"), "model", [1], "none")
+    keys.keep([FoundPassage((5, 6), (1, 2), "a" * 40, prompt_rows=True)])  # the answer stands; nothing raises
 
 def test_passage_caches_default_to_int8_and_the_url_names_another_codec(tiny_lm, tmp_path: Path):
     with PassageCache.open(tiny_lm, f"file://{tmp_path}/a?max_bytes=50MB") as default:

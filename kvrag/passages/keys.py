@@ -32,6 +32,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kvrag.errors import StoreUnavailableError
 from kvrag.passages.pending import FoundPassage
 from kvrag.storage.keys import chunk_key
 from kvrag.storage.kvstore import KVStore
@@ -111,13 +112,17 @@ class PassageKeys:
 
     def keep(self, found: Iterable[FoundPassage]) -> None:
         """Mark each found passage's blob used with the links that reach it, and point its seen key at the blob where
-        that key reaches none and the blob holds a prompt's rows (the module contract).
+        that key reaches none and the blob holds a prompt's rows (the module contract). Bookkeeping after an answer:
+        a store that cannot be reached skips it.
         """
-        for passage in found:
-            self.kvstore.touch(passage.key)
-            for key in dict.fromkeys((self.key(passage.ids, passage.after), self.key(passage.ids))):
-                if key is not None:
-                    self._reached(key)  # a link is opened, so used, where the key has one
-            seen = self.key(passage.ids, seen=True)
-            if seen is not None and self._reached(seen) is None and passage.prompt_rows:
-                self.store.put(_link_key(seen), passage.key.encode("ascii"))
+        try:
+            for passage in found:
+                self.kvstore.touch(passage.key)
+                for key in dict.fromkeys((self.key(passage.ids, passage.after), self.key(passage.ids))):
+                    if key is not None:
+                        self._reached(key)  # a link is opened, so used, where the key has one
+                seen = self.key(passage.ids, seen=True)
+                if seen is not None and self._reached(seen) is None and passage.prompt_rows:
+                    self.store.put(_link_key(seen), passage.key.encode("ascii"))
+        except StoreUnavailableError:
+            pass

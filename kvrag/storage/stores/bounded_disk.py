@@ -14,7 +14,7 @@ Contract:
   then protected, up to `PROTECTED_SHARE` of the bound; probation's least recently used go first. So a passage read
   again outlives a stream of passages stored once, which an LRU bound would let evict it. Recency is a blob file's
   modification time, set by `put`, `open` and `touch` (``os.utime``); the protected set is kept in
-  ``root/protected.sqlite``, shared by the processes on the root. `nbytes` and `contains` are not reads. A blob
+  ``root/protected.sqlite``, shared by the processes on the root. `nbytes`, `contains` and `peek` are not reads. A blob
   stored by an older kvrag is on probation. A blob deleted while another process reads it stays readable through
   the open file.
 - A blob larger than ``max_bytes`` is not stored (`put` returns, logging why); the text it was computed from is

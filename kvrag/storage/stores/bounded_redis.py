@@ -16,8 +16,8 @@ Contract:
   ``max_bytes``, deletes other blobs in that order down to `LOW_WATER` of the bound. So the bound holds across
   processes after every put. A namespace an older kvrag kept in one last-use order (``lru``) is taken over by the
   first put: its blobs go on probation in their order.
-- `open` reads the blob and promotes it in one round trip (`touch` promotes without reading); `nbytes` and
-  `contains` are not reads; `delete` removes a blob and its bytes atomically.
+- `open` reads the blob and promotes it in one round trip (`touch` promotes without reading, `peek` reads without
+  promoting); `nbytes` and `contains` are not reads; `delete` removes a blob and its bytes atomically.
 - A blob larger than ``max_bytes`` is not stored. `put_state`/`get_state` keep small named blobs (a codec's
   fitted state) outside the bound, never evicted; `put_state` writes only when the name is absent (``SET NX``)
   and returns what is stored, so racing writers agree on one.

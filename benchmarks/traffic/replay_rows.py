@@ -2,12 +2,12 @@
 
 A traffic run (`run.py`) records, per question, the passages its retriever returned (``passage_ids`` in
 ``rows.jsonl``). This replays one arm's lists, in stream order, through the rule kvrag's bounded stores follow
-(`kvrag.storage.stores.protected_blobs`: a blob on probation until read again, then protected up to 80 % of the
-bound; eviction down to 90 % of the bound, probation's least recently used first), with each passage a blob of its
-token count times ``--bytes-per-token``. As the passage cache does, a prompt stores each passage it did not find,
-and a prompt prefilled in full (fewer than ``--min-stale`` tokens found) also stores an in-place copy of each
-passage it found elsewhere. A passage counts as found when any of its blobs is held: the reach a store has when no
-entry that leads to a held blob is lost.
+(`kvrag.storage.stores.protected_blobs.eviction_order`, called here: a blob on probation until read again, then
+protected up to 80 % of the bound; eviction down to 90 % of the bound, probation's least recently used first),
+with each passage a blob of its token count times ``--bytes-per-token``. As the passage cache does, a prompt stores
+each passage it did not find, and a prompt prefilled in full (fewer than ``--min-stale`` tokens found) also stores
+an in-place copy of each passage it found elsewhere. A passage counts as found when any of its blobs is held: the
+reach a store has when no entry that leads to a held blob is lost.
 
 Prints, per bound, how many prompts after the first ``--skip`` found at least ``--min-stale`` tokens (what fusion
 needs), and the share of their passage tokens found.
@@ -30,7 +30,8 @@ sys.path.insert(0, str(HERE))
 import traffic  # noqa: E402
 from run import DEFAULT_CORPUS  # noqa: E402
 
-PROTECTED_SHARE, LOW_WATER = 0.8, 0.9  # kvrag.storage.stores.protected_blobs, bounded_disk
+from kvrag.storage.stores.bounded_disk import LOW_WATER  # noqa: E402
+from kvrag.storage.stores.protected_blobs import eviction_order  # noqa: E402
 
 
 def passage_tokens(corpus: str) -> dict[str, int]:
@@ -68,15 +69,11 @@ class SegmentedLRU:
 
     def _make_room(self, size: int) -> None:
         assert self.max_bytes is not None
-        guarded = sorted(self.protected, key=self.used.__getitem__)
-        over = sum(self.size[k] for k in guarded) - PROTECTED_SHARE * self.max_bytes
-        for key in guarded:  # the least recently used protected go back on probation, as if just stored
-            if over <= 0:
-                break
+        blobs = sorted(self.size.items(), key=lambda item: self.used[item[0]])  # least recently used first
+        order, demoted = eviction_order(blobs, self.protected, int(self.max_bytes))
+        for key in demoted:  # back on probation, as if just stored
             self.protected.discard(key)
             self.used[key] = self.clock
-            over -= self.size[key]
-        order = sorted(self.size, key=lambda k: (k in self.protected, self.used[k]))
         total, target = sum(self.size.values()), LOW_WATER * self.max_bytes - size
         for key in order:
             if total <= target:

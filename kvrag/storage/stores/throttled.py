@@ -62,11 +62,12 @@ class ThrottledStore(ByteStore):
         self.inner.put(key, data)
 
     def open(self, key: str) -> BinaryIO | None:
-        fh = self.inner.open(key)
-        return None if fh is None else cast(BinaryIO, _ThrottledFile(fh, self))
+        return self._throttled(self.inner.open(key))
 
     def peek(self, key: str) -> BinaryIO | None:
-        fh = self.inner.peek(key)
+        return self._throttled(self.inner.peek(key))
+
+    def _throttled(self, fh: BinaryIO | None) -> BinaryIO | None:
         return None if fh is None else cast(BinaryIO, _ThrottledFile(fh, self))
 
     def contains(self, key: str) -> bool:

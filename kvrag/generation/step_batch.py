@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from kvrag.generation.cache_room import append_rows, appendable
 from kvrag.model import hf_compat, llama_layer
+from kvrag.model.cpu_linear import linear
 from kvrag.model.families import family_of
 
 _local = threading.local()
@@ -174,4 +174,4 @@ def _attention(layer: Any, idx: int, h: torch.Tensor, rot: llama_layer.Rope, ste
         k, v = append_rows(step.cache.layers[idx], keys[b : b + 1], values[b : b + 1])
         outs.append(llama_layer.attend(queries[b : b + 1], k, v, None, attn.scaling))
     out = torch.cat(outs).transpose(1, 2).reshape(h.shape[0], 1, -1)
-    return F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+    return linear(out, attn.o_proj.weight, attn.o_proj.bias)

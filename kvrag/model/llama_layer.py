@@ -14,8 +14,10 @@ a residual, pre-norm gated MLP, a residual) is run here from its own weights:
 - attention over the grouped key/value heads without copying them per query head, where the kernel
   takes them (no mask, a lower-right causal bias, a `ScatterBias`, a dense mask on the CPU); on CUDA
   a dense mask keeps the copies, since the kernel that takes a dense mask has no grouped heads;
-- the gated MLP through ``F.linear`` and ``F.silu``, its activation and product in place (a long prefill's
-  largest tensors are the MLP's ``[1, n, intermediate]``: two of them live at once, not three).
+- the gated MLP through ``F.silu``, its activation and product in place (a long prefill's largest tensors are the
+  MLP's ``[1, n, intermediate]``: two of them live at once, not three);
+- every projection through `kvrag.model.cpu_linear.linear` (``F.linear``, or a kernel that reads the weights at
+  the memory's speed for the few rows of a decoding step on the CPU).
 
 The operations and their order are the layer's own, so the results agree with it to float rounding
 (checked for every tiny architecture in ``tests/test_llama_layer.py``). Layers of other classes, and
@@ -32,6 +34,8 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from kvrag.model.cpu_linear import linear
 
 
 class RowWriter(Protocol):
@@ -129,7 +133,7 @@ def heads(proj: Any, norm: Any, h: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Projection ``proj`` of the normed layer input ``h`` ``[B, n, hidden]`` split into heads ``[B, heads, n, D]``
     (the per-head ``norm`` applied where the model has one).
     """
-    x = F.linear(h, proj.weight, proj.bias).view(h.shape[0], h.shape[1], -1, head_dim)  # [B, n, heads, D]
+    x = linear(h, proj.weight, proj.bias).view(h.shape[0], h.shape[1], -1, head_dim)  # [B, n, heads, D]
     if norm is not None:
         x = rms_norm(norm, x) if type(norm).__name__ in _RMS_NORMS else norm(x)
     return x.transpose(1, 2)
@@ -169,13 +173,13 @@ def _attention(layer: Any, h: torch.Tensor, mask: Any, rope: tuple[torch.Tensor,
     keys = rot.rotate(heads(attn.k_proj, getattr(attn, "k_norm", None), h, d))
     keys, values = scatter.update(keys, heads(attn.v_proj, None, h, d))
     out = attend(queries, keys, values, mask, attn.scaling).transpose(1, 2).reshape(*h.shape[:-1], -1)
-    return F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+    return linear(out, attn.o_proj.weight, attn.o_proj.bias)
 
 
 def _mlp(mlp: Any, h: torch.Tensor) -> torch.Tensor:
     """The gated MLP of the normed input ``h`` ``[1, n, hidden]``: ``down(silu(gate(h)) * up(h))``, the activation
     and the product in place, so that two ``[1, n, intermediate]`` tensors are live at once instead of three.
     """
-    gated = F.silu(F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias), inplace=True)
-    gated.mul_(F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias))
-    return F.linear(gated, mlp.down_proj.weight, mlp.down_proj.bias)
+    gated = F.silu(linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias), inplace=True)
+    gated.mul_(linear(h, mlp.up_proj.weight, mlp.up_proj.bias))
+    return linear(gated, mlp.down_proj.weight, mlp.down_proj.bias)

@@ -32,6 +32,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from kvrag.model import hf_compat, llama_layer
+from kvrag.model.cpu_linear import linear
 from kvrag.model.native_tokenizer import load_fast_tokenizer
 from kvrag.model.row_cache import RowCache
 
@@ -146,6 +147,9 @@ class _Linear(nn.Linear):
 
     def reset_parameters(self) -> None:
         pass
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
 
 
 class _Embedding(nn.Embedding):

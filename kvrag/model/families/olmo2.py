@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from kvrag.model import hf_compat
+from kvrag.model.cpu_linear import linear
 from kvrag.model.families.base import Family, register_family
 
 
@@ -29,7 +29,7 @@ class Olmo2Family(Family):
         def heads(x: torch.Tensor) -> torch.Tensor:  # [1, n, heads·D] -> [1, heads, n, D]
             return x.view(1, h.shape[1], -1, d).transpose(1, 2)
 
-        queries = heads(attn.q_norm(F.linear(h, attn.q_proj.weight, attn.q_proj.bias)))
-        keys = heads(attn.k_norm(F.linear(h, attn.k_proj.weight, attn.k_proj.bias)))
-        values = heads(F.linear(h, attn.v_proj.weight, attn.v_proj.bias))
+        queries = heads(attn.q_norm(linear(h, attn.q_proj.weight, attn.q_proj.bias)))
+        keys = heads(attn.k_norm(linear(h, attn.k_proj.weight, attn.k_proj.bias)))
+        values = heads(linear(h, attn.v_proj.weight, attn.v_proj.bias))
         return hf_compat.apply_rope(queries, *rope), hf_compat.apply_rope(keys, *rope), values

@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from kvrag.model import hf_compat
+from kvrag.model.cpu_linear import linear
 from kvrag.model.families.base import Family, register_family
 
 
@@ -23,7 +23,7 @@ class Phi3Family(Family):
     def projections(self, layer: Any, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg, d = self.config, self.head_dim
-        qkv = F.linear(h, layer.self_attn.qkv_proj.weight, layer.self_attn.qkv_proj.bias)  # [1, n, (H + 2·KV)·D]
+        qkv = linear(h, layer.self_attn.qkv_proj.weight, layer.self_attn.qkv_proj.bias)  # [1, n, (H + 2·KV)·D]
         q_size, kv_size = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
         parts = qkv.split([q_size, kv_size, kv_size], dim=-1)
         queries, keys, values = (p.reshape(1, h.shape[1], -1, d).transpose(1, 2) for p in parts)

@@ -4,13 +4,14 @@ Contract: `linear(x, weight, bias)` returns ``F.linear(x, weight, bias)`` up to 
 another order, a relative difference of about 1e-6). A decoding step multiplies one row (or one per answer of a
 batched step) by every weight matrix; torch runs a single row on one core, at about half the memory's speed on a
 2-core machine, and a few rows slower still. Where it pays and is safe, at most `FEW_ROWS` rows of float32 on the
-CPU, without gradients, with numba's OpenMP threading layer (`omp`, which shares torch's OpenMP runtime: the
-``workqueue`` layer was measured 2x slower than torch, and ``tbb`` was not measured), the product runs in the numba
-kernel on ``torch.get_num_threads()`` threads; everything else, GPUs and long prefills among them, calls
-``F.linear``. Each row's result depends only on that row and the weight, so a batched step gives each answer the
-same numbers as its step alone. A process forked after the kernel ran runs the same loops on one thread (numba's
-OpenMP layer ends a child that launches a parallel kernel), with the same numbers: a build in a forked worker writes
-the bytes its parent would. Set ``KVRAG_CPU_KERNELS=0`` to call ``F.linear`` always.
+CPU, without gradients, with numba's OpenMP threading layer (``omp``, which shares torch's OpenMP runtime: with the
+``workqueue`` layer a decoding step took 64 ms against torch's 60, and ``tbb`` was not measured), the product runs
+in the numba kernel on ``torch.get_num_threads()`` threads; everything else, GPUs and long prefills among them,
+calls ``F.linear``. Each row's result depends only on that row and the weight, so a batched step's projections give
+each answer the numbers its step alone gets (its norms and attention are torch's, not held to that). A process
+forked after the kernel ran runs the same loops on one thread (numba's OpenMP layer ends a child that launches a
+parallel kernel), with the same numbers: a build in a forked worker writes the bytes its parent would. Set
+``KVRAG_CPU_KERNELS=0`` to call ``F.linear`` always.
 
 Measured on a 2-core AMD EPYC (AVX-512) with SmolLM2-135M's 211 weight matrices per token (537 MB of float32), in
 one run: 1 row 48 ms with ``F.linear``, 23 ms here; 4 rows 73 and 28 ms; 8 rows 63 and 47 ms; 12 rows 66 and 65 ms;

@@ -119,7 +119,12 @@ def start_servers(index: Path, f32: Path | None, threads: int, k: int, max_wait:
                               "--cache", "true", "--model_alias", "smollm2", "--verbose", "false",
                               "--interrupt_requests", "false"],  # its default cuts a stream when another arrives
                              stdout=out, stderr=subprocess.STDOUT, env=env)
-    _wait_ready(f"http://127.0.0.1:{lport}", llama, "/v1/models")
+    try:
+        _wait_ready(f"http://127.0.0.1:{lport}", llama, "/v1/models")
+    except RuntimeError:  # kvrag's server is up: stop it rather than leave it behind
+        kvrag.terminate()
+        kvrag.wait(30)
+        raise
     return {"kvrag": (kvrag, kport), "llama.cpp": (llama, lport)}
 
 

@@ -1,10 +1,12 @@
 """Frozen configuration dataclasses, one per concern, passed down explicitly.
 
-What the user chooses lives here; what the model dictates lives in `kvrag.model.loading.ModelSpec`.
+What the user chooses lives here (and `switched_off`, how an environment switch such as ``KVRAG_NATIVE_MODELS`` is
+read); what the model dictates lives in `kvrag.model.loading.ModelSpec`.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -354,3 +356,8 @@ class GenerateConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def switched_off(variable: str) -> bool:
+    """Whether the environment switch ``variable`` turns its feature off (``0``, ``false``, ``no`` or ``off``)."""
+    return os.environ.get(variable, "1").strip().lower() in ("0", "false", "no", "off")

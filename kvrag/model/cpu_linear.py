@@ -15,7 +15,7 @@ dtypes do. Each row's result depends only on that row and the weight, so a batch
 answer the numbers its step alone gets (its norms and attention are torch's, not held to that). A process forked
 after the kernel ran runs the same loops on one thread (numba's OpenMP layer ends a child that launches a parallel
 kernel), with the same numbers: a build in a forked worker writes the bytes its parent would. Set
-``KVRAG_CPU_KERNELS=0`` to call ``F.linear`` always (neither kernel).
+``KVRAG_CPU_KERNELS=0`` (or ``false``, ``no``, ``off``) to call ``F.linear`` always (neither kernel).
 
 Measured on a 2-core AMD EPYC (AVX-512) with SmolLM2-135M's 211 weight matrices per token (537 MB of float32), in
 one run: 1 row 48 ms with ``F.linear``, 23 ms here; 4 rows 73 and 28 ms; 8 rows 63 and 47 ms; 12 rows 66 and 65 ms;
@@ -31,6 +31,8 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
+from kvrag.config import switched_off
 
 ENV_SWITCH = "KVRAG_CPU_KERNELS"
 FEW_ROWS = 8  # level with F.linear at about 12 rows; beyond, a blocked GEMM (oneDNN's) wins
@@ -51,20 +53,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.numel() // k if k else 0
     if not (rows > 0 and _fits(x, weight)):
         return F.linear(x, weight, bias)
+    flat = x.detach().reshape(rows, k).contiguous()
     if rows > FEW_ROWS:
         if not (_onednn if _onednn is not None else _probe_onednn()):
             return F.linear(x, weight, bias)
-        out = torch.ops.mkldnn._linear_pointwise(x.detach().reshape(rows, k).contiguous(), weight.detach(), bias,
-                                                 "none", [], "")
-        return out.view(*x.shape[:-1], weight.shape[0])
-    kernel = _kernel if _kernel is not None else _load_kernel()
-    if not isinstance(kernel, ModuleType):
-        return F.linear(x, weight, bias)
-    flat = x.detach().reshape(rows, k).contiguous()
-    out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
-    kernel.multiply(flat.numpy(), weight.detach().numpy(), out.numpy(), 0 if _threads_off else torch.get_num_threads())
-    if bias is not None:
-        out += bias
+        out = torch.ops.mkldnn._linear_pointwise(flat, weight.detach(), bias, "none", [], "")
+    else:
+        kernel = _kernel if _kernel is not None else _load_kernel()
+        if not isinstance(kernel, ModuleType):
+            return F.linear(x, weight, bias)
+        out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+        threads = 0 if _threads_off else torch.get_num_threads()
+        kernel.multiply(flat.numpy(), weight.detach().numpy(), out.numpy(), threads)
+        if bias is not None:
+            out += bias
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -83,7 +85,7 @@ def _load_kernel() -> ModuleType | bool:
     with _loading:
         if _kernel is None:
             _kernel = False
-            if os.environ.get(ENV_SWITCH, "1") != "0":
+            if not switched_off(ENV_SWITCH):
                 module = importlib.import_module(KERNEL_MODULE)
                 one = torch.ones(1, 1).numpy()
                 module.multiply(one, one, one.copy(), 1)
@@ -101,7 +103,7 @@ def _probe_onednn() -> bool:
     with _loading:
         if _onednn is None:
             _onednn = False
-            if os.environ.get(ENV_SWITCH, "1") != "0" and torch.backends.mkldnn.is_available():
+            if not switched_off(ENV_SWITCH) and torch.backends.mkldnn.is_available():
                 x, weight = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) for shape in
                              ((FEW_ROWS + 1, 24), (40, 24)))
                 try:

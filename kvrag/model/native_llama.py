@@ -22,7 +22,6 @@ refused. Set ``KVRAG_NATIVE_MODELS=0`` to load every model through transformers 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from kvrag.config import switched_off
 from kvrag.model import hf_compat, llama_layer
 from kvrag.model.cpu_linear import linear
 from kvrag.model.native_tokenizer import load_fast_tokenizer
@@ -79,7 +79,7 @@ def _weight_files(folder: Path) -> list[Path]:
 
 def native_switched_off() -> bool:
     """Whether ``KVRAG_NATIVE_MODELS`` asks for every model to load through transformers."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off")
+    return switched_off(ENV_SWITCH)
 
 
 def cached_hub_folder(repo_id: str, cache_dir: str | Path | None = None) -> Path | None:

@@ -80,3 +80,25 @@ def test_the_command_ends_without_teardown_yet_runs_atexit_and_flushes_its_outpu
     assert done.returncode == 2  # main's status
     assert done.stdout == "beforeatexit ran\n"  # buffered output flushed, the handler run
     assert done.stderr.startswith("kvrag: error: no kvrag index at")
+
+
+def test_the_command_collects_garbage_again_once_its_imports_are_done(tmp_path: Path):
+    """`console` holds the collector off through the imports, then freezes what they made and turns it back on."""
+    (tmp_path / "docs").mkdir()
+    code = ("import gc, sys; import kvrag.cli.index as command; "
+            "command.run = lambda args: print(gc.isenabled(), gc.get_freeze_count() > 1000) or 0; "
+            f"sys.argv = ['kvrag', 'index', {str(tmp_path / 'docs')!r}, '--index', {str(tmp_path / 'idx')!r}]; "
+            "from kvrag.cli import console; console()")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.split() == ["True", "True"], done.stderr[-2000:]
+
+
+def test_main_called_by_a_program_leaves_its_collector_alone(tmp_path: Path):
+    import gc
+
+    from kvrag.cli import main
+
+    assert gc.isenabled()
+    before = gc.get_freeze_count()
+    main(["ask", str(tmp_path / "missing"), "Who?"])
+    assert gc.isenabled() and gc.get_freeze_count() == before

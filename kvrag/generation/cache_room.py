@@ -25,23 +25,38 @@ def append_rows(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> tuple[t
     """Add ``keys``/``values`` ``[B, kv_heads, m, head_dim]`` after ``layer``'s rows (a growing cache layer,
     `appendable`); the layer's whole keys and values after it, as the layer's own ``update`` returns them.
     """
+    n, m = layer.keys.shape[-2], keys.shape[-2]
+    big_k, big_v = room(layer, m)
+    big_k[..., n: n + m, :] = keys
+    big_v[..., n: n + m, :] = values
+    return grown(layer, n + m)
+
+
+def room(layer: Any, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The buffers ``[B, kv_heads, size, head_dim]`` holding ``layer``'s rows first and room for ``m`` more after
+    them (made, or made larger, when it has none); rows written there join the layer through `grown`.
+    """
     held_k, held_v = layer.keys, layer.values
-    n, m = held_k.shape[-2], keys.shape[-2]
-    room = getattr(layer, "_kvrag_room", None)
-    if (room is None or room[2] != n or room[0].data_ptr() != held_k.data_ptr()
-            or room[1].data_ptr() != held_v.data_ptr() or room[0].shape[-2] < n + m):
+    n = held_k.shape[-2]
+    kept = getattr(layer, "_kvrag_room", None)
+    if (kept is None or kept[2] != n or kept[0].data_ptr() != held_k.data_ptr()
+            or kept[1].data_ptr() != held_v.data_ptr() or kept[0].shape[-2] < n + m):
         size = n + m + max(ROOM_ROWS, (n + m) // 8)
         buffers = []
         for held in (held_k, held_v):
             buffer = held.new_empty((*held.shape[:-2], size, held.shape[-1]))
             buffer[..., :n, :] = held
             buffers.append(buffer)
-        room = (buffers[0], buffers[1], n)
-    big_k, big_v, _ = room
-    big_k[..., n: n + m, :] = keys
-    big_v[..., n: n + m, :] = values
-    layer.keys, layer.values = big_k[..., : n + m, :], big_v[..., : n + m, :]
-    layer._kvrag_room = (big_k, big_v, n + m)
+        kept = (buffers[0], buffers[1], n)
+        layer._kvrag_room = kept
+    return kept[0], kept[1]
+
+
+def grown(layer: Any, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Make ``layer`` hold the first ``rows`` rows of its `room` buffers; its keys and values."""
+    big_k, big_v, _ = layer._kvrag_room
+    layer.keys, layer.values = big_k[..., :rows, :], big_v[..., :rows, :]
+    layer._kvrag_room = (big_k, big_v, rows)
     return layer.keys, layer.values
 
 

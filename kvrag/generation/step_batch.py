@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kvrag.generation import layer_steps
 from kvrag.generation.cache_room import append_rows, appendable
 from kvrag.model import hf_compat, llama_layer
 from kvrag.model.cpu_linear import linear
@@ -148,8 +149,13 @@ def step_alone(model: Any, cache: Any, token: int, position: int) -> torch.Tenso
 
 def forward_steps(model: Any, steps: list[_Step]) -> torch.Tensor:
     """The last-token logits ``[B, vocab]`` (float32) of one token per step, each over its own cache, which each
-    step extends by its token's row as the model's own forward would.
+    step extends by its token's row as the model's own forward would (one step alone: in compiled layers where
+    `kvrag.generation.layer_steps` takes it).
     """
+    if len(steps) == 1:
+        logits = layer_steps.one_token(model, steps[0].cache, steps[0].token, steps[0].position)
+        if logits is not None:
+            return logits
     family = family_of(model.config)
     device = next(model.parameters()).device
     ids = torch.tensor([[s.token] for s in steps], device=device)

@@ -70,6 +70,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def kernel_threads() -> int | None:
+    """The threads kvrag's numba kernels run on in this process (0: one, without a parallel region, in a process
+    forked after one ran), or None where they do not serve it (switched off, another threading layer).
+    """
+    kernel = _kernel if _kernel is not None else _load_kernel()
+    if not isinstance(kernel, ModuleType):
+        return None
+    return 0 if _threads_off else torch.get_num_threads()
+
+
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Float32 on the CPU, a plain 2-D weight, and no gradient to track."""
     return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"

@@ -1,0 +1,134 @@
+"""One decoder layer of a plain Llama for one token, compiled by numba, in two calls around its attention.
+
+Contract: `before_attention(h, weights, cos, sin, keys, values, n, eps, queries, threads)` reads the residual stream
+``h`` ``[hidden]`` (float32) through the layer's RMS norm and q/k/v projections, applies the rotary embedding
+(``x · cos + rotate_half(x) · sin``), writes the queries ``[heads * head_dim]`` into ``queries`` and the token's
+key/value row at row ``n`` of ``keys``/``values`` ``[kv_heads, room, head_dim]``. The caller attends (torch's SDPA,
+whose vectorised softmax numba cannot match) and passes the heads' output to `after_attention(h, weights, attended,
+eps, threads)`, which adds the output projection to ``h``, then the SiLU-gated MLP of its RMS norm. ``weights`` is
+the layer's ``(input_norm, q, k, v, o, post_norm, gate, up, down)`` (norms ``[hidden]``, projections ``[out, in]``,
+C-contiguous float32, no biases). These are `kvrag.model.llama_layer.run`'s sums in another order: a relative
+difference of about 1e-6.
+
+Why: a decoding step through torch runs about 30 small operations a layer, each a few microseconds of dispatch,
+which on a 2-core machine added about 8 ms to SmolLM2-135M's 19 ms of weight reading a token. Here the projections
+run in parallel over 64-row weight blocks (q, k and v in one parallel loop, gate and up in another, each MLP row's
+activation made where its two products are) and the rest in the calling thread; ``threads`` 0 runs the same code
+without a parallel region (a process forked after a parallel kernel ran must). Importing this module imports
+numba; `kvrag.generation.layer_steps` decides when to call it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numba
+import numpy as np
+
+BLOCK = 64  # weight rows per task, as in `kvrag.model.few_rows_gemm`
+_FLAGS: dict[str, Any] = {"fastmath": {"reassoc", "contract"}, "cache": True, "nogil": True, "boundscheck": False}
+
+
+@numba.njit(inline="always", **_FLAGS)
+def _dot(w: np.ndarray, i: int, x: np.ndarray) -> np.float32:
+    acc = np.float32(0.0)
+    for j in range(x.shape[0]):
+        acc += w[i, j] * x[j]
+    return acc
+
+
+@numba.njit(inline="always", **_FLAGS)
+def _rms_norm(h: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    total = np.float32(0.0)
+    for j in range(h.shape[0]):
+        total += h[j] * h[j]
+    inv = np.float32(1.0) / np.float32(math.sqrt(total / np.float32(h.shape[0]) + np.float32(eps)))
+    out = np.empty_like(h)
+    for j in range(h.shape[0]):
+        out[j] = weight[j] * (h[j] * inv)
+    return out
+
+
+@numba.njit(inline="always", **_FLAGS)
+def _rotate(x: np.ndarray, start: int, heads: int, d: int, cos: np.ndarray, sin: np.ndarray) -> None:
+    """Heads ``x[start:start + heads * d]`` rotated in place: ``x · cos + rotate_half(x) · sin``."""
+    half = d // 2
+    for hh in range(heads):
+        base = start + hh * d
+        for i in range(half):
+            a, b = x[base + i], x[base + half + i]
+            x[base + i] = a * cos[i] - b * sin[i]
+            x[base + half + i] = b * cos[half + i] + a * sin[half + i]
+
+
+def _attention_input_body(h: np.ndarray, weights: tuple, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray,
+                          values: np.ndarray, n: int, eps: float, queries: np.ndarray) -> None:
+    norm1, wq, wk, wv = weights[0], weights[1], weights[2], weights[3]
+    kv_heads, d = keys.shape[0], keys.shape[2]
+    nq, nk = wq.shape[0], wk.shape[0]
+    x = _rms_norm(h, norm1, eps)
+    qkv = np.empty(nq + 2 * nk, np.float32)
+    bq, bk = (nq + BLOCK - 1) // BLOCK, (nk + BLOCK - 1) // BLOCK
+    for b in numba.prange(bq + 2 * bk):
+        if b < bq:
+            w, at, first = wq, 0, b * BLOCK
+        elif b < bq + bk:
+            w, at, first = wk, nq, (b - bq) * BLOCK
+        else:
+            w, at, first = wv, nq + nk, (b - bq - bk) * BLOCK
+        for i in range(first, min(w.shape[0], first + BLOCK)):
+            qkv[at + i] = _dot(w, i, x)
+    _rotate(qkv, 0, nq // d, d, cos, sin)
+    _rotate(qkv, nq, kv_heads, d, cos, sin)
+    for i in range(nq):
+        queries[i] = qkv[i]
+    for g in range(kv_heads):
+        for i in range(d):
+            keys[g, n, i] = qkv[nq + g * d + i]
+            values[g, n, i] = qkv[nq + nk + g * d + i]
+
+
+def _attention_output_body(h: np.ndarray, weights: tuple, attended: np.ndarray, eps: float) -> None:
+    wo, norm2, wg, wu, wd = weights[4], weights[5], weights[6], weights[7], weights[8]
+    hidden = h.shape[0]
+    for b in numba.prange((hidden + BLOCK - 1) // BLOCK):
+        for i in range(b * BLOCK, min(hidden, (b + 1) * BLOCK)):
+            h[i] += _dot(wo, i, attended)
+    x = _rms_norm(h, norm2, eps)
+    inner = wg.shape[0]
+    act = np.empty(inner, np.float32)
+    for b in numba.prange((inner + BLOCK - 1) // BLOCK):
+        for i in range(b * BLOCK, min(inner, (b + 1) * BLOCK)):
+            gate = _dot(wg, i, x)
+            act[i] = gate / (np.float32(1.0) + np.float32(math.exp(-gate))) * _dot(wu, i, x)
+    for b in numba.prange((hidden + BLOCK - 1) // BLOCK):
+        for i in range(b * BLOCK, min(hidden, (b + 1) * BLOCK)):
+            h[i] += _dot(wd, i, act)
+
+
+attention_input = numba.njit(parallel=True, **_FLAGS)(_attention_input_body)
+attention_output = numba.njit(parallel=True, **_FLAGS)(_attention_output_body)
+one_thread_attention_input = numba.njit(**_FLAGS)(_attention_input_body)
+one_thread_attention_output = numba.njit(**_FLAGS)(_attention_output_body)
+
+
+def before_attention(h: np.ndarray, weights: tuple, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray,
+                     values: np.ndarray, n: int, eps: float, queries: np.ndarray, threads: int) -> None:
+    """The attention's input: ``queries`` ``[heads * head_dim]`` written, the token's key/value row written at row
+    ``n`` of ``keys``/``values`` ``[kv_heads, room, head_dim]``, on ``threads`` threads (0: no parallel region).
+    """
+    if threads == 0:
+        one_thread_attention_input(h, weights, cos, sin, keys, values, n, eps, queries)
+        return
+    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
+    attention_input(h, weights, cos, sin, keys, values, n, eps, queries)
+
+
+def after_attention(h: np.ndarray, weights: tuple, attended: np.ndarray, eps: float, threads: int) -> None:
+    """The output projection of ``attended`` ``[heads * head_dim]`` and the MLP, each added to ``h``."""
+    if threads == 0:
+        one_thread_attention_output(h, weights, attended, eps)
+        return
+    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
+    attention_output(h, weights, attended, eps)

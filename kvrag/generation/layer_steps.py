@@ -1,14 +1,15 @@
-"""`one_token`: a decoding step of one answer with each decoder layer in one compiled call.
+"""`one_token`: a decoding step of one answer with each decoder layer in two compiled calls around its attention.
 
 Contract: ``one_token(model, cache, token, position)`` returns the step's last-token logits ``[1, vocab]`` (float32)
 and extends ``cache`` by the token's key/value row, as `kvrag.generation.step_batch.forward_steps` does, or returns
-None, having touched nothing, where the step is not one it takes. It takes steps of a model whose every decoder layer
-`kvrag.model.llama_layer` runs from its parts (no window, one rotary embedding over the whole head), without biases
-or per-head norms, in float32 on the CPU, over a cache of growing layers with one row of batch, in a process where
-kvrag's numba kernels serve (`kvrag.model.cpu_linear.kernel_threads`). The embedding, the final norm and the LM head
-stay the family's own; each layer runs in `kvrag.model.layer_step_kernel` (about 30 torch operations a layer
-replaced by two calls around torch's attention), its row written into the cache layer's room
-(`kvrag.generation.cache_room`). The logits equal the torch path's to float rounding (`tests/test_layer_steps.py`).
+None, having touched nothing, where the step is not one it takes. It takes steps of a model whose every decoder
+layer `kvrag.model.llama_layer` runs from its parts (no window, one rotary embedding over the whole head; biases and
+per-head query and key norms, as Qwen2's and Qwen3's, included), in float32 on the CPU, over a cache of growing
+layers with one row of batch, in a process where kvrag's numba kernels serve
+(`kvrag.model.cpu_linear.kernel_threads`). The embedding, the final norm and the LM head stay the family's own; each
+layer runs in `kvrag.model.layer_step_kernel` (about 30 torch operations a layer replaced by two calls around
+torch's attention), its row written into the cache layer's room (`kvrag.generation.cache_room`). The logits equal
+the torch path's to float rounding (`tests/test_layer_steps.py`).
 
 The layers' weights are read once per model into the kernel's form (NumPy views of the same memory, no copy) and
 read again when the model's first weight is no longer the same tensor (moved, reloaded). Set
@@ -35,18 +36,20 @@ KERNEL_MODULE = "kvrag.model.layer_step_kernel"  # imports numba: loaded on the 
 _PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
                 ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
 
+_NONE = torch.empty(0)  # an absent bias or head norm, as the kernel reads it
 _kernel: ModuleType | None = None
 _loading = threading.Lock()
 
 
 @dataclass(frozen=True)
 class _Plan:
-    """A model's layers in the kernel's form: per layer ``(norm, q, k, v, o, norm, gate, up, down)`` arrays."""
+    """A model's layers in the kernel's form: per layer the `kvrag.model.layer_step_kernel` weights tuple."""
 
     weights: tuple[tuple[np.ndarray, ...], ...]
     heads: int
     scale: float
-    eps: float
+    eps: float  # the layers' RMS norms'
+    head_eps: float  # the per-head query and key norms' (0 where there are none)
     first: int  # where the model's first q weight was when the plan was made (elsewhere: a stale plan)
 
 
@@ -73,7 +76,7 @@ def one_token(model: Any, cache: Any, token: int, position: int) -> torch.Tensor
         n = layer.keys.shape[-2]
         keys, values = room(layer, 1)
         kernel.before_attention(residual, weights, cos_row, sin_row, keys[0].numpy(), values[0].numpy(), n,
-                                plan.eps, queries.numpy().reshape(-1), threads)
+                                plan.eps, plan.head_eps, queries.numpy().reshape(-1), threads)
         keys, values = grown(layer, n + 1)
         attended = llama_layer.attend(queries, keys, values, None, plan.scale)
         kernel.after_attention(residual, weights, attended.reshape(-1).numpy(), plan.eps, threads)
@@ -101,27 +104,31 @@ def _made_plan(model: Any, layers: Any) -> _Plan | None:
     if (len({kind.rope for kind in family.kinds}) != 1 or any(kind.window is not None for kind in family.kinds)
             or not all(llama_layer.runs_plain(layer) for layer in layers)):
         return None
-    weights = []
+    weights: list[tuple[np.ndarray, ...]] = []
+    eps: set[float] = set()
+    head_eps: set[float] = set()
     for layer in layers:
         attn = layer.self_attn
-        if getattr(attn, "q_norm", None) is not None or getattr(attn, "k_norm", None) is not None:
-            return None
         modules = [getattr(getattr(layer, part), name) for part, name in _PROJECTIONS]
-        if any(getattr(module, "bias", None) is not None for module in modules):
+        head_norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
+        if (head_norms[0] is None) != (head_norms[1] is None):
             return None
         tensors = [layer.input_layernorm.weight, *(m.weight for m in modules[:4]),
-                   layer.post_attention_layernorm.weight, *(m.weight for m in modules[4:])]
+                   layer.post_attention_layernorm.weight, *(m.weight for m in modules[4:]),
+                   *(_NONE if getattr(m, "bias", None) is None else m.bias for m in modules),
+                   *(_NONE if norm is None else norm.weight for norm in head_norms)]
         if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
             return None
         weights.append(tuple(t.detach().numpy() for t in tensors))
-    eps = {float(norm.variance_epsilon) for layer in layers
-           for norm in (layer.input_layernorm, layer.post_attention_layernorm)}
+        eps.update(float(norm.variance_epsilon) for norm in (layer.input_layernorm, layer.post_attention_layernorm))
+        head_eps.update(float(norm.variance_epsilon) for norm in head_norms if norm is not None)
     scales = {float(layer.self_attn.scaling) for layer in layers}
-    if len(eps) != 1 or len(scales) != 1:
+    if len(eps) != 1 or len(scales) != 1 or len(head_eps) > 1:
         return None
     first = layers[0].self_attn
     heads = first.q_proj.weight.shape[0] // int(first.head_dim)
-    return _Plan(tuple(weights), heads, scales.pop(), eps.pop(), first.q_proj.weight.data_ptr())
+    return _Plan(tuple(weights), heads, scales.pop(), eps.pop(), head_eps.pop() if head_eps else 0.0,
+                 first.q_proj.weight.data_ptr())
 
 
 def _load_kernel() -> ModuleType:

@@ -1,14 +1,16 @@
 """One decoder layer of a plain Llama for one token, compiled by numba, in two calls around its attention.
 
-Contract: `before_attention(h, weights, cos, sin, keys, values, n, eps, queries, threads)` reads the residual stream
-``h`` ``[hidden]`` (float32) through the layer's RMS norm and q/k/v projections, applies the rotary embedding
-(``x · cos + rotate_half(x) · sin``), writes the queries ``[heads * head_dim]`` into ``queries`` and the token's
-key/value row at row ``n`` of ``keys``/``values`` ``[kv_heads, room, head_dim]``. The caller attends (torch's SDPA,
-whose vectorised softmax numba cannot match) and passes the heads' output to `after_attention(h, weights, attended,
-eps, threads)`, which adds the output projection to ``h``, then the SiLU-gated MLP of its RMS norm. ``weights`` is
-the layer's ``(input_norm, q, k, v, o, post_norm, gate, up, down)`` (norms ``[hidden]``, projections ``[out, in]``,
-C-contiguous float32, no biases). These are `kvrag.model.llama_layer.run`'s sums in another order: a relative
-difference of about 1e-6.
+Contract: `before_attention(h, weights, cos, sin, keys, values, n, eps, head_eps, queries, threads)` reads the
+residual stream ``h`` ``[hidden]`` (float32) through the layer's RMS norm and q/k/v projections (per-head RMS norms
+of queries and keys after them where the layer has them, ``head_eps`` theirs), applies the rotary embedding (``x ·
+cos + rotate_half(x) · sin``), writes the queries ``[heads * head_dim]`` into ``queries`` and the token's key/value
+row at row ``n`` of ``keys``/``values`` ``[kv_heads, room, head_dim]``. The caller attends (torch's SDPA, whose
+vectorised softmax numba cannot match) and passes the heads' output to `after_attention(h, weights, attended, eps,
+threads)`, which adds the output projection to ``h``, then the SiLU-gated MLP of its RMS norm. ``weights`` is the
+layer's ``(input_norm, q, k, v, o, post_norm, gate, up, down)`` (norms ``[hidden]``, projections ``[out, in]``),
+then the seven projections' biases in that order and the query and key norms' weights ``[head_dim]``, each empty
+where the layer has none; all C-contiguous float32. These are `kvrag.model.llama_layer.run`'s sums in another order:
+a relative difference of about 1e-6.
 
 Why: a decoding step through torch runs about 30 small operations a layer, each a few microseconds of dispatch,
 which on a 2-core machine added about 8 ms to SmolLM2-135M's 19 ms of weight reading a token. Here the projections
@@ -51,6 +53,24 @@ def _rms_norm(h: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 @numba.njit(inline="always", **_FLAGS)
+def _norm_heads(x: np.ndarray, start: int, heads: int, d: int, weight: np.ndarray, eps: float) -> None:
+    """Heads ``x[start:start + heads * d]`` each RMS-normed in place and scaled by ``weight`` ``[d]``."""
+    for hh in range(heads):
+        base = start + hh * d
+        total = np.float32(0.0)
+        for i in range(d):
+            total += x[base + i] * x[base + i]
+        inv = np.float32(1.0) / np.float32(math.sqrt(total / np.float32(d) + np.float32(eps)))
+        for i in range(d):
+            x[base + i] = weight[i] * (x[base + i] * inv)
+
+
+@numba.njit(inline="always", **_FLAGS)
+def _bias(bias: np.ndarray, i: int) -> np.float32:
+    return bias[i] if bias.shape[0] > 0 else np.float32(0.0)
+
+
+@numba.njit(inline="always", **_FLAGS)
 def _rotate(x: np.ndarray, start: int, heads: int, d: int, cos: np.ndarray, sin: np.ndarray) -> None:
     """Heads ``x[start:start + heads * d]`` rotated in place: ``x · cos + rotate_half(x) · sin``."""
     half = d // 2
@@ -63,7 +83,7 @@ def _rotate(x: np.ndarray, start: int, heads: int, d: int, cos: np.ndarray, sin:
 
 
 def _attention_input_body(h: np.ndarray, weights: tuple, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray,
-                          values: np.ndarray, n: int, eps: float, queries: np.ndarray) -> None:
+                          values: np.ndarray, n: int, eps: float, head_eps: float, queries: np.ndarray) -> None:
     norm1, wq, wk, wv = weights[0], weights[1], weights[2], weights[3]
     kv_heads, d = keys.shape[0], keys.shape[2]
     nq, nk = wq.shape[0], wk.shape[0]
@@ -72,13 +92,16 @@ def _attention_input_body(h: np.ndarray, weights: tuple, cos: np.ndarray, sin: n
     bq, bk = (nq + BLOCK - 1) // BLOCK, (nk + BLOCK - 1) // BLOCK
     for b in numba.prange(bq + 2 * bk):
         if b < bq:
-            w, at, first = wq, 0, b * BLOCK
+            w, bias, at, first = wq, weights[9], 0, b * BLOCK
         elif b < bq + bk:
-            w, at, first = wk, nq, (b - bq) * BLOCK
+            w, bias, at, first = wk, weights[10], nq, (b - bq) * BLOCK
         else:
-            w, at, first = wv, nq + nk, (b - bq - bk) * BLOCK
+            w, bias, at, first = wv, weights[11], nq + nk, (b - bq - bk) * BLOCK
         for i in range(first, min(w.shape[0], first + BLOCK)):
-            qkv[at + i] = _dot(w, i, x)
+            qkv[at + i] = _dot(w, i, x) + _bias(bias, i)
+    if weights[16].shape[0] > 0:
+        _norm_heads(qkv, 0, nq // d, d, weights[16], head_eps)
+        _norm_heads(qkv, nq, kv_heads, d, weights[17], head_eps)
     _rotate(qkv, 0, nq // d, d, cos, sin)
     _rotate(qkv, nq, kv_heads, d, cos, sin)
     for i in range(nq):
@@ -94,17 +117,17 @@ def _attention_output_body(h: np.ndarray, weights: tuple, attended: np.ndarray, 
     hidden = h.shape[0]
     for b in numba.prange((hidden + BLOCK - 1) // BLOCK):
         for i in range(b * BLOCK, min(hidden, (b + 1) * BLOCK)):
-            h[i] += _dot(wo, i, attended)
+            h[i] += _dot(wo, i, attended) + _bias(weights[12], i)
     x = _rms_norm(h, norm2, eps)
     inner = wg.shape[0]
     act = np.empty(inner, np.float32)
     for b in numba.prange((inner + BLOCK - 1) // BLOCK):
         for i in range(b * BLOCK, min(inner, (b + 1) * BLOCK)):
-            gate = _dot(wg, i, x)
-            act[i] = gate / (np.float32(1.0) + np.float32(math.exp(-gate))) * _dot(wu, i, x)
+            gate = _dot(wg, i, x) + _bias(weights[13], i)
+            act[i] = gate / (np.float32(1.0) + np.float32(math.exp(-gate))) * (_dot(wu, i, x) + _bias(weights[14], i))
     for b in numba.prange((hidden + BLOCK - 1) // BLOCK):
         for i in range(b * BLOCK, min(hidden, (b + 1) * BLOCK)):
-            h[i] += _dot(wd, i, act)
+            h[i] += _dot(wd, i, act) + _bias(weights[15], i)
 
 
 attention_input = numba.njit(parallel=True, **_FLAGS)(_attention_input_body)
@@ -114,15 +137,16 @@ one_thread_attention_output = numba.njit(**_FLAGS)(_attention_output_body)
 
 
 def before_attention(h: np.ndarray, weights: tuple, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray,
-                     values: np.ndarray, n: int, eps: float, queries: np.ndarray, threads: int) -> None:
+                     values: np.ndarray, n: int, eps: float, head_eps: float, queries: np.ndarray,
+                     threads: int) -> None:
     """The attention's input: ``queries`` ``[heads * head_dim]`` written, the token's key/value row written at row
     ``n`` of ``keys``/``values`` ``[kv_heads, room, head_dim]``, on ``threads`` threads (0: no parallel region).
     """
     if threads == 0:
-        one_thread_attention_input(h, weights, cos, sin, keys, values, n, eps, queries)
+        one_thread_attention_input(h, weights, cos, sin, keys, values, n, eps, head_eps, queries)
         return
     numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
-    attention_input(h, weights, cos, sin, keys, values, n, eps, queries)
+    attention_input(h, weights, cos, sin, keys, values, n, eps, head_eps, queries)
 
 
 def after_attention(h: np.ndarray, weights: tuple, attended: np.ndarray, eps: float, threads: int) -> None:

@@ -59,7 +59,8 @@ def one_token(model: Any, cache: Any, token: int, position: int) -> torch.Tensor
     if plan is None or not appendable(cache) or len(cache.layers) != len(plan.weights):
         return None
     threads = kernel_threads()
-    if threads is None or cache.layers[0].keys.shape[0] != 1:
+    first = cache.layers[0].keys
+    if threads is None or first.shape[0] != 1 or first.dtype != torch.float32 or first.device.type != "cpu":
         return None
     family = family_of(model.config)
     ids = torch.tensor([[token]])

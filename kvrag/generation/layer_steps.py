@@ -13,12 +13,14 @@ the torch path's to float rounding (`tests/test_layer_steps.py`).
 
 The layers' weights are read once per model into the kernel's form (NumPy views of the same memory, no copy) and
 read again when the model's first weight is no longer the same tensor (moved, reloaded). Set
-``KVRAG_CPU_KERNELS=0`` to run every step through torch.
+``KVRAG_CPU_KERNELS=0`` to run every step through torch. numba compiles the kernels once per machine (and again after
+an upgrade of kvrag), about 8 s on 2 cores, during the first step that takes them: a warning says so.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import threading
 from dataclasses import dataclass
 from types import ModuleType
@@ -36,6 +38,7 @@ KERNEL_MODULE = "kvrag.model.layer_step_kernel"  # imports numba: loaded on the 
 _PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
                 ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
 
+log = logging.getLogger(__name__)
 _NONE = torch.empty(0)  # an absent bias or head norm, as the kernel reads it
 _kernel: ModuleType | None = None
 _loading = threading.Lock()
@@ -53,6 +56,7 @@ class _Plan:
     first: int  # where the model's first q weight was when the plan was made (elsewhere: a stale plan)
 
 
+@torch.no_grad()
 def one_token(model: Any, cache: Any, token: int, position: int) -> torch.Tensor | None:
     """The step's logits ``[1, vocab]`` with ``cache`` extended, or None where the step is not this module's."""
     plan = _plan(model)
@@ -136,5 +140,8 @@ def _load_kernel() -> ModuleType:
     global _kernel
     with _loading:
         if _kernel is None:
-            _kernel = importlib.import_module(KERNEL_MODULE)
+            module = importlib.import_module(KERNEL_MODULE)
+            if not module.compiled_here():
+                log.warning("compiling kvrag's decoding kernels for this machine (once, about 10 s)")
+            _kernel = module
     return _kernel

@@ -23,6 +23,7 @@ numba; `kvrag.generation.layer_steps` decides when to call it.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import numba
@@ -156,3 +157,13 @@ def after_attention(h: np.ndarray, weights: tuple, attended: np.ndarray, eps: fl
         return
     numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
     attention_output(h, weights, attended, eps)
+
+
+def compiled_here() -> bool:
+    """Whether numba's cache on this machine holds the parallel kernels (False: the first call compiles them, about
+    8 s on 2 cores; an unknown numba says True).
+    """
+    try:
+        return all(os.path.exists(f._cache._cache_file._index_path) for f in (attention_input, attention_output))
+    except AttributeError:
+        return True

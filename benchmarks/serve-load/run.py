@@ -185,7 +185,7 @@ def started(args: argparse.Namespace, llama: bool, log: str) -> tuple[dict[str, 
     index, picked, f32 = prepare(args.work, args.k, args.threads)
     servers = start_servers(index, f32 if llama else None, args.threads, args.k, args.max_wait, args.out / log,
                             args.prefill_chunk_tokens, args.slice_interval)
-    return servers, conversations(picked, 200)
+    return servers, conversations(picked, 200, getattr(args, "seed", 0))
 
 
 def _interrupted(signum: int, frame: object) -> None:
@@ -199,6 +199,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--duration", type=float, default=60.0, help="seconds each level starts conversations")
     parser.add_argument("--servers", nargs="+", default=["kvrag", "llama.cpp"])
+    parser.add_argument("--seed", type=int, default=0,
+                        help="which conversations are drawn (tune settings on another seed than the one reported)")
     server_args(parser)
     args = parser.parse_args()
     servers, convs = started(args, llama="llama.cpp" in args.servers, log="servers.log")

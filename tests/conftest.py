@@ -126,6 +126,16 @@ def reference_generate(lm, ids: torch.Tensor, **options) -> torch.Tensor:
         return model.generate(ids, do_sample=False, **options)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _decoding_kernels_compiled() -> None:
+    """numba's decoding kernels compiled before any test runs (a clean checkout has none cached): their one-time
+    warning then never lands in a test that reads stderr, whatever the order the tests run in.
+    """
+    from kvrag.generation import layer_steps
+
+    layer_steps.compile_ahead(tiny_model("llama"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"))

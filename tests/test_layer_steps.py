@@ -111,15 +111,18 @@ def test_the_switch_keeps_every_step_on_the_torch_path() -> None:
     assert done.returncode == 0 and done.stdout.strip().endswith("off"), done.stderr[-2000:]
 
 
-def test_the_first_compilation_on_a_machine_is_announced_once(tmp_path) -> None:
-    """An empty numba cache: the first process says it compiles (and fills the cache); the next one says nothing."""
-    code = ("import logging, sys; sys.path.insert(0, 'tests'); logging.basicConfig(level=logging.WARNING);"
+def test_the_first_compilation_on_a_machine_is_announced_once_and_can_come_ahead(tmp_path) -> None:
+    """An empty numba cache: `compile_ahead` compiles (and says so); the next process's first step finds the kernels
+    compiled and says nothing, and has nothing to compile ahead."""
+    head = ("import logging, sys; sys.path.insert(0, 'tests'); logging.basicConfig(level=logging.WARNING);"
             "from conftest import tiny_model; from test_layer_steps import _prefilled;"
-            "from kvrag.generation import layer_steps; m = tiny_model('llama');"
-            "assert layer_steps.one_token(m, _prefilled(m), 5, 37) is not None")
+            "from kvrag.generation import layer_steps; m = tiny_model('llama');")
+    codes = [head + "assert layer_steps.compile_ahead(m)",
+             head + "assert layer_steps.one_token(m, _prefilled(m), 5, 37) is not None;"
+                    "assert not layer_steps.compile_ahead(m)"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     said = []
-    for _ in range(2):
+    for code in codes:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=root,
                               env={**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)})
         assert done.returncode == 0, done.stderr[-2000:]

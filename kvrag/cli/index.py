@@ -6,8 +6,10 @@ fail in one line when none is usable; load the model once (a new index: ``--mode
 print the number of documents and tokens and the expected size of the chunk caches (tokens x the
 model's K/V elements per token x the codec's measured bits per element), with a warning on stderr
 when that exceeds the free disk space; build (one progress bar with an ETA, on stderr, on a
-terminal or with ``--progress``); print the chunks and the bytes actually written; last, one line
-naming the skipped files and why. Options not given on an existing index take its own settings.
+terminal or with ``--progress``); print the chunks and the bytes actually written; then one line
+naming the skipped files and why; last, once per machine, compile kvrag's decoding kernels for the model
+(`kvrag.generation.layer_steps.compile_ahead`, about 7 s on 2 cores, with a warning), so that the first answer
+does not wait for them. Options not given on an existing index take its own settings.
 ``--store URL`` puts the caches in another store, e.g. a shared Redis (recorded in a new index, without
 its password); a remote store that does not answer is refused before the model loads, and the sizes
 printed are then those of the index folder alone (the caches are in the store). ``--engine ray`` splits,
@@ -30,6 +32,7 @@ from kvrag.cli.sizes import expected_cache_bytes, folder_bytes
 from kvrag.codec.base import make_codec
 from kvrag.config import CodecConfig, SplitConfig
 from kvrag.errors import IndexMismatchError, InputError
+from kvrag.generation import layer_steps
 from kvrag.indexing.documents import load_documents
 from kvrag.model import load_model
 from kvrag.prompt import DEFAULT_INSTRUCTION
@@ -146,4 +149,5 @@ def run(args: argparse.Namespace) -> int:
           f"{elapsed:.1f} s, {human_bytes(total)} on disk in all{caches}", flush=True)
     if loaded.skipped:
         print(loaded.skipped_summary(), flush=True)
+    layer_steps.compile_ahead(lm.model)  # once per machine (it warns when it does): the first answer decodes at once
     return 0

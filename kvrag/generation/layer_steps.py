@@ -33,6 +33,7 @@ from kvrag.generation.cache_room import appendable, grown, room
 from kvrag.model import hf_compat, llama_layer
 from kvrag.model.cpu_linear import kernel_threads
 from kvrag.model.families import family_of
+from kvrag.model.row_cache import RowCache
 
 KERNEL_MODULE = "kvrag.model.layer_step_kernel"  # imports numba: loaded on the first step it takes
 _PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
@@ -86,6 +87,20 @@ def one_token(model: Any, cache: Any, token: int, position: int) -> torch.Tensor
         attended = llama_layer.attend(queries, keys, values, None, plan.scale)
         kernel.after_attention(residual, weights, attended.reshape(-1).numpy(), plan.eps, threads)
     return family.logits(model, state.view(1, 1, -1))[:, -1].float()
+
+
+def compile_ahead(model: Any) -> bool:
+    """Compile the kernels now where ``model``'s steps would take them and numba's cache on this machine lacks them,
+    by one step over a one-row cache of zeros (``kvrag index`` calls it, so that a fresh install's first answer does
+    not pay the compilation); whether it compiled.
+    """
+    plan = _plan(model)
+    if plan is None or kernel_threads() is None or importlib.import_module(KERNEL_MODULE).compiled_here():
+        return False
+    attn = hf_compat.decoder_layers(model)[0].self_attn
+    head_dim = int(attn.head_dim)
+    rows = [torch.zeros(1, attn.k_proj.weight.shape[0] // head_dim, 1, head_dim) for _ in range(2 * len(plan.weights))]
+    return one_token(model, RowCache(list(zip(rows[::2], rows[1::2]))), 0, 1) is not None
 
 
 def _plan(model: Any) -> _Plan | None:

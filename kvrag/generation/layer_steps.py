@@ -71,7 +71,7 @@ def one_token(model: Any, cache: Any, token: int, position: int) -> torch.Tensor
     ids = torch.tensor([[token]])
     hidden = family.embed(model, ids)  # [1, 1, hidden]
     cos, sin = family.rope(model, family.kinds[0].rope, hidden, torch.tensor([[position]]))
-    head_dim = cache.layers[0].keys.shape[-1]
+    head_dim = first.shape[-1]
     if hidden.dtype != torch.float32 or cos.shape[-1] != head_dim:
         return None
     kernel = _kernel if _kernel is not None else _load_kernel()
@@ -99,8 +99,9 @@ def compile_ahead(model: Any) -> bool:
         return False
     attn = hf_compat.decoder_layers(model)[0].self_attn
     head_dim = int(attn.head_dim)
-    rows = [torch.zeros(1, attn.k_proj.weight.shape[0] // head_dim, 1, head_dim) for _ in range(2 * len(plan.weights))]
-    return one_token(model, RowCache(list(zip(rows[::2], rows[1::2]))), 0, 1) is not None
+    shape = (1, attn.k_proj.weight.shape[0] // head_dim, 1, head_dim)
+    cache = RowCache([(torch.zeros(shape), torch.zeros(shape)) for _ in plan.weights])
+    return one_token(model, cache, 0, 1) is not None
 
 
 def _plan(model: Any) -> _Plan | None:

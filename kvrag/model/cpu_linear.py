@@ -59,12 +59,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return F.linear(x, weight, bias)
         out = torch.ops.mkldnn._linear_pointwise(flat, weight.detach(), bias, "none", [], "")
     else:
-        kernel = _kernel if _kernel is not None else _load_kernel()
-        if not isinstance(kernel, ModuleType):
+        threads = kernel_threads()
+        if threads is None:
             return F.linear(x, weight, bias)
         out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
-        threads = 0 if _threads_off else torch.get_num_threads()
-        kernel.multiply(flat.numpy(), weight.detach().numpy(), out.numpy(), threads)
+        assert isinstance(_kernel, ModuleType)
+        _kernel.multiply(flat.numpy(), weight.detach().numpy(), out.numpy(), threads)
         if bias is not None:
             out += bias
     return out.view(*x.shape[:-1], weight.shape[0])

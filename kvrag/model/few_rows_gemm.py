@@ -52,15 +52,20 @@ def one_thread(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
 
 
 def multiply(x: np.ndarray, weight: np.ndarray, out: np.ndarray, threads: int) -> None:
-    """`few_rows_times_weight` on ``threads`` threads (at most numba's own limit, ``NUMBA_NUM_THREADS``); 0 threads:
-    `one_thread`, which launches no parallel region.
+    """`few_rows_times_weight` on ``threads`` threads; 0 threads: `one_thread` (`run_on`)."""
+    run_on(threads, few_rows_times_weight, one_thread, x, weight, out)
+
+
+def run_on(threads: int, parallel: Any, serial: Any, *args: Any) -> None:
+    """``parallel(*args)`` on ``threads`` threads (at most numba's own limit, ``NUMBA_NUM_THREADS``); 0 threads:
+    ``serial(*args)``, the same loops compiled without a parallel region.
     """
     if threads == 0:
-        one_thread(x, weight, out)
+        serial(*args)
         return
     limit = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]  # (set by numba at import)
     numba.set_num_threads(max(1, min(threads, limit)))
-    few_rows_times_weight(x, weight, out)
+    parallel(*args)
 
 
 def threading_layer() -> str:

@@ -29,6 +29,8 @@ from typing import Any
 import numba
 import numpy as np
 
+from kvrag.model.few_rows_gemm import run_on
+
 BLOCK = 64  # weight rows per task, as in `kvrag.model.few_rows_gemm`
 _FLAGS: dict[str, Any] = {"fastmath": {"reassoc", "contract"}, "cache": True, "nogil": True, "boundscheck": False}
 
@@ -42,18 +44,6 @@ def _dot(w: np.ndarray, i: int, x: np.ndarray) -> np.float32:
 
 
 @numba.njit(inline="always", **_FLAGS)
-def _rms_norm(h: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    total = np.float32(0.0)
-    for j in range(h.shape[0]):
-        total += h[j] * h[j]
-    inv = np.float32(1.0) / np.float32(math.sqrt(total / np.float32(h.shape[0]) + np.float32(eps)))
-    out = np.empty_like(h)
-    for j in range(h.shape[0]):
-        out[j] = weight[j] * (h[j] * inv)
-    return out
-
-
-@numba.njit(inline="always", **_FLAGS)
 def _norm_heads(x: np.ndarray, start: int, heads: int, d: int, weight: np.ndarray, eps: float) -> None:
     """Heads ``x[start:start + heads * d]`` each RMS-normed in place and scaled by ``weight`` ``[d]``."""
     for hh in range(heads):
@@ -64,6 +54,14 @@ def _norm_heads(x: np.ndarray, start: int, heads: int, d: int, weight: np.ndarra
         inv = np.float32(1.0) / np.float32(math.sqrt(total / np.float32(d) + np.float32(eps)))
         for i in range(d):
             x[base + i] = weight[i] * (x[base + i] * inv)
+
+
+@numba.njit(inline="always", **_FLAGS)
+def _rms_norm(h: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """``h`` RMS-normed and scaled by ``weight``, into a new array."""
+    out = h.copy()
+    _norm_heads(out, 0, 1, h.shape[0], weight, eps)
+    return out
 
 
 @numba.njit(inline="always", **_FLAGS)
@@ -143,20 +141,13 @@ def before_attention(h: np.ndarray, weights: tuple, cos: np.ndarray, sin: np.nda
     """The attention's input: ``queries`` ``[heads * head_dim]`` written, the token's key/value row written at row
     ``n`` of ``keys``/``values`` ``[kv_heads, room, head_dim]``, on ``threads`` threads (0: no parallel region).
     """
-    if threads == 0:
-        one_thread_attention_input(h, weights, cos, sin, keys, values, n, eps, head_eps, queries)
-        return
-    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
-    attention_input(h, weights, cos, sin, keys, values, n, eps, head_eps, queries)
+    run_on(threads, attention_input, one_thread_attention_input, h, weights, cos, sin, keys, values, n, eps,
+           head_eps, queries)
 
 
 def after_attention(h: np.ndarray, weights: tuple, attended: np.ndarray, eps: float, threads: int) -> None:
     """The output projection of ``attended`` ``[heads * head_dim]`` and the MLP, each added to ``h``."""
-    if threads == 0:
-        one_thread_attention_output(h, weights, attended, eps)
-        return
-    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
-    attention_output(h, weights, attended, eps)
+    run_on(threads, attention_output, one_thread_attention_output, h, weights, attended, eps)
 
 
 def compiled_here() -> bool:

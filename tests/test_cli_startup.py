@@ -102,3 +102,16 @@ def test_main_called_by_a_program_leaves_its_collector_alone(tmp_path: Path):
     before = gc.get_freeze_count()
     main(["ask", str(tmp_path / "missing"), "Who?"])
     assert gc.isenabled() and gc.get_freeze_count() == before
+
+
+def test_the_command_tells_its_run_whether_the_process_is_its_own(tmp_path: Path):
+    """`console` runs the command in its own process (numba may start without SciPy's BLAS there); `main` called by
+    another program does not.
+    """
+    code = ("import sys; import kvrag.cli.ask as command; "
+            "command.run = lambda args: print(args.own_process) or 0; "
+            f"sys.argv = ['kvrag', 'ask', {str(tmp_path)!r}, 'Who?']; "
+            "from kvrag.cli import console, main; main(sys.argv[1:]); console()")
+    (tmp_path / "manifest.json").write_text("{}")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.split() == ["False", "True"], done.stderr[-2000:]

@@ -17,7 +17,8 @@ import no torch, transformers, faiss, sentence-transformers or numpy, so ``--hel
 (tests/test_cli_startup.py). Once the arguments parse and the command's cheap checks pass, `main` imports the
 command's own module (`kvrag.cli.index`, `kvrag.cli.ask`, `kvrag.cli.info`, `kvrag.cli.verify`, `kvrag.cli.repair`,
 `kvrag.cli.serve`, or a benchmark's `kvrag.bench.<name>`), which imports what it needs at its top, and calls its
-``run(args)``. ``args.import_s`` is how long that import took (``kvrag ask --timings`` shows it).
+``run(args)``. ``args.import_s`` is how long that import took (``kvrag ask --timings`` shows it), and
+``args.own_process`` whether the process is the command's own (`console`), not another program's.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def _run(args: argparse.Namespace) -> int:
         gc.freeze()
         gc.enable()
     args.import_s = time.perf_counter() - started
+    args.own_process = _OWN_PROCESS
     return int(command.run(args))
 
 

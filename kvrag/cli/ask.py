@@ -11,7 +11,8 @@ chunk caches are read from where the index records them (``--store URL`` names t
 that does not answer costs one warning, and the chunks are computed from their text. ``--ttft-slo S``
 streams the chunks (`FuseConfig.ttft_slo`): per chunk the stored level, or the text, that meets the target
 at the store's measured bandwidth; ``--json`` then shows the choices under ``load_plan``. ``--timings`` prints
-on stderr where the time went from the process's start (`kvrag.cli.process_clock`) to the whole answer.
+on stderr where the time went from the process's start (`kvrag.cli.process_clock`) to the whole answer. In the
+command's own process numba starts without SciPy's BLAS (`kvrag.model.numba_start`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 from kvrag.cli.common import store_arg
 from kvrag.cli.process_clock import seconds_since_start
 from kvrag.config import DEFAULT_MODE, FuseConfig, GateConfig
+from kvrag.model import numba_start
 from kvrag.rag import KVRag
 
 WARMUP_QUESTION = "What are these passages about?"
@@ -53,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
     since_start = seconds_since_start()
     started = None if since_start is None else since_start - import_s  # Python, the CLI, the arguments
     t0 = time.perf_counter()
+    if getattr(args, "own_process", False):
+        numba_start.only_kvrag_compiles()
     rag = KVRag.open(args.index, model=args.model, device=args.device, store=store_arg(args),
                      embedder=args.embedder)
     load_s = time.perf_counter() - t0

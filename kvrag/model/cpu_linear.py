@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from kvrag.config import switched_off
+from kvrag.model import numba_start
 
 ENV_SWITCH = "KVRAG_CPU_KERNELS"
 FEW_ROWS = 8  # level with F.linear at about 12 rows; beyond, a blocked GEMM (oneDNN's) wins
@@ -96,6 +97,7 @@ def _load_kernel() -> ModuleType | bool:
         if _kernel is None:
             _kernel = False
             if not switched_off(ENV_SWITCH):
+                numba_start.start()
                 module = importlib.import_module(KERNEL_MODULE)
                 one = torch.ones(1, 1).numpy()
                 module.multiply(one, one, one.copy(), 1)

@@ -1,5 +1,6 @@
-"""Admission by expected wait in `kvrag serve`: the estimate from measured service times, 429 with Retry-After in
-OpenAI's error shape, and a client's own timeout freeing its queued place. Real ``kvrag serve`` processes over a
+"""Admission by expected wait in `kvrag serve`: the estimate from measured service times, requests over the bound
+held in the waiting line and answered once admitted, 429 with Retry-After in OpenAI's error shape once the hold runs
+out, and a client's own timeout freeing its queued or held place. Real ``kvrag serve`` processes over a
 tiny random model, the ``openai`` client and httpx.
 """
 
@@ -168,7 +169,7 @@ def test_admission_keeps_headroom_below_the_bound():
 def test_a_request_whose_wait_exceeds_the_bound_gets_429_with_retry_after(index: Path):
     import openai
 
-    with ServeProcess(index, "--max-active", "1", "--max-wait", "0.5") as server:
+    with ServeProcess(index, "--max-active", "1", "--max-wait", "0.5", "--max-hold", "0") as server:
         hog = threading.Thread(target=_post_quietly, args=(server.url, LONG), daemon=True)
         hog.start()
         deadline = time.monotonic() + 30
@@ -195,6 +196,50 @@ def test_a_request_whose_wait_exceeds_the_bound_gets_429_with_retry_after(index:
         assert metric(text, 'kvrag_refused_total{reason="wait"}') >= 2
         assert metric(text, "kvrag_expected_wait_seconds") > 0.5
         assert metric(text, "process_resident_memory_bytes") > 0
+
+
+def _busy(server: ServeProcess, hog_tokens: int) -> None:
+    """Start a long answer and return once it holds the server's only slot."""
+    threading.Thread(target=_post_quietly, args=(server.url, LONG | {"max_tokens": hog_tokens}), daemon=True).start()
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{server.url}/health").json()["active"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_a_request_over_the_bound_is_held_in_line_and_answered_once_admitted(index: Path):
+    with ServeProcess(index, "--max-active", "1", "--max-wait", "0.5", "--max-hold", "120") as server:
+        _busy(server, 600)
+        started = time.monotonic()
+        held = httpx.post(f"{server.url}/v1/chat/completions", json=LONG | {"max_tokens": 8}, timeout=150)
+        assert held.status_code == 200, held.text
+        waited = float(held.headers["X-Kvrag-Held"])
+        assert 0 < waited <= time.monotonic() - started
+        text = server.metrics()
+        assert metric(text, "kvrag_held_total") == 1 and metric(text, "kvrag_held_seconds_total") == pytest.approx(
+            waited, abs=1e-3)
+        assert metric(text, 'kvrag_refused_total{reason="wait"}') == 0
+        idle = httpx.post(f"{server.url}/v1/chat/completions", json=LONG | {"max_tokens": 4}, timeout=60)
+        assert idle.status_code == 200 and float(idle.headers["X-Kvrag-Held"]) == 0  # nothing ahead: not held
+
+
+def test_a_hold_that_runs_out_ends_in_429_and_a_client_gone_while_held_frees_its_place(index: Path):
+    with ServeProcess(index, "--max-active", "1", "--max-wait", "0.5", "--max-hold", "1.5") as server:
+        _busy(server, 3000)
+        started = time.monotonic()
+        refused = httpx.post(f"{server.url}/v1/chat/completions", json=LONG | {"max_tokens": 8}, timeout=60)
+        assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
+        assert 1.0 <= time.monotonic() - started < 10  # held about its 1.5 s first
+        assert "its place in line: 1" in refused.json()["error"]["message"]
+    with ServeProcess(index, "--max-active", "1", "--max-wait", "0.5", "--max-hold", "120") as server:
+        _busy(server, 3000)
+        with pytest.raises(httpx.TimeoutException):  # held behind the long answer: the client gives up
+            httpx.post(f"{server.url}/v1/chat/completions", json=LONG | {"max_tokens": 8}, timeout=1.0)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{server.url}/health").json()["waiting_line"] != 0:
+            assert time.monotonic() < deadline, "the abandoned request kept its place in the waiting line"
+            time.sleep(0.1)
+        assert 'status="499"' in server.metrics()
 
 
 def test_a_client_timeout_frees_its_place_in_the_queue(index: Path):

@@ -2,11 +2,12 @@
 
 Contract: `run_level(target, conversations, clients, duration_s)` starts ``clients`` asyncio tasks; each runs
 conversations (turns of `Turn`) until ``duration_s`` has passed, streaming every answer, and never retries through
-the client (``max_retries=0``): a 429 is counted, and the client waits its ``Retry-After`` (at most 5 s) and asks the
-same turn again, as a user waiting for an answer would, also after ``duration_s``, until `GIVE_UP_S` after its first
-attempt. It returns a `LevelResult`: per answered turn its TTFT from the attempt that was answered and from the
-turn's first attempt, the gaps between its content chunks and its completion tokens; per turn given up, how long it
-had waited; the counts of 429s, 5xx and other errors and the wall time until the last turn ended.
+the client (``max_retries=0``): a 429 is counted, and the client waits its ``Retry-After`` (at most 5 s) and asks
+the same turn again, as a user waiting for an answer would, also after ``duration_s``, until `GIVE_UP_S` after its
+first attempt. It returns a `LevelResult`: per answered turn its TTFT from the attempt that was answered (from its
+admission: less the seconds kvrag held it in its waiting line, its ``X-Kvrag-Held`` header) and from the turn's
+first attempt, how long it was held, the gaps between its content chunks and its completion tokens; per turn given
+up, how long it had waited; the counts of 429s, 5xx and other errors and the wall time until the last turn ended.
 A `Target` says how to phrase a turn for one server: kvrag retrieves its passages itself (``k`` in the body), a plain
 OpenAI server gets the same passages in the user message.
 """
@@ -24,6 +25,7 @@ REQUEST_TIMEOUT_S = 600.0
 MAX_RETRY_WAIT_S = 5.0
 GIVE_UP_S = 300.0  # a turn refused this long after its first attempt is given up (and counted)
 SYSTEM = "Answer the question from the passages in a few words."
+HELD_HEADER = "x-kvrag-held"  # seconds kvrag held the attempt in its waiting line before admitting it
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,8 @@ class LevelResult:
     """What one load level measured."""
 
     clients: int
-    ttft_s: list[float] = field(default_factory=list)  # from the attempt that was answered
+    ttft_s: list[float] = field(default_factory=list)  # from the attempt that was answered, once admitted
+    held_s: list[float] = field(default_factory=list)  # answered attempts held in kvrag's waiting line: how long
     ttft_first_attempt_s: list[float] = field(default_factory=list)  # from the turn's first attempt
     given_up_s: list[float] = field(default_factory=list)  # turns never answered: how long they were retried
     gaps_s: list[float] = field(default_factory=list)
@@ -80,6 +83,7 @@ async def _turn(client: Any, target: Target, messages: list[dict[str, str]], res
         stream = await client.chat.completions.create(
             model=target.model, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body=target.extra_body or None)
+        held = float(stream.response.headers.get(HELD_HEADER, "0") or 0)  # kvrag's hold before admission
         async for chunk in stream:
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
@@ -111,7 +115,9 @@ async def _turn(client: Any, target: Target, messages: list[dict[str, str]], res
     result.answers += 1
     result.empty_answers += not pieces
     result.tokens += tokens or len(pieces)
-    result.ttft_s.append((first or time.perf_counter()) - sent)
+    result.ttft_s.append((first or time.perf_counter()) - sent - held)
+    if held > 0:
+        result.held_s.append(held)
     result.ttft_first_attempt_s.append((first or time.perf_counter()) - asked)
     return "".join(pieces).strip()
 

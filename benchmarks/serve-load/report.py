@@ -1,10 +1,11 @@
 """The load benchmark's table and plot from its rows (`run.py`): ``python report.py RESULTS_DIR`` redraws them.
 
 Contract: `summarise(row)` turns one level's raw measurements into the reported figures (answers and tokens per
-second over the level's wall time, TTFT p50/p99 over answered turns from the attempt answered, TTFT p99 from a
-turn's first attempt and the longest any turn waited (answered or given up), p99 time between tokens, the share of
-requests admitted (answers over answers and 429s), peak resident memory, error counts); `write_report(rows, out)`
-writes ``table.md`` and, when matplotlib is installed, ``load.png``.
+second over the level's wall time, TTFT p50/p99 over answered turns from the attempt answered (from its admission),
+TTFT p99 from a turn's first attempt and the longest any turn waited (answered or given up), p99 time between
+tokens, the share of requests admitted (answers over answers and 429s; an attempt held in kvrag's waiting line and
+then answered is admitted), how many answered attempts were held, peak resident memory, error counts);
+`write_report(rows, out)` writes ``table.md`` and, when matplotlib is installed, ``load.png``.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 COLUMNS = ("server", "clients", "answers", "empty", "answers/s", "tokens/s", "TTFT p50 s", "TTFT p99 s",
-           "TTFT p99 from first attempt s", "longest wait s", "p99 between tokens s", "admitted share", "peak RSS MB",
-           "429", "given up", "5xx", "other errors")
+           "TTFT p99 from first attempt s", "longest wait s", "p99 between tokens s", "admitted share", "held",
+           "peak RSS MB", "429", "given up", "5xx", "other errors")
 
 
 def quantile(values: list[float], q: float) -> float | None:
@@ -38,6 +39,7 @@ def summarise(row: dict[str, Any]) -> dict[str, Any]:
             "longest wait s": max([*row.get("ttft_first_attempt_s", []), *row.get("given_up_s", [])], default=None),
             "p99 between tokens s": quantile(row["gaps_s"], 0.99),
             "admitted share": row["answers"] / max(row["answers"] + row["refused_429"], 1),
+            "held": len(row.get("held_s", [])),
             "peak RSS MB": row["peak_rss_bytes"] / 2**20,
             "429": row["refused_429"], "given up": len(row.get("given_up_s", [])), "5xx": row["server_5xx"],
             "other errors": row["other_errors"]}

@@ -205,6 +205,10 @@ def _add_serve(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                    help="refuse with 429 and Retry-After a request whose expected wait for its first token, "
                         "estimated from measured service times, exceeds this (e.g. 10 or 10s; 0: no bound; "
                         "default 10)")
+    p.add_argument("--max-hold", type=seconds, default=50.0, metavar="SECONDS",
+                   help="hold a request refused for its expected wait in the waiting line, in arrival order, for up "
+                        "to this long before answering 429, and answer it if admitted meanwhile (0: refuse at once; "
+                        "default 50, under the 60 s idle timeout of common proxies)")
     p.add_argument("--prefill-chunk-tokens", type=chunk_tokens, default="auto", metavar="N",
                    help="run a long prefill or fusion in slices of N tokens' work, with the answers already "
                         "streaming given a token between slices (0: whole, their tokens wait for it; default "

@@ -6,7 +6,8 @@ line, before anything is served. The model is the index's (``--model`` as in ``k
 one line on stderr once the port is bound, then serves until SIGTERM (exit status 0) or Ctrl-C (130,
 as every command); either way the server stops gracefully and the index is closed. ``--api-key``
 (default: the ``KVRAG_API_KEY`` environment variable) guards the ``/v1`` routes. ``--max-wait`` bounds a
-request's expected wait for its first token (429 with ``Retry-After`` beyond it); the ``--session-*`` flags
+request's expected wait for its first token: beyond it a request is held in the waiting line, in arrival order,
+for up to ``--max-hold`` seconds, then refused (429 with ``Retry-After``); the ``--session-*`` flags
 bound the conversations' tiers (``--session-dir`` keeps the disk tier across restarts); ``--store`` and
 ``--embedder`` are as in ``kvrag ask``. ``-v`` shows uvicorn's access log.
 """
@@ -56,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     options = ServeOptions(model_name=args.model_name, api_key=args.api_key or None,
                            history_cache=not args.no_history_cache, k=args.k, max_tokens=args.max_tokens,
                            max_active=args.max_active, max_queue=args.max_queue,
-                           max_wait=args.max_wait or None, prefill_chunk_tokens=args.prefill_chunk_tokens,
+                           max_wait=args.max_wait or None, max_hold_s=args.max_hold,
+                           prefill_chunk_tokens=args.prefill_chunk_tokens,
                            slice_interval_s=args.slice_interval,
                            warmup=not args.no_warmup)
     sock = bind(args.host, args.port)  # a taken port fails here, before the model loads

@@ -97,10 +97,10 @@ def _load_kernel() -> ModuleType | bool:
         if _kernel is None:
             _kernel = False
             if not switched_off(ENV_SWITCH):
-                numba_start.start()
                 module = importlib.import_module(KERNEL_MODULE)
                 one = torch.ones(1, 1).numpy()
-                module.multiply(one, one, one.copy(), 1)
+                with numba_start.without_blas():  # where numba's target starts, in a cold `kvrag ask`
+                    module.multiply(one, one, one.copy(), 1)
                 if module.threading_layer() in _MEASURED_LAYERS:
                     _kernel = module
                     os.register_at_fork(after_in_child=_one_thread_in_a_forked_child)

@@ -65,6 +65,8 @@ class ServeOptions:
         max_queue: requests that may wait for a slot; more get 429.
         max_wait: seconds; a request whose expected wait for its first token (from measured service times)
             exceeds it gets 429 with ``Retry-After`` (None: only ``max_queue`` bounds the wait).
+        max_hold_s: seconds a request refused for its wait, with a place in the waiting line, is held there before
+            it gets its 429 (0: refused at once); admitted meanwhile, it is answered.
         prefill_chunk_tokens: the tokens' worth of a fusion or prefill run between two rounds of the answers already
             streaming (None or 0: a first step runs whole, and their tokens wait for it; ``"auto"``:
             `kvrag.config.prefill_chunk_tokens`).
@@ -81,6 +83,7 @@ class ServeOptions:
     max_active: int = 8
     max_queue: int = 64
     max_wait: float | None = 10.0
+    max_hold_s: float = 50.0
     prefill_chunk_tokens: int | str | None = "auto"
     slice_interval_s: float = PREFILL_SLICE_INTERVAL_S
     warmup: bool = True

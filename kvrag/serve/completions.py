@@ -1,7 +1,11 @@
 """``POST /v1/chat/completions``: a parsed request through the scheduler, answered whole or as SSE chunks.
 
-Contract: `complete(state, request, chat)` queues the chat as a `Job` (429 in OpenAI's error shape when
-the queue is full or its expected wait exceeds ``--max-wait``, with ``Retry-After``) and answers it.
+Contract: `complete(state, request, chat)` queues the chat as a `Job` and answers it. A request whose expected wait
+exceeds ``--max-wait`` and that got a place in the waiting line is held there, in arrival order, for up to
+``--max-hold`` seconds (`hold`): it is submitted again every `HOLD_POLL_S` while first in line, every
+`HOLD_POLL_LATER_S` behind, and answered once admitted, with the seconds it was held in the ``X-Kvrag-Held``
+header. Past that, a full queue, or no place: 429 in OpenAI's error shape, with ``Retry-After``. A standard OpenAI
+client retries a 429 twice and then fails; held, it waits as it would for llama.cpp's server, which queues.
 Events cross from the worker thread to the event loop through an
 `asyncio.Queue` fed with ``loop.call_soon_threadsafe``. A streaming request's response starts only once
 its first event arrives, so a request kvrag refuses (an `InputError`: 400) or that fails (500) gets a
@@ -43,6 +47,9 @@ if TYPE_CHECKING:
 
 ENDPOINT = "/v1/chat/completions"
 DISCONNECT_POLL_S = 0.5  # how often a waiting request checks that its client is still there
+HOLD_POLL_S = 0.2  # how often the first request in the waiting line asks to be admitted again
+HOLD_POLL_LATER_S = 1.0  # the same for the places behind it
+HELD_HEADER = "X-Kvrag-Held"
 CLIENT_GONE = 499
 
 
@@ -152,7 +159,7 @@ async def complete(state: ServerState, request: Request, chat: ChatRequest) -> R
     kwargs = chat.chat_kwargs()
     job = Job(chat.messages, kwargs, exchange.emit, ticket=request_ticket(chat.messages, kwargs))
     try:
-        state.scheduler.submit(job)
+        held = await hold(state, request, job)
     except QueueFull as exc:
         retry = math.ceil(exc.retry_after)
         state.metrics.count_refusal("wait" if isinstance(exc, WaitTooLong) else "queue")
@@ -160,12 +167,44 @@ async def complete(state: ServerState, request: Request, chat: ChatRequest) -> R
                            code="rate_limit_exceeded", headers={"Retry-After": str(retry)}) from None
     except ServerStopping as exc:
         raise failure(exc) from None
+    if held is None:  # the client went away while held
+        state.metrics.count_request(ENDPOINT, CLIENT_GONE)
+        return Response(status_code=CLIENT_GONE)
+    headers = {HELD_HEADER: f"{held:.3f}"}
     if chat.stream:
-        return await _stream(state, exchange, job, chat)
-    return await _whole(state, exchange, job, chat)
+        return await _stream(state, exchange, job, chat, headers)
+    return await _whole(state, exchange, job, chat, headers)
 
 
-async def _whole(state: ServerState, exchange: Exchange, job: Job, chat: ChatRequest) -> Response:
+async def hold(state: ServerState, request: Request, job: Job) -> float | None:
+    """Submit ``job``, holding it in the waiting line while it is refused for its wait and has a place there, for up
+    to ``max_hold_s``; the seconds it was held, or None when its client went away meanwhile (its place freed).
+    Raises what the last submission raised once the hold is over (`QueueFull`, `WaitTooLong`, `ServerStopping`).
+    """
+    loop = asyncio.get_running_loop()
+    started: float | None = None  # when it was first refused
+    while True:
+        try:
+            state.scheduler.submit(job)
+        except WaitTooLong as exc:
+            started = loop.time() if started is None else started
+            poll = HOLD_POLL_S if exc.place == 1 else HOLD_POLL_LATER_S
+            if exc.place is None or loop.time() + poll - started > state.options.max_hold_s:
+                raise
+            await asyncio.sleep(poll)
+            if await request.is_disconnected():
+                state.scheduler.leave_line(job.ticket)
+                return None
+            continue
+        if started is None:
+            return 0.0
+        held = loop.time() - started
+        state.metrics.count_hold(held)
+        return held
+
+
+async def _whole(state: ServerState, exchange: Exchange, job: Job, chat: ChatRequest,
+                 headers: dict[str, str]) -> Response:
     finished = False
     try:
         while True:
@@ -184,7 +223,7 @@ async def _whole(state: ServerState, exchange: Exchange, job: Job, chat: ChatReq
                                        event.finish_reason, _usage(event.answer),
                                        kvrag_extra(event.answer, event.queue_s))
                 state.metrics.count_request(ENDPOINT, 200)
-                return JSONResponse(body)
+                return JSONResponse(body, headers=headers)
     finally:
         exchange.close()
         if not finished:
@@ -195,7 +234,8 @@ def _sse(body: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
 
 
-async def _stream(state: ServerState, exchange: Exchange, job: Job, chat: ChatRequest) -> Response:
+async def _stream(state: ServerState, exchange: Exchange, job: Job, chat: ChatRequest,
+                  headers: dict[str, str]) -> Response:
     first = await exchange.next_event()
     if first is None:
         job.cancel()
@@ -204,7 +244,7 @@ async def _stream(state: ServerState, exchange: Exchange, job: Job, chat: ChatRe
     if isinstance(first, Failed):
         raise failure(first.error)
     return StreamingResponse(_chunks(state, exchange, job, chat, first), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
 
 async def _chunks(state: ServerState, exchange: Exchange, job: Job, chat: ChatRequest,

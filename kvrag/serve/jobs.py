@@ -26,7 +26,13 @@ class QueueFull(Exception):
 
 
 class WaitTooLong(QueueFull):
-    """A request's expected wait for its first token exceeds the server's bound."""
+    """A request's expected wait for its first token exceeds the server's bound; ``place``: its place in the waiting
+    line (1 for the first), or None when it holds none.
+    """
+
+    def __init__(self, message: str, retry_after: float = 1.0, place: int | None = None) -> None:
+        super().__init__(message, retry_after)
+        self.place = place
 
 
 class ServerStopping(Exception):

@@ -16,6 +16,8 @@ cache). Metric names, all prefixed ``kvrag_``:
 - ``kvrag_queue_depth``, ``kvrag_active_requests`` (gauges);
 - ``kvrag_expected_wait_seconds`` (gauge: a request's expected wait for its first token now, -1 before anything
   was measured), ``kvrag_refused_total{reason}`` (429s: ``queue`` full or expected ``wait`` too long);
+- ``kvrag_held_total``, ``kvrag_held_seconds_total``: requests held in the waiting line before admission, and how
+  long (``--max-hold``);
 - ``kvrag_inter_token_seconds``: time between a streamed answer's text pieces (histogram);
 - ``kvrag_decode_steps_batched`` (gauge): token steps run in a pass shared with other answers since start;
 - ``process_resident_memory_bytes`` and the other ``process_*`` figures (where /proc exists);
@@ -169,6 +171,8 @@ class ServeMetrics:
               registry=r).set_function(lambda: float(-1.0 if (wait := expected_wait()) is None else wait))
         self.refused = Counter("kvrag_refused", "requests refused with 429, by reason (queue full, wait too long)",
                                ["reason"], registry=r)
+        self.held = Counter("kvrag_held", "requests held in the waiting line before they were admitted", registry=r)
+        self.held_seconds = Counter("kvrag_held_seconds", "time requests were held in the waiting line", registry=r)
         self.inter_token = Histogram("kvrag_inter_token_seconds", "time between a streamed answer's text pieces",
                                      buckets=TOKEN_BUCKETS, registry=r)
         Gauge("kvrag_decode_steps_batched", "token steps run in a pass shared with other answers, since start",
@@ -184,6 +188,11 @@ class ServeMetrics:
     def count_refusal(self, reason: str) -> None:
         """Count one request refused with 429 (``queue`` or ``wait``)."""
         self.refused.labels(reason=reason).inc()
+
+    def count_hold(self, seconds: float) -> None:
+        """Count one request held in the waiting line for ``seconds`` before it was admitted."""
+        self.held.inc()
+        self.held_seconds.inc(max(seconds, 0.0))
 
     def observe_inter_token(self, seconds: float) -> None:
         """Record the time between two streamed text pieces."""

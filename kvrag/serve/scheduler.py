@@ -143,11 +143,16 @@ class Scheduler:
                 place = self._line.hold(job.ticket, job.pending(), now + retry + GRACE_S)
                 kept = f"; its place in line: {place}" if place is not None else ""
                 raise WaitTooLong(f"its expected wait for a first token, {wait:.1f} s, is too close to the server's "
-                                  f"bound of {self.max_wait:g} s{kept}", retry)
+                                  f"bound of {self.max_wait:g} s{kept}", retry, place)
             self._line.release(job.ticket)
             job.replayed_wait = None if self.times.first_cold else replayed  # a cold estimate calibrates nothing
             self._arrived.append(job)
             self._lock.notify_all()
+
+    def leave_line(self, ticket: str | None) -> None:
+        """Free ``ticket``'s place in the waiting line (its client went away while held)."""
+        with self._lock:
+            self._line.release(ticket)
 
     def _queued_locked(self) -> int:
         return sum(not job.cancelled for queue in (self._arrived, self._waiting) for job in queue)

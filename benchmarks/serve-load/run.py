@@ -99,7 +99,8 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], path: str, timeout: flo
 
 
 def start_servers(index: Path, f32: Path | None, threads: int, k: int, max_wait: float, log: Path,
-                  prefill_chunk_tokens: int | None = None, slice_interval: float | None = None) -> dict[str, Any]:
+                  prefill_chunk_tokens: int | None = None, slice_interval: float | None = None,
+                  max_hold: float | None = None) -> dict[str, Any]:
     """Both servers (only kvrag's when ``f32`` is None), ready to answer: name -> (process, port)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
     kport, lport = _free_port(), _free_port()
@@ -109,7 +110,8 @@ def start_servers(index: Path, f32: Path | None, threads: int, k: int, max_wait:
                               "--model-name", "smollm2",
                               *(["--prefill-chunk-tokens", str(prefill_chunk_tokens)]
                                 if prefill_chunk_tokens is not None else []),
-                              *(["--slice-interval", str(slice_interval)] if slice_interval is not None else [])],
+                              *(["--slice-interval", str(slice_interval)] if slice_interval is not None else []),
+                              *(["--max-hold", str(max_hold)] if max_hold is not None else [])],
                              stdout=out, stderr=subprocess.STDOUT, env=env)
     _wait_ready(f"http://127.0.0.1:{kport}", kvrag, "/health")
     if f32 is None:
@@ -175,7 +177,9 @@ def server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-wait", type=float, default=10.0, help="kvrag serve --max-wait")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=None,
                         help="kvrag serve --prefill-chunk-tokens (default: kvrag's; 0: a first step runs whole)")
-    parser.add_argument("--slice-interval", type=float, default=None, help="kvrag serve --slice-interval (default: kvrag's)")
+    parser.add_argument("--slice-interval", type=float, default=None,
+                        help="kvrag serve --slice-interval (default: kvrag's)")
+    parser.add_argument("--max-hold", type=float, default=None, help="kvrag serve --max-hold (default: kvrag's)")
 
 
 def started(args: argparse.Namespace, llama: bool, log: str) -> tuple[dict[str, Any], list[list[Turn]]]:
@@ -184,7 +188,7 @@ def started(args: argparse.Namespace, llama: bool, log: str) -> tuple[dict[str, 
     args.out.mkdir(parents=True, exist_ok=True)
     index, picked, f32 = prepare(args.work, args.k, args.threads)
     servers = start_servers(index, f32 if llama else None, args.threads, args.k, args.max_wait, args.out / log,
-                            args.prefill_chunk_tokens, args.slice_interval)
+                            args.prefill_chunk_tokens, args.slice_interval, getattr(args, "max_hold", None))
     return servers, conversations(picked, 200, getattr(args, "seed", 0))
 
 

@@ -14,7 +14,7 @@ the torch path's to float rounding (`tests/test_layer_steps.py`).
 The layers' weights are read once per model into the kernel's form (NumPy views of the same memory, no copy) and
 read again when the model's first weight is no longer the same tensor (moved, reloaded). Set
 ``KVRAG_CPU_KERNELS=0`` to run every step through torch. numba compiles the kernels once per machine (and again after
-an upgrade of kvrag), about 8 s on 2 cores, during the first step that takes them: a warning says so.
+an upgrade of kvrag), about 7 s on 2 cores, during the first step that takes them: a warning says so.
 """
 
 from __future__ import annotations
